@@ -1,0 +1,11 @@
+"""mamba_annotated: the Triton kernels behind Mamba, Mamba-2, bidirectional SSMs and
+memory-efficient attention, each derived in a chapter of the Annotated Mamba book.
+
+Importing the package first decides where kernels run (:mod:`mamba_annotated.runtime`): with no
+CUDA device it turns on Triton's interpreter, which must happen before any kernel is defined.
+"""
+from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET before kernels are defined)
+from .scan import sequential_scan
+
+__all__ = ["sequential_scan"]
+__version__ = "0.1.0"

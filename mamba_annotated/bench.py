@@ -1,0 +1,115 @@
+"""Shared timing helpers: every chapter and benchmark script measures speed the same way.
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs). Speed
+is stated against the hardware floor: bytes that must move over the *measured* device-to-device
+copy bandwidth, and FLOPs over the *measured* bf16 matmul rate, both taken once per process.
+On the interpreter the same calls fall back to wall-clock medians so a chapter's speed cell
+still runs on a laptop; those numbers say nothing about a GPU.
+"""
+import functools
+import statistics
+import sys
+import time
+
+import torch
+
+from .runtime import DEVICE
+
+
+def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn()`` in milliseconds (``warmup``/``rep`` are milliseconds on a GPU)."""
+    if DEVICE.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth_gbps() -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    n = (1 << 28) if DEVICE.type == "cuda" else (1 << 20)  # 1 GiB of float32 on a GPU: far past L2
+    src = torch.randn(n, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return gbps(2 * src.numel() * src.element_size(), ms)
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_tflops(dtype=torch.bfloat16) -> float:
+    """Measured dense matmul rate on random data (8192^3 on a GPU)."""
+    n = 8192 if DEVICE.type == "cuda" else 256
+    a = torch.randn(n, n, device=DEVICE).to(dtype)
+    b = torch.randn(n, n, device=DEVICE).to(dtype)
+    ms = median_ms(lambda: a @ b)
+    return tflops(2 * n**3, ms)
+
+
+def memory_floor_ms(nbytes: float) -> float:
+    """The least time moving ``nbytes`` can take at the measured copy bandwidth."""
+    return nbytes / (copy_bandwidth_gbps() * 1e9) * 1e3
+
+
+def progress(items, label: str = ""):
+    """Yield from ``items`` while printing ``[i/n] item`` on one line of stderr."""
+    items = list(items)
+    for i, item in enumerate(items, 1):
+        print(f"\r{label}[{i}/{len(items)}] {item}".ljust(60), end="", file=sys.stderr, flush=True)
+        yield item
+    print(file=sys.stderr, flush=True)
+
+
+def format_table(rows: list[dict], floatfmt: str = ".3g") -> str:
+    """A plain-text table of ``rows`` (dicts sharing keys), numbers formatted with ``floatfmt``."""
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    cells = [[f"{r[c]:{floatfmt}}" if isinstance(r[c], float) else str(r[c]) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict], floatfmt: str = ".3g") -> None:
+    print(format_table(rows, floatfmt))
+
+
+def plot_series(rows: list[dict], x: str, y: str, series: str, *, title: str, xlabel: str, ylabel: str,
+                logx: bool = True, logy: bool = False, floor: dict | None = None, ax=None):
+    """Line plot of ``rows``: one line per value of ``rows[i][series]``, ``y`` against ``x``.
+
+    ``floor`` maps x values to the hardware floor, drawn as a dashed black line.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 3.8))
+    for name in dict.fromkeys(r[series] for r in rows):
+        points = sorted((r[x], r[y]) for r in rows if r[series] == name)
+        ax.plot(*zip(*points), marker="o", label=str(name))
+    if floor:
+        ax.plot(*zip(*sorted(floor.items())), "k--", label="hardware floor")
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return ax

@@ -1,0 +1,47 @@
+"""Where the kernels run: a CUDA GPU, or Triton's interpreter on CPU tensors.
+
+Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` decorates a function, so the switch must be
+thrown before any kernel module is imported. ``mamba_annotated/__init__.py`` imports this module
+first; on a machine without CUDA it turns the interpreter on and says so once.
+
+The chapters size their problems through :func:`size`, so one notebook runs at full size on a GPU
+and at a few hundred elements on a laptop, where the interpreter runs programs one after another.
+"""
+import os
+import sys
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+    print(
+        "mamba_annotated: no CUDA device, so Triton's interpreter runs the kernels on CPU tensors "
+        "(small problem sizes; timings are not representative).",
+        file=sys.stderr,
+    )
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRETED else "cpu")
+
+
+def size(gpu, cpu):
+    """The problem size for this machine: ``gpu`` when kernels compile for a GPU, else ``cpu``."""
+    return cpu if INTERPRETED else gpu
+
+
+def device_name() -> str:
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name(DEVICE)
+    return "CPU (Triton interpreter)"
+
+
+def describe() -> None:
+    """Print the environment a notebook ran in: device, library versions, interpreter or not."""
+    import triton
+
+    print(f"device:      {device_name()}")
+    print(f"torch:       {torch.__version__}")
+    print(f"triton:      {triton.__version__}")
+    print(f"interpreter: {'on' if INTERPRETED else 'off'}")

@@ -1,0 +1,119 @@
+"""Shared checking helpers: the tests and the chapters judge every kernel the same way.
+
+The rule (DESIGN.md, "Verification rules"): compare against a float64 reference by the relative
+error ||out - ref|| / ||ref||, with an explicit bound per dtype; draw fresh random inputs for
+every check; poison outputs before a launch so unwritten elements fail.
+"""
+import contextlib
+import random
+
+import torch
+
+from . import outputs
+from .runtime import DEVICE
+
+# Bounds on ||out - ref|| / ||ref|| for kernels that accumulate in float32. 16-bit *outputs*
+# are rounded once at the end (half an ulp: 2^-9 for bfloat16), hence 1e-2 with headroom.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCE[dtype]
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64. NaN anywhere in ``out`` gives NaN (which fails every bound)."""
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
+    out64 = out.detach().to(device="cpu", dtype=torch.float64)
+    ref64 = ref.detach().to(device="cpu", dtype=torch.float64)
+    if torch.isnan(out64).any():
+        return float("nan")
+    denom = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, name: str = "output") -> float:
+    """Raise AssertionError unless rel_error(out, ref) < tol; return the error."""
+    err = rel_error(out, ref)
+    if not err < tol:  # also catches NaN
+        raise AssertionError(f"{name}: relative error {err:.3e} is not below {tol:.0e}")
+    return err
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    """Notebook form of :func:`assert_close`: prints one deterministic line, raises on failure."""
+    assert_close(out, ref, tol, name)
+    print(f"{name}: rel err < {tol:.0e}: True")
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Inside this block every kernel output starts as NaN (see :mod:`mamba_annotated.outputs`)."""
+    previous = outputs.set_poison(True)
+    try:
+        yield
+    finally:
+        outputs.set_poison(previous)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def randn(*shape, dtype=torch.float32, device=DEVICE, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+
+def uniform(*shape, low: float, high: float, dtype=torch.float32, device=DEVICE) -> torch.Tensor:
+    return (torch.rand(*shape, device=device) * (high - low) + low).to(dtype)
+
+
+def gradients(fn, inputs: dict, grad_out: torch.Tensor) -> dict:
+    """d<fn(**inputs), grad_out>/d input for every input that requires grad."""
+    leaves = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items() if v is not None}
+    out = fn(**leaves)
+    out = out[0] if isinstance(out, tuple) else out
+    wrt = [k for k, v in leaves.items() if v.requires_grad]
+    grads = torch.autograd.grad(out, [leaves[k] for k in wrt], grad_out.to(out.dtype))
+    return dict(zip(wrt, grads))
+
+
+def assert_gradients_close(fn, ref_fn, inputs: dict, tol: float, seed: int = 0) -> dict:
+    """Compare every gradient of ``fn`` with ``ref_fn`` run on float64 copies of the inputs.
+
+    ``inputs`` maps argument names to tensors; those with ``requires_grad`` are differentiated.
+    A random upstream gradient (never ones, which hides sign and index errors) is drawn once and
+    fed to both. Returns the relative error of each gradient.
+    """
+    with torch.no_grad():
+        out = fn(**{k: v for k, v in inputs.items() if v is not None})
+        out = out[0] if isinstance(out, tuple) else out
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    got = gradients(fn, inputs, grad_out.to(out.device))
+    ref_inputs = {
+        k: (v.detach().to(dtype=torch.float64).requires_grad_(v.requires_grad) if v is not None else None)
+        for k, v in inputs.items()
+    }
+    want = gradients(ref_fn, ref_inputs, grad_out.to(out.device))
+    return {k: assert_close(got[k], want[k], tol, f"grad {k}") for k in want}
+
+
+def assert_associative(combine, sample, trials: int = 100, tol: float = 1e-5) -> None:
+    """Check combine(combine(x, y), z) == combine(x, combine(y, z)) on random triples.
+
+    ``sample()`` returns a random element (a tuple of tensors); ``combine`` takes two and returns
+    one. Triton's interpreter folds scans strictly left to right, so a non-associative combine
+    passes there and fails on a GPU, which reassociates: this test is the only guard on CPU.
+    """
+    for _ in range(trials):
+        x, y, z = sample(), sample(), sample()
+        left = combine(combine(x, y), z)
+        right = combine(x, combine(y, z))
+        for i, (l, r) in enumerate(zip(left, right)):
+            assert_close(l, r, tol, f"combine component {i}")
