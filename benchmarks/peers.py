@@ -1,0 +1,37 @@
+"""Import the peer implementations the benchmarks time against, where they are installed.
+
+On the offline GPU box the peers come as wheels (.whl, installed by .device/activate.sh).
+mamba_ssm's package __init__ imports its CUDA extension, which the pure-Python wheel lacks, so its
+Triton kernels are imported without running that __init__ (.device/import_peer.py).
+Each loader returns None, with a printed reason, when its peer is missing.
+"""
+import importlib
+import pathlib
+import sys
+
+
+def _import(name):
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # a peer that fails to import is reported, not fatal
+        print(f"peer {name} unavailable: {type(e).__name__}: {e}")
+        return None
+
+
+def mamba_ssm_module(submodule: str):
+    """e.g. mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")."""
+    if "mamba_ssm" not in sys.modules:
+        device_dir = pathlib.Path(__file__).resolve().parent.parent / ".device"
+        sys.path.insert(0, str(device_dir))
+        try:
+            from import_peer import import_without_init
+            import_without_init("mamba_ssm")
+        except Exception as e:
+            print(f"peer mamba_ssm unavailable: {type(e).__name__}: {e}")
+            return None
+    return _import(submodule)
+
+
+def peer(name: str):
+    """Any other peer by module name: accelerated_scan.triton, accelerated_scan.warp, mambapy.pscan, fla..."""
+    return _import(name)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Build the book strictly (any warning fails) and check that every page of _toc.yml came out.
+# HTML lands in _build/html. Notebooks are not executed: pages show their stored GPU outputs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+rm -rf _build/html
+jupyter-book build . -W -n --keep-going
+python - <<'PY'
+import pathlib, sys, yaml
+toc = yaml.safe_load(open("_toc.yml"))
+pages = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+missing = [p for p in pages if not pathlib.Path("_build/html", p + ".html").is_file()]
+if not pathlib.Path("_build/html/index.html").is_file():
+    missing.append("index")
+if missing:
+    sys.exit(f"book build: missing pages: {missing}")
+print(f"book build: {len(pages)} pages present under _build/html")
+PY

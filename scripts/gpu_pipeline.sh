@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU pipeline: on a machine with a CUDA GPU, (1) run the tests with compiled kernels,
+# (2) execute every notebook in place, (3) re-run them all with strict `pytest --nbval` against the
+# outputs just stored, then print a summary. Commit the executed notebooks afterwards.
+#   usage: bash scripts/gpu_pipeline.sh [book/NN_topic.ipynb ...]     (default: every chapter)
+# Needs torch, triton, pytest, nbval, nbclient, ipykernel and jupytext importable (scripts/setup.sh
+# provides them; on the offline GPU box, .device/activate.sh does).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_pipeline: no CUDA device')" || exit 1
+notebooks=("$@")
+[ ${#notebooks[@]} -gt 0 ] || notebooks=(book/[0-9][0-9]_*.ipynb)
+
+python3 -m pytest -q tests -p no:cacheprovider; tests=$?
+python3 scripts/execute_notebooks.py "${notebooks[@]}"; executed=$?
+python3 -m pytest -q --nbval --nbval-current-env -p no:cacheprovider "${notebooks[@]}"; nbval=$?
+
+status() { [ "$1" -eq 0 ] && echo PASS || echo "FAIL ($1)"; }
+echo "=== GPU pipeline on $(python3 -c 'import torch; print(torch.cuda.get_device_name())') ==="
+echo "tests (compiled kernels):   $(status $tests)"
+echo "notebooks executed:         $(status $executed)"
+echo "pytest --nbval (strict):    $(status $nbval)"
+[ $tests -eq 0 ] && [ $executed -eq 0 ] && [ $nbval -eq 0 ]

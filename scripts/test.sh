@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Run every check that needs no GPU: the jupytext pairs agree, the unit tests (kernels in Triton's
+# interpreter), every notebook re-run under nbval-lax (the asserts in its cells do the checking),
+# and the strict book build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -f .venv/bin/activate ] && . .venv/bin/activate
+python scripts/check_pairs.py
+python -m pytest -q tests
+python -m pytest -q --nbval-lax --nbval-current-env book/
+bash scripts/build_book.sh

@@ -1,0 +1,84 @@
+"""Chapter 1's sequential scan against the float64 loop: forward, gradients, dtypes, bad inputs."""
+import pytest
+import torch
+
+from mamba_annotated import sequential_scan
+from mamba_annotated.runtime import DEVICE, size
+from mamba_annotated.scan.reference import linear_scan_ref
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, randn,
+                                     tolerance, uniform)
+
+
+def make_inputs(shape, dtype, with_h0):
+    a = uniform(*shape, low=0.6, high=1.0, dtype=dtype)  # decays in (0.6, 1): state neither explodes nor vanishes
+    b = randn(*shape, dtype=dtype)
+    h0 = randn(*shape[:-1]) if with_h0 else None
+    return a, b, h0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("length", [1, 7, 1000, 4096])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_and_gradients(dtype, length, reverse):
+    channels = size(gpu=333, cpu=19)  # not a multiple of the channel block
+    a, b, h0 = make_inputs((channels, length), dtype, with_h0=True)
+    tol = tolerance(dtype)
+    assert_close(sequential_scan(a, b, h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
+    assert_gradients_close(lambda a, b, h0: sequential_scan(a, b, h0, reverse=reverse),
+                           lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tol)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 17), (70, 5)])
+def test_leading_dims_without_initial_state(shape):
+    a, b, _ = make_inputs(shape, torch.float32, with_h0=False)
+    assert_close(sequential_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_())
+    assert_gradients_close(sequential_scan, linear_scan_ref, inputs, tolerance(torch.float32))
+
+
+def test_noncontiguous_input_is_copied_not_misread():
+    a, b, _ = make_inputs((9, 40), torch.float32, with_h0=False)
+    a_t, b_t = a.t().contiguous().t(), b[:, ::1]  # same values, a has transposed strides
+    assert not a_t.is_contiguous()
+    assert_close(sequential_scan(a_t, b_t), linear_scan_ref(a, b), tolerance(torch.float32))
+
+
+def test_initial_state_of_another_dtype():
+    a, b, _ = make_inputs((6, 25), torch.bfloat16, with_h0=False)
+    h0 = randn(6, dtype=torch.float32)
+    assert_close(sequential_scan(a, b, h0), linear_scan_ref(a, b, h0), tolerance(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
+def test_large_gpu_problem():
+    a, b, h0 = make_inputs((8, 1536, 8192), torch.float32, with_h0=True)
+    assert_close(sequential_scan(a, b, h0), linear_scan_ref(a, b, h0), tolerance(torch.float32))
+
+
+BAD_INPUTS = [
+    (lambda a, b: dict(a=a.cpu().numpy(), b=b), TypeError, "a must be a torch.Tensor"),
+    (lambda a, b: dict(a=a, b=b.double()), TypeError, "b must have dtype"),
+    (lambda a, b: dict(a=a.int(), b=b), TypeError, "a must have dtype"),
+    (lambda a, b: dict(a=a, b=b[:, :-1]), ValueError, "b must have the shape of a"),
+    (lambda a, b: dict(a=a, b=b.half()), TypeError, "b must have the dtype of a"),
+    (lambda a, b: dict(a=a[:, :0], b=b[:, :0]), ValueError, "at least one time step"),
+    (lambda a, b: dict(a=a, b=b, h0=torch.zeros(4, device=a.device)), ValueError, "h0 must have shape"),
+    (lambda a, b: dict(a=a, b=b, h0=torch.zeros(3, dtype=torch.int64, device=a.device)), TypeError, "h0 must have dtype"),
+    (lambda a, b: dict(a=torch.tensor(1.0, device=a.device), b=torch.tensor(1.0, device=a.device)), ValueError, "a must have at least 1"),
+]
+
+
+@pytest.mark.parametrize("build, error, message", BAD_INPUTS)
+def test_bad_inputs_raise_clear_errors(build, error, message):
+    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    with pytest.raises(error, match=message):
+        sequential_scan(**build(a, b))
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")
+def test_wrong_device_is_refused():
+    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    with pytest.raises(ValueError, match="a is on cpu"):
+        sequential_scan(a.cpu(), b.cpu())
