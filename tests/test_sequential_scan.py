@@ -82,3 +82,16 @@ def test_wrong_device_is_refused():
     a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(ValueError, match="a is on cpu"):
         sequential_scan(a.cpu(), b.cpu())
+
+
+def test_exercise_initial_state_folds_into_first_input():
+    a, b, h0 = make_inputs((11, 30), torch.float32, with_h0=True)
+    b_folded = b.clone()
+    b_folded[:, 0] += a[:, 0] * h0
+    assert_close(sequential_scan(a, b, h0), sequential_scan(a, b_folded), tolerance(torch.float32))
+
+
+def test_exercise_reverse_is_flipped_forward():
+    a, b, _ = make_inputs((11, 30), torch.float32, with_h0=False)
+    flipped = sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)
+    assert_close(sequential_scan(a, b, reverse=True), flipped, tolerance(torch.float32))

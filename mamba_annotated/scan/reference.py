@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 
 
-def linear_scan_ref(a, b, h0=None, reverse=False):
+def linear_scan_ref(a, b, h0=None, reverse=False, dtype=torch.float64):
     """h_t = a_t * h_{t-1} + b_t along the last dimension (``reverse``: h_t = a_t * h_{t+1} + b_t).
 
-    a, b: (..., L); h0: (...) or None (zero). Returns h: (..., L) in float64.
+    a, b: (..., L); h0: (...) or None (zero). Returns h: (..., L) computed in ``dtype`` (float64:
+    the ground truth; float32 on a GPU: the naive PyTorch loop that chapter 1 times).
     """
-    a, b = a.double(), b.double()
-    h = torch.zeros_like(a[..., 0]) if h0 is None else h0.double()
+    a, b = a.to(dtype), b.to(dtype)
+    h = torch.zeros_like(a[..., 0]) if h0 is None else h0.to(dtype)
     steps = range(a.shape[-1] - 1, -1, -1) if reverse else range(a.shape[-1])
     states = {}
     for t in steps:

@@ -1,0 +1,248 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The sequential recurrence
+#
+# In this chapter you will learn:
+#
+# - how Mamba's selective state-space model reduces to the linear recurrence $h_t = a_t h_{t-1} + b_t$, and what the discretization $\bar A = \exp(\Delta A)$, $\bar B = \Delta B$ means;
+# - how to write that recurrence as a Triton kernel that walks time one step after another, and why its gradient is the same recurrence run backwards;
+# - what walking time sequentially costs on a GPU: the baseline every later chapter beats.
+#
+# It builds on nothing but the [introduction](intro.md), which fixes the notation and the colour code.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+from mamba_annotated import runtime, sequential_scan
+from mamba_annotated.bench import (copy_bandwidth_gbps, gbps, median_ms, memory_floor_ms, plot_series,
+                                   print_table, progress)
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.scan.reference import discretize, linear_scan_ref, selective_scan_ref
+from mamba_annotated.scan.sequential import sequential_scan_bwd_kernel, sequential_scan_fwd_kernel
+from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
+
+seed_everything(0)
+device = runtime.DEVICE
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## From a selective SSM to a linear recurrence
+#
+# A state-space model maps an input signal $x(t)$ to an output $y(t)$ through a hidden state $h(t) \in \mathbb{R}^N$:
+#
+# $$
+# h'(t) = A\,h(t) + B\,x(t), \qquad y(t) = C\,h(t).
+# $$
+#
+# On a sequence we sample it with a step size $\Delta$. Holding $x$ constant over each step (zero-order hold) and solving the linear ODE exactly over one step gives
+#
+# $$
+# h_t = \bar A_t\, h_{t-1} + \bar B_t\, x_t, \qquad y_t = C_t\, h_t, \qquad
+# \bar A_t = \exp(\Delta_t A), \quad \bar B_t = (\Delta_t A)^{-1}(\exp(\Delta_t A) - I)\,\Delta_t B_t \approx \Delta_t B_t .
+# $$
+#
+# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
+#
+# $$
+# h_t = a_t\, h_{t-1} + b_t, \qquad t = 0, \dots, L-1, \qquad h_{-1} = h_0^{\text{init}} .
+# $$
+#
+# Unrolled, $h_t = \sum_{s \le t} \big(\prod_{k=s+1}^{t} a_k\big)\, b_s$ (plus the decayed initial state): each output depends on every earlier input through a product of decays. Computed as written, step $t$ needs step $t-1$: a chain of $L$ dependent multiply-adds.
+#
+# The selectivity is easiest to see on one channel. Here $A = -1$ and the input is an impulse train; a large $\Delta$ drives $\bar A$ towards 0 (forget, take the new input), a small one keeps $\bar A$ near 1 (remember).
+
+# %%
+length = 64
+u = torch.zeros(1, 1, length, dtype=torch.float64)
+u[..., ::16] = 1.0
+A = -torch.ones(1, 1, dtype=torch.float64)
+B = torch.ones(1, 1, length, dtype=torch.float64)
+C = torch.ones(1, 1, length, dtype=torch.float64)
+
+fig, (ax_decay, ax_state) = plt.subplots(1, 2, figsize=(10, 3.2))
+deltas = torch.logspace(-3, 1, 200, dtype=torch.float64)
+ax_decay.semilogx(deltas, torch.exp(-deltas), color=COLORS["decay"])
+ax_decay.set(title=r"$\bar A = \exp(\Delta A)$ for $A=-1$", xlabel=r"step size $\Delta$", ylabel=r"$\bar A$")
+for delta_value, style in [(0.05, "-"), (0.5, "--"), (3.0, ":")]:
+    delta = torch.full((1, 1, length), delta_value, dtype=torch.float64)
+    y = selective_scan_ref(u, delta, A, B, C)
+    ax_state.plot(y[0, 0], style, color=COLORS["h"], label=rf"$\Delta = {delta_value}$")
+ax_state.plot(u[0, 0], color=COLORS["x"], alpha=0.4, label="input $x$")
+ax_state.set(title="state after each impulse", xlabel="time step $t$")
+ax_state.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## The float64 reference
+#
+# The ground truth is the recurrence as it reads, one step at a time, in float64 (`mamba_annotated/scan/reference.py`). It is slow and obviously right; every kernel in the book is checked against it.
+
+# %%
+show_source(linear_scan_ref)
+
+# %% [markdown]
+# With a constant decay $a$ the state forgets a past input like $a^t$: the memory length is about $1/(1-a)$ steps. Driven by the same random input, decays near 1 average over long windows, small decays follow the input.
+
+# %%
+steps = 200
+b = randn(1, steps, dtype=torch.float64, device="cpu")
+fig, ax = plt.subplots(figsize=(10, 3.2))
+ax.plot(b[0], color=COLORS["x"], alpha=0.3, label="input $b_t$")
+for decay, style in [(0.5, ":"), (0.9, "--"), (0.99, "-")]:
+    h = linear_scan_ref(torch.full_like(b, decay), b)
+    ax.plot(h[0], style, color=COLORS["h"], label=f"$h_t$, $a = {decay}$ (memory ~{1 / (1 - decay):.0f} steps)")
+ax.set(xlabel="time step $t$", title="state trajectories for three constant decays")
+ax.legend(fontsize="small", loc="upper right")
+plt.tight_layout()
+
+# %% [markdown]
+# ## Walking time on a GPU
+#
+# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences. The first kernel uses exactly that and nothing more. One program owns a block of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in registers. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
+
+# %%
+def draw_sequential_schedule(channels=8, steps=12, block=4):
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    for c in range(channels):
+        for t in range(steps):
+            ax.add_patch(plt.Rectangle((t, c), 0.9, 0.9, color=COLORS["x"], alpha=0.25))
+    for program, first in enumerate(range(0, channels, block)):
+        ax.add_patch(plt.Rectangle((-0.15, first - 0.1), steps + 0.2, block + 0.1, fill=False, lw=1.5, ls="--"))
+        ax.text(steps + 0.3, first + block / 2, f"program {program}", va="center")
+        for t in range(steps - 1):
+            ax.annotate("", xy=(t + 1.35, first + block / 2), xytext=(t + 0.55, first + block / 2),
+                        arrowprops=dict(arrowstyle="->", color=COLORS["h"], lw=1.5))
+    ax.set(xlim=(-0.5, steps + 2.5), ylim=(channels + 0.2, -0.4), xlabel="time step $t$ (loop inside a program)",
+           ylabel="channel", title="sequential scan: programs split channels, each walks every step in order")
+    ax.set_xticks([]), ax.set_yticks([])
+    plt.tight_layout()
+
+
+draw_sequential_schedule()
+
+# %% [markdown]
+# The kernel (`mamba_annotated/scan/sequential.py`). The state is carried in float32 whatever the input dtype; offsets are 64-bit because `channels × L` can pass $2^{31}$. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain.
+
+# %%
+show_source(sequential_scan_fwd_kernel)
+
+# %% [markdown]
+# The public function `sequential_scan(a, b, h0=None, reverse=False)` flattens the leading dimensions into channels, checks its arguments, and launches one program per 32 channels. We run it and, in the next cell, check it against the float64 loop on fresh random inputs: decays in $(0.6, 1)$, inputs normal, a random initial state, a channel count that is not a multiple of the block.
+
+# %%
+channels, length = runtime.size(gpu=(4 * 1536, 2048), cpu=(37, 100))
+a = uniform(channels, length, low=0.6, high=1.0)
+b = randn(channels, length)
+h0 = randn(channels)
+h = sequential_scan(a, b, h0)
+
+# %%
+check("forward, float32", h, linear_scan_ref(a, b, h0), tolerance(torch.float32))
+
+# %% [markdown]
+# The edge cases: a single step, a length of 7, the reverse direction $h_t = a_t h_{t+1} + b_t$, no initial state, and 16-bit inputs (accumulated in float32, rounded once on output, hence the looser bound).
+
+# %%
+for length_case in [1, 7]:
+    a_s, b_s = uniform(channels, length_case, low=0.6, high=1.0), randn(channels, length_case)
+    check(f"length {length_case}", sequential_scan(a_s, b_s, h0), linear_scan_ref(a_s, b_s, h0), tolerance(torch.float32))
+check("reverse", sequential_scan(a, b, h0, reverse=True), linear_scan_ref(a, b, h0, reverse=True), tolerance(torch.float32))
+check("no initial state", sequential_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
+for dtype in (torch.float16, torch.bfloat16):
+    a_16, b_16 = a.to(dtype), b.to(dtype)
+    check(f"forward, {str(dtype).removeprefix('torch.')}", sequential_scan(a_16, b_16, h0), linear_scan_ref(a_16, b_16, h0), tolerance(dtype))
+
+# %% [markdown]
+# ## The gradient is the same recurrence, run backwards
+#
+# Let $g_t = \partial \mathcal{L} / \partial h_t$ be the gradient arriving from above for each output. $h_t$ influences the loss directly and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the total derivative $\lambda_t = d\mathcal{L}/dh_t$ obeys
+#
+# $$
+# \lambda_t = g_t + a_{t+1}\,\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}:
+# $$
+#
+# the same first-order recurrence, walking from the end, with the decays shifted by one step. Since $h_t$ depends on $a_t$ and $b_t$ only through the one step $h_t = a_t h_{t-1} + b_t$,
+#
+# $$
+# \frac{\partial \mathcal{L}}{\partial b_t} = \lambda_t, \qquad
+# \frac{\partial \mathcal{L}}{\partial a_t} = \lambda_t\, h_{t-1}, \qquad
+# \frac{\partial \mathcal{L}}{\partial h_{-1}} = a_0\, \lambda_0 .
+# $$
+#
+# So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop:
+
+# %%
+show_source(sequential_scan_bwd_kernel)
+
+# %% [markdown]
+# We check all three gradients against autograd through the float64 loop, with a random upstream gradient (never ones: they hide sign and index errors), in both directions and for 16-bit inputs.
+
+# %%
+def check_gradients(name, a, b, h0, reverse, dtype):
+    a, b = a.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+    h0 = h0.clone().requires_grad_()
+    grad_h = randn(*a.shape, dtype=torch.float64)
+    got = torch.autograd.grad(sequential_scan(a, b, h0, reverse=reverse), (a, b, h0), grad_h.to(dtype))
+    want = torch.autograd.grad(linear_scan_ref(a, b, h0, reverse=reverse), (a, b, h0), grad_h)
+    for arg, g, w in zip(("a", "b", "h0"), got, want):
+        check(f"{name}: grad {arg}", g, w, tolerance(dtype))
+
+
+check_gradients("forward direction", a, b, h0, reverse=False, dtype=torch.float32)
+check_gradients("reverse direction", a, b, h0, reverse=True, dtype=torch.float32)
+check_gradients("bfloat16 inputs", a, b, h0, reverse=False, dtype=torch.bfloat16)
+
+# %% [markdown]
+# ## What walking time costs
+#
+# The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot C \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 more). Dividing by the measured device-to-device copy bandwidth gives the **memory floor**, the time no kernel can beat. We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) at Mamba-like width: `8 × 1536` channels.
+#
+# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it: each step is a dependent load-multiply-add-store, and a program cannot start step $t+1$ before step $t$ is done, so what the hardware gives is latency, not bandwidth. The PyTorch loop is far slower still, since each step costs several kernel launches.
+
+# %% tags=["nbval-ignore-output"]
+channels = runtime.size(gpu=8 * 1536, cpu=16)
+lengths = runtime.size(gpu=[1024, 4096, 16384], cpu=[32, 64])
+rows, floor = [], {}
+for length in progress(lengths, "timing "):
+    a, b = uniform(channels, length, low=0.6, high=1.0), randn(channels, length)
+    nbytes = 3 * a.numel() * a.element_size()
+    floor[length] = memory_floor_ms(nbytes)
+    timings = {
+        "sequential kernel": median_ms(lambda: sequential_scan(a, b)),
+        "PyTorch loop": median_ms(lambda: linear_scan_ref(a, b, dtype=torch.float32)),
+    }
+    for name, ms in timings.items():
+        rows.append(dict(length=length, implementation=name, ms=ms, GBps=gbps(nbytes, ms),
+                         x_floor=ms / floor[length]))
+print(f"device: {runtime.device_name()}, measured copy bandwidth {copy_bandwidth_gbps():.0f} GB/s")
+print_table(rows)
+plot_series(rows, "length", "ms", "implementation", floor=floor, logy=True,
+            title=f"forward, float32, {channels} channels", xlabel="sequence length L", ylabel="median time (ms)");
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# We reduced Mamba's selective SSM to the scalar recurrence $h_t = a_t h_{t-1} + b_t$, wrote it as a Triton kernel that walks time in order with the state in registers, derived its gradient (the same recurrence backwards, with shifted decays), and checked forward and backward against float64. The kernel moves the minimum number of bytes, yet stays far from the memory floor, because time is a chain of dependent steps.
+#
+# Chapter 2 breaks that chain: the step $h \mapsto a h + b$ is an affine map, composing affine maps is associative, and an associative operator can be scanned in $O(\log L)$ depth.
+#
+# **Exercises** (the tests in `tests/test_sequential_scan.py` check both identities):
+#
+# 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_0$.
+# 2. Show that the reverse scan is the forward scan of the time-flipped inputs, flipped back: `sequential_scan(a, b, reverse=True)` equals `sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)`.
