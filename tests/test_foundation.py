@@ -1,0 +1,69 @@
+"""The shared pieces every chapter relies on: the CPU switch, the checkers, the timing helpers."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mamba_annotated import outputs
+from mamba_annotated.bench import format_table, gbps, median_ms, tflops
+from mamba_annotated.scan.combine import first_order_combine_torch
+from mamba_annotated.testing import (assert_associative, assert_close, check, poisoned_outputs, rel_error,
+                                     uniform)
+
+
+def test_import_without_cuda_turns_on_the_interpreter_and_says_so_once():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    code = ("import mamba_annotated, mamba_annotated.runtime as r, os, importlib;"
+            "importlib.reload(r);"  # a second look must not repeat the message
+            "print(os.environ['TRITON_INTERPRET'], r.INTERPRETED, r.DEVICE, r.size(gpu=1, cpu=2))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["1", "True", "cpu", "2"]
+    assert done.stderr.count("Triton's interpreter") == 1
+
+
+def test_rel_error_and_assert_close():
+    ref = torch.tensor([3.0, 4.0])
+    assert rel_error(torch.tensor([3.0, 4.5]), ref) == pytest.approx(0.1)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_close(torch.tensor([3.0, 4.5]), ref, 0.05)
+    with pytest.raises(AssertionError):
+        assert_close(torch.tensor([3.0, float("nan")]), ref, 1.0)  # NaN never passes
+    with pytest.raises(ValueError, match="shape mismatch"):
+        rel_error(torch.zeros(3), ref)
+
+
+def test_check_prints_a_deterministic_line(capsys):
+    check("forward", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]), 1e-5)
+    assert capsys.readouterr().out == "forward: rel err < 1e-05: True\n"
+
+
+def test_poisoned_outputs_fill_nan_and_restore_the_setting():
+    previous = outputs.set_poison(False)
+    with poisoned_outputs():
+        assert torch.isnan(outputs.empty((4,), torch.float32, "cpu")).all()
+        assert (outputs.empty((4,), torch.int32, "cpu") == -1).all()
+    assert outputs.set_poison(previous) is False  # the block put back the setting it found
+
+
+def test_first_order_combine_is_associative_and_the_checker_can_fail():
+    def sample():
+        return uniform(64, low=0.5, high=1.0, device="cpu"), torch.randn(64)
+
+    def damped_sum(left, right):  # (x o y) o z weighs z by 1/2, x o (y o z) by 1/4: not associative
+        return left[0] * right[0], left[1] + 0.5 * right[1]
+
+    assert_associative(first_order_combine_torch, sample)
+    with pytest.raises(AssertionError):
+        assert_associative(damped_sum, sample)
+
+
+def test_rates_and_table():
+    assert gbps(2e9, 1000.0) == pytest.approx(2.0)
+    assert tflops(3e12, 1000.0) == pytest.approx(3.0)
+    table = format_table([dict(name="kernel", ms=0.1234), dict(name="loop", ms=12.0)])
+    assert table.splitlines()[0].split() == ["name", "ms"]
+    assert "0.123" in table and "12" in table
+    assert median_ms(lambda: torch.ones(10).sum()) > 0
