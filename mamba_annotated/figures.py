@@ -15,5 +15,7 @@ def show_source(obj):
 
     from IPython.display import Markdown
 
-    fn = getattr(obj, "fn", obj)  # a @triton.jit kernel wraps the Python function in .fn
+    fn = obj
+    while hasattr(fn, "fn"):  # @triton.autotune wraps a @triton.jit kernel, which wraps the function
+        fn = fn.fn
     return Markdown(f"```python\n{inspect.getsource(fn)}```")

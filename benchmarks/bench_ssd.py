@@ -1,0 +1,182 @@
+"""Benchmark chapter 5's SSD kernels beside mamba_ssm's ``mamba_chunk_scan_combined``.
+
+bfloat16, chunk 256, with D, dt_bias and softplus, at the two shapes of the speed bar. Prints the
+median times (forward, forward+backward), achieved TFLOP/s, the floor (FLOPs over the measured
+matmul rate, bytes over the measured copy bandwidth), peak memory, the speedup over the peer, a
+per-kernel breakdown of where the time goes, and the cost of a flip-based reverse cumsum against
+the in-kernel one. ``--json PATH`` writes everything as JSON. Usage:
+
+    python benchmarks/bench_ssd.py [--json out.json] [--quick]
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from mamba_annotated import bench  # noqa: E402
+from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
+from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
+from mamba_annotated.ssd.backward import ssd_backward  # noqa: E402
+from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
+from mamba_annotated.ssd.chunk_scan import chunk_scan  # noqa: E402
+from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc, chunk_scan_bwd_dx  # noqa: E402
+from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
+from mamba_annotated.ssd.state_passing import state_passing  # noqa: E402
+from mamba_annotated.testing import rel_error  # noqa: E402
+
+SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
+    (4, 4096, 80, 64, 128),
+    (1, 65536, 32, 64, 128),
+]
+CHUNK = 256
+
+
+def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, groups=1):
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device=DEVICE, generator=g) * scale).to(dtype)
+
+    return dict(
+        x=rnd(batch, length, heads, headdim), dt=torch.randn(batch, length, heads, device=DEVICE, generator=g) - 1,
+        A=-torch.rand(heads, device=DEVICE, generator=g) * 4 - 1,
+        B=rnd(batch, length, groups, dstate, scale=0.3), C=rnd(batch, length, groups, dstate, scale=0.3),
+        D=torch.randn(heads, device=DEVICE, generator=g), dt_bias=torch.randn(heads, device=DEVICE, generator=g) * 0.5,
+    )
+
+
+def flops(batch, length, heads, headdim, dstate, groups=1, Q=CHUNK):
+    """Matmul FLOPs of the chunked algorithm (causal halves of the diagonal blocks), fwd and bwd."""
+    chunks = -(-length // Q)
+    P, N = headdim, dstate
+    state = 2 * Q * P * N                     # one (Q x P) x (Q x N) product per chunk and head
+    diag_p, diag_n = Q * Q * P, Q * Q * N     # causal half of a (Q x Q) x (Q x P|N) product
+    fwd = batch * chunks * (heads * (2 * state + diag_p) + groups * diag_n)
+    # backward: recompute CB and chunk states; dH; dx (state + diag); dC, dB (state, dy.x, diag each)
+    bwd = batch * chunks * (heads * (state + state + state + diag_p + 2 * (state + diag_p + diag_n))
+                            + groups * diag_n)
+    return fwd, fwd + bwd
+
+
+def min_bytes(batch, length, heads, headdim, dstate, groups=1):
+    """Bytes that must move: inputs read and outputs written once (bf16 tensors, float32 dt)."""
+    x = batch * length * heads * headdim * 2
+    bc = 2 * batch * length * groups * dstate * 2
+    dt = batch * length * heads * 4
+    fwd = x + bc + dt + x                                   # read x, B, C, dt; write y
+    return fwd, fwd + (x + x + bc + dt) + (x + bc + dt)     # + read dy, x, B, C, dt; write dx, dB, dC, ddt
+
+
+def peak_mb(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_shape(shape, peer_fn):
+    batch, length, heads, headdim, dstate = shape
+    inp = make_inputs(*shape)
+    kw = dict(chunk_size=CHUNK, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    leaves = {k: inp[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
+    dy = torch.randn_like(inp["x"])
+    impls = {"ours": ssd_chunk_scan}
+    if peer_fn is not None:
+        impls["mamba_ssm"] = peer_fn
+    rows, outs = [], {}
+    f_fwd, f_all = flops(*shape)
+    b_fwd, b_all = min_bytes(*shape)
+    for name, fn in impls.items():
+        def fwd():
+            with torch.no_grad():
+                return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **kw)
+
+        def fwd_bwd():
+            y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=CHUNK,
+                   D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
+            y.backward(dy)
+
+        outs[name] = fwd()
+        for k in leaves.values():
+            k.grad = None
+        fwd_bwd()
+        outs[name + "_grads"] = {k: v.grad.clone() for k, v in leaves.items()}
+        for k in leaves.values():
+            k.grad = None
+        for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
+            ms = bench.median_ms(f)
+            floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
+            rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
+    for r in rows:
+        peer = next((q for q in rows if q["impl"] == "mamba_ssm" and q["pass_"] == r["pass_"]), None)
+        r["speedup"] = peer["ms"] / r["ms"] if peer else float("nan")
+    if "mamba_ssm" in outs:
+        print(f"{shape}: rel err ours vs mamba_ssm forward: {rel_error(outs['ours'], outs['mamba_ssm']):.2e}; grads: "
+              + ", ".join(f"{k} {rel_error(outs['ours_grads'][k], outs['mamba_ssm_grads'][k]):.1e}"
+                          for k in outs["ours_grads"]))
+    return rows, breakdown(inp, dy)
+
+
+def breakdown(inp, dy):
+    """Median time of each kernel of the forward and backward pass, on the same inputs."""
+    x, dt, A, B, C, D, bias = (inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    L, lim = x.shape[1], (0.0, float("inf"))
+    dA, dt_out = chunk_cumsum(dt, A, bias, True, lim, CHUNK)
+    CB = chunk_cb(C, B, CHUNK)
+    S = chunk_state(x, B, dA, dt_out, None, True)
+    H, final = state_passing(S, dA, None, L, None, out_dtype=x.dtype)
+    dH = chunk_state(dy, C, dA, dt_out, None, False)
+    dS, _, d_last = state_passing(dH, dA, None, L, None, reverse=True, forward_states=(H, final))
+    _, ddt, _ = chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None)
+    _, _, d_a = chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None)
+    stages = {
+        "fwd chunk_cumsum": lambda: chunk_cumsum(dt, A, bias, True, lim, CHUNK),
+        "fwd chunk_cb": lambda: chunk_cb(C, B, CHUNK),
+        "fwd chunk_state": lambda: chunk_state(x, B, dA, dt_out, None, True),
+        "fwd state_passing": lambda: state_passing(S, dA, None, L, None, out_dtype=x.dtype),
+        "fwd chunk_scan": lambda: chunk_scan(CB, x, None, C, H, dA, dt_out, D, None),
+        "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, None, False),
+        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True, forward_states=(H, final)),
+        "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None),
+        "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None),
+        "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "kernel"),
+        "bwd dt (flip rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "flip"),
+        "whole bwd, in-kernel rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, CHUNK, D, bias, True, lim,
+                                                                None, None, "kernel"),
+        "whole bwd, flip rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, CHUNK, D, bias, True, lim,
+                                                           None, None, "flip"),
+    }
+    return [dict(stage=k, ms=bench.median_ms(f)) for k, f in stages.items()]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=pathlib.Path)
+    parser.add_argument("--quick", action="store_true", help="first shape only")
+    args = parser.parse_args()
+    if DEVICE.type != "cuda":
+        sys.exit("bench_ssd: needs a CUDA GPU")
+    from peers import mamba_ssm_module
+    module = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+    peer_fn = module.mamba_chunk_scan_combined if module is not None else None
+    print(f"device: {device_name()}; matmul {bench.matmul_tflops():.0f} TFLOP/s (bf16), "
+          f"copy {bench.copy_bandwidth_gbps():.0f} GB/s")
+    all_rows, all_stages = [], {}
+    for shape in SHAPES[: 1 if args.quick else None]:
+        rows, stages = run_shape(shape, peer_fn)
+        all_rows += rows
+        all_stages[str(shape)] = stages
+        bench.print_table(rows)
+        bench.print_table(stages)
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=device_name(), rows=all_rows, stages=all_stages), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Mamba-2: state-space duality, chunk by chunk
+#
+# In this chapter you will learn:
+#
+# - how Mamba-2's SSM is a multiplication by a *semiseparable* matrix $M$, and how the attention-like quadratic form and the recurrent linear form are two ways to do that multiplication;
+# - how cutting $M$ into chunks gives an algorithm that is quadratic (matmuls on tensor cores) inside chunks and linear (a short carry of states) across them, and what each part costs as the chunk size varies;
+# - the five Triton kernels of the forward pass and the backward pass, derived, including the reverse cumulative sum that turns gradients of the decays into gradients of $\Delta$ and $A$.
+#
+# It builds on chapter 4's [blocked scans with carries](04_blocked_carries.ipynb): there blocks of a scalar scan passed one number to the next block; here chunks pass a (headdim × dstate) state.
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+
+from mamba_annotated import runtime
+from mamba_annotated.bench import matmul_tflops, median_ms, print_table, tflops
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.ssd import ssd_chunk_scan
+from mamba_annotated.ssd.backward import ssd_backward
+from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, chunk_cumsum_kernel, dt_backward, dt_backward_kernel
+from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_kernel
+from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel
+from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel
+from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_matrix, ssd_quadratic_ref,
+                                           ssd_recurrent_ref)
+from mamba_annotated.ssd.state_passing import state_passing, state_passing_kernel
+from mamba_annotated.testing import assert_gradients_close, check, randn, seed_everything, tolerance, uniform
+
+seed_everything(0)
+device = runtime.DEVICE
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## The SSM as a matrix
+#
+# Mamba-2 {cite}`dao2024transformers` restricts Mamba's decay to a scalar per head: $\bar A_t = \exp(\Delta_t A)$ with one number $A$ per head. A head has an input $x_t \in \mathbb{R}^P$ (headdim $P$), a state $h_t \in \mathbb{R}^{P \times N}$ (dstate $N$), and
+#
+# $$
+# h_t = e^{\Delta_t A}\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad y_t = h_t\, C_t .
+# $$
+#
+# Unroll the recurrence and write $a_t = \sum_{k \le t} \Delta_k A$ for the cumulative log-decay. The decay from $s$ to $t$ is $\exp(\sum_{k=s+1}^{t} \Delta_k A) = e^{a_t - a_s}$, so
+#
+# $$
+# y_t = \sum_{s \le t} \underbrace{(C_t \cdot B_s)\; e^{a_t - a_s}\; \Delta_s}_{M_{ts}}\; x_s ,
+# \qquad\text{i.e.}\qquad y = M x, \quad M_{ts} = 0 \text{ for } s > t .
+# $$
+#
+# $M$ is lower-triangular and *semiseparable*: every block of $M$ that lies below the diagonal has rank at most $N$, because $M_{ts} = e^{a_t} C_t \cdot B_s e^{-a_s} \Delta_s$ factors into a term of $t$ times a term of $s$. Two ways to multiply by $M$ follow:
+#
+# - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, and $e^{a_t - a_s}$ a causal mask with decay;
+# - **linear** (the recurrent form): walk $t$ and carry $h_t$, $O(L N P)$ work, but a chain of $L$ dependent steps.
+#
+# Inputs follow mamba_ssm's `mamba_chunk_scan_combined`: `x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)` (the heads of a group share $B$ and $C$), with the optional skip $D$, gate $z$ ($y \cdot \mathrm{silu}(z)$), `dt_bias`, softplus and a clamp on $\Delta$.
+
+# %%
+def make_inputs(batch=2, length=40, heads=4, headdim=16, groups=2, dstate=16, dtype=torch.float32):
+    """Random inputs for every argument of ssd_chunk_scan; dt > 0 so every step decays."""
+    return dict(
+        x=randn(batch, length, heads, headdim, dtype=dtype),
+        dt=uniform(batch, length, heads, low=0.02, high=0.6),
+        A=-uniform(heads, low=0.5, high=2.0),
+        B=randn(batch, length, groups, dstate, dtype=dtype),
+        C=randn(batch, length, groups, dstate, dtype=dtype),
+        D=randn(heads, headdim),
+        z=randn(batch, length, heads, headdim, dtype=dtype),
+        dt_bias=randn(heads, scale=0.5),
+        initial_states=randn(batch, heads, headdim, dstate),
+    )
+
+
+inputs = make_inputs()
+as64 = {k: v.double() for k, v in inputs.items()}
+y_quadratic, h_quadratic = ssd_quadratic_ref(**as64, dt_softplus=True, return_final_states=True)
+y_recurrent, h_recurrent = ssd_recurrent_ref(**as64, dt_softplus=True, return_final_states=True)
+check("quadratic form = recurrent form (y)", y_quadratic, y_recurrent, 1e-12)
+check("quadratic form = recurrent form (final state)", h_quadratic, h_recurrent, 1e-12)
+
+# %% [markdown]
+# Here is $M$ for one head: large near the diagonal, fading with the decay as $t - s$ grows, with the low-rank texture of $C_t \cdot B_s$ on top.
+
+# %%
+dt_heat = process_dt(inputs["dt"][:1, :, :1], inputs["dt_bias"][:1], True)
+M = ssd_matrix(dt_heat, inputs["A"][:1], inputs["B"][:1, :, :1], inputs["C"][:1, :, :1])[0, 0]
+fig, ax = plt.subplots(figsize=(4.2, 3.6))
+image = ax.imshow(M.abs().log10().clamp(min=-4), cmap="Greens")
+fig.colorbar(image, ax=ax, label="log10 |M[t, s]|")
+ax.set(title="M of one head: y = M x", xlabel="s (input position)", ylabel="t (output position)");
+
+# %% [markdown]
+# ## The chunk decomposition
+#
+# Cut time into chunks of $Q$ positions. $M$ falls into $Q \times Q$ blocks:
+#
+# - **diagonal blocks** (inside a chunk) are small triangular matrices: multiply by them in the quadratic form, a pair of matmuls per chunk;
+# - **off-diagonal blocks** have rank $\le N$ and factor through the state. For $t$ in chunk $c$ and $s$ in an earlier chunk, $M_{ts} x_s$ summed over those $s$ is $e^{a_t} C_t \cdot H_c$ with $a$ now counted from the start of chunk $c$ and $H_c$ the state entering chunk $c$.
+#
+# The states entering the chunks obey a short recurrence, one step per chunk (chapter 4's carry, with a matrix in place of a number):
+#
+# $$
+# S_c = \sum_{s \in c} e^{a_{\text{last}} - a_s} \Delta_s\, x_s B_s^\top, \qquad
+# H_{c+1} = e^{a_{\text{last}}(c)}\, H_c + S_c, \qquad H_0 = h_{\text{init}} .
+# $$
+#
+# So the algorithm is: (1) the cumulative sums $a$ inside each chunk; (2) $C \cdot B$ inside each chunk; (3) the chunk states $S_c$; (4) the carry $H_c$; (5) the outputs, diagonal block plus $e^{a_t} C_t \cdot H_c$. Steps 2, 3 and 5 are matmuls; step 4 is sequential but has only $L/Q$ steps. The figure colours the blocks of $M$ by the path they take.
+
+# %%
+Q, n_chunks = 8, 5
+blocks = torch.full((Q * n_chunks, Q * n_chunks), float("nan"))
+for c in range(n_chunks):
+    for d in range(c + 1):
+        blocks[c * Q:(c + 1) * Q, d * Q:(d + 1) * Q] = 1.0 if c == d else 0.0
+blocks = torch.where(torch.ones_like(blocks).tril().bool(), blocks, torch.nan)
+fig, ax = plt.subplots(figsize=(4.2, 3.8))
+ax.imshow(blocks, cmap=plt.matplotlib.colors.ListedColormap([COLORS["carry"], COLORS["y"]]))
+for k in range(1, n_chunks):
+    ax.axhline(k * Q - 0.5, color="white", lw=1.5)
+    ax.axvline(k * Q - 0.5, color="white", lw=1.5)
+ax.set(title="diagonal blocks: quadratic (green)\noff-diagonal: through the states (red)",
+       xlabel="s", ylabel="t");
+
+# %% [markdown]
+# The float64 chunked reference does exactly these five steps in PyTorch (`ssd_chunked_ref` in `mamba_annotated/ssd/reference.py`). It agrees with the quadratic form for any chunk size, including lengths that are not a multiple of the chunk (the last chunk is padded with $\Delta = 0$, which changes nothing).
+
+# %%
+for chunk in (8, 16, 64):
+    y_chunked = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True)
+    check(f"chunked reference, chunk {chunk}, L = 40", y_chunked, y_quadratic, 1e-12)
+
+# %% [markdown]
+# ## The kernels
+#
+# Each kernel below is shown from the package source, run, and checked against the matching step of the chunked reference (`return_intermediates=True` returns each step in the kernels' layouts). On a CPU the interpreter runs them at chunk 16.
+
+# %%
+chunk = 16
+length = inputs["x"].shape[1]
+_, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_intermediates=True)
+
+# %% [markdown]
+# ### 1. The cumulative log-decay inside each chunk
+#
+# One program per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot always holds the decay of the whole chunk.
+
+# %%
+show_source(chunk_cumsum_kernel)
+
+# %%
+dA_cumsum, dt_out = chunk_cumsum(inputs["dt"], inputs["A"], inputs["dt_bias"], True, (0.0, math.inf), chunk)
+check("chunk_cumsum: a", dA_cumsum, steps["dA_cumsum"], tolerance(torch.float32))
+check("chunk_cumsum: dt", dt_out, steps["dt"], tolerance(torch.float32))
+dA_lim, dt_lim = chunk_cumsum(inputs["dt"], inputs["A"], inputs["dt_bias"], True, (0.3, 0.9), chunk)
+_, steps_lim = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, dt_limit=(0.3, 0.9), return_intermediates=True)
+check("chunk_cumsum with dt_limit (0.3, 0.9): dt", dt_lim, steps_lim["dt"], tolerance(torch.float32))
+
+# %% [markdown]
+# ### 2. $C \cdot B$ inside each chunk, once per group
+#
+# The heads of a group share $B$ and $C$, so $CB_{ts} = C_t \cdot B_s$ is computed once per group, a $Q \times Q$ block per chunk (only the blocks on or below the diagonal: the rest is never read).
+
+# %%
+show_source(chunk_cb_kernel)
+
+# %%
+CB = chunk_cb(inputs["C"], inputs["B"], chunk)
+lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+check("chunk_cb (lower triangle)", CB[..., lower], steps["CB"][..., lower], tolerance(torch.float32))
+
+# %% [markdown]
+# ### 3. The chunk states
+#
+# $S_c = (x \odot w)^\top B$ with $w_s = e^{a_{\text{last}} - a_s}\Delta_s$: a (headdim × Q) by (Q × dstate) matmul per chunk and head. The same kernel, with the weight $w_t = e^{a_t}$ and `(dy, C)` in place of `(x, B)`, will give the backward pass the gradient of the states, so it takes a flag.
+
+# %%
+show_source(chunk_state_kernel.fn)  # .fn: the kernel inside its autotuner
+
+# %%
+states = chunk_state(inputs["x"], inputs["B"], dA_cumsum, dt_out, None, to_end=True)
+check("chunk_state", states, steps["states"], tolerance(torch.float32))
+
+# %% [markdown]
+# ### 4. Passing the state across chunks
+#
+# One program per (batch, head, block of the state) walks the chunks in order: emit $H_c$, then $H_{c+1} = e^{a_{\text{last}}(c)} H_c + S_c$. A `REVERSE` flag walks the other way for the backward pass.
+
+# %%
+show_source(state_passing_kernel)
+
+# %%
+states_in, final = state_passing(states, dA_cumsum, None, length, inputs["initial_states"])
+check("state_passing: states entering each chunk", states_in, steps["states_in"], tolerance(torch.float32))
+check("state_passing: final state", final, steps["final_states"], tolerance(torch.float32))
+
+# %% [markdown]
+# ### 5. The outputs
+#
+# One program per (batch, chunk, head, block of rows, block of headdim): first $e^{a_t} C_t \cdot H_c$ (a matmul over dstate), then the diagonal block, looping over column blocks only up to the diagonal (the causal half is skipped), then $D x_t$ and the gate $y \cdot \mathrm{silu}(z)$.
+
+# %%
+show_source(chunk_scan_kernel.fn)
+
+# %%
+out, _ = chunk_scan(CB, inputs["x"], inputs["z"], inputs["C"], states_in, dA_cumsum, dt_out, inputs["D"], None)
+check("chunk_scan = the whole forward pass", out, y_quadratic, tolerance(torch.float32))
+
+# %% [markdown]
+# ### The public function, every argument
+#
+# `ssd_chunk_scan` checks its inputs, runs the five kernels and wires the backward pass into autograd. It takes the arguments of mamba_ssm's `mamba_chunk_scan_combined`. With `seq_idx`, several sequences are packed into one row: no term $M_{ts}$ crosses a boundary, no state is carried into another sequence, and `initial_states` feeds the first sequence only.
+
+# %%
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    inp = make_inputs(dtype=dtype)
+    got = ssd_chunk_scan(**inp, chunk_size=chunk, dt_softplus=True)
+    check(f"ssd_chunk_scan, {str(dtype)[6:]}", got, ssd_quadratic_ref(**inp, dt_softplus=True), tolerance(dtype))
+
+seq_idx = (torch.arange(length, device=device)[None] >= torch.tensor([[7], [23]], device=device)).to(torch.int32)
+kw = dict(dt_softplus=True, dt_limit=(0.05, 1.0), seq_idx=seq_idx, return_final_states=True)
+got, got_final = ssd_chunk_scan(**inputs, chunk_size=chunk, **kw)
+want, want_final = ssd_quadratic_ref(**inputs, **kw)
+check("packed sequences (seq_idx) and dt_limit: y", got, want, tolerance(torch.float32))
+check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_final, tolerance(torch.float32))
+
+# %% [markdown]
+# ## The backward pass
+#
+# Given $\partial\mathcal{L}/\partial y$ (call it $dy$; the gate contributes $dy = d\text{out} \cdot \mathrm{silu}(z)$ and $dz$ elementwise), walk the forward steps backwards. With $L_{ts} = e^{a_t - a_s}$ on the diagonal block:
+#
+# - **Into the states.** $y_t$ reads $H_c$ through $e^{a_t} C_t$, so $dH_c = \sum_{t \in c} e^{a_t} dy_t\, C_t^\top$: the chunk-state kernel with weight $e^{a_t}$. The carry $H_{c+1} = \gamma_c H_c + S_c$ transposes to $G_c = \gamma_c G_{c+1} + dH_c$ walked from the last chunk, with $dS_c = G_{c+1}$, $G_{\text{chunks}} = d h_{\text{final}}$ and $d h_{\text{init}} = G_0$: the state-passing kernel, reversed.
+# - **Into $x$.** $dx_s = \Delta_s\big(e^{a_{\text{last}} - a_s}\, dS_c B_s + \sum_{t \ge s} CB_{ts} L_{ts}\, dy_t\big) + D\, dy_s$; the bracket, dotted with $x_s$, is also the direct part of $d\Delta_s$.
+# - **Into $B$ and $C$.** $dC_t = e^{a_t} dy_t H_c + \sum_{s \le t} dCB_{ts} B_s$ and $dB_s = e^{a_{\text{last}}-a_s}\Delta_s\, x_s dS_c + \sum_{t \ge s} dCB_{ts} C_t$, summed over the heads of a group, where $dCB_{ts} = \sum_{h \in g} L_{ts}\Delta_s (dy_t \cdot x_s)$ is the gradient of $C_t \cdot B_s$. Summing $dCB$ over the heads first means the diagonal-block products with $B$ and $C$ run once per group, not once per head.
+# - **Into the decays.** Every term holds $a$ as $e^{a_t - a_s}$: $+$ for the row $t$, $-$ for the column $s$. Collecting the terms where position $r$ is the row gives exactly $C_r \cdot dC_r$; where it is the column, $B_r \cdot dB_r$ (per head). With the chunk's last slot also receiving $\langle dS_c, H_{c+1}\rangle$ from the carry,
+#
+# $$
+# \frac{\partial\mathcal L}{\partial a_r} = C_r \cdot dC_r - B_r \cdot dB_r \;\big(+\, \langle dS_c, H_{c+1}\rangle \text{ at the last slot}\big),
+# \qquad
+# \frac{\partial\mathcal L}{\partial(\Delta_k A)} = \sum_{r \ge k,\ r \in c} \frac{\partial\mathcal L}{\partial a_r},
+# $$
+#
+# a **reverse** cumulative sum inside each chunk, because $a_r = \sum_{k \le r} \Delta_k A$. Then $d\Delta_k \mathrel{+}= A\, \partial\mathcal L/\partial(\Delta_k A)$, $dA = \sum_k \Delta_k\, \partial\mathcal L/\partial(\Delta_k A)$, and $d\Delta$ goes back through the clamp (zero outside the limits), the softplus (times $\sigma$) and the bias (summed).
+#
+# Three kernels do the work: `chunk_scan_bwd_dx` (rows $s$, all of headdim), `chunk_scan_bwd_dcb` (one $(t, s)$ tile of $dCB$, looping over the heads of the group and sending each head's row and column sums of $CB \odot dCB^{(h)}$ to $\partial\mathcal L/\partial a$ by atomic adds) and `chunk_scan_bwd_dbc` (rows $r$, a block of dstate: the state terms per head, then the $dCB$ products once).
+
+# %%
+show_source(chunk_scan_bwd_dcb_kernel.fn)
+
+# %%
+show_source(chunk_scan_bwd_dbc_kernel.fn)
+
+# %%
+show_source(dt_backward_kernel)
+
+# %% [markdown]
+# Every gradient, including those of `initial_states` and through the final state, against float64 autograd through the quadratic reference (packed sequences, groups, a length that is not a multiple of the chunk):
+
+# %%
+kw = dict(dt_softplus=True, dt_limit=(0.05, 1.0), seq_idx=seq_idx, return_final_states=True)
+
+
+def both_outputs(pair):
+    y, final = pair
+    return torch.cat([y.flatten(), final.flatten().to(y.dtype)])
+
+
+grad_inputs = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+errors = assert_gradients_close(lambda **a: both_outputs(ssd_chunk_scan(**a, chunk_size=chunk, **kw)),
+                                lambda **a: both_outputs(ssd_quadratic_ref(**a, **kw)), grad_inputs, tol=1e-4)
+for name, err in errors.items():
+    print(f"grad {name}: rel err < 1e-4: {err < 1e-4}")
+
+# %% [markdown]
+# ### The reverse cumulative sum: flipped or in the kernel
+#
+# The reverse cumsum can be done in PyTorch, `flip(cumsum(flip(d_a)))`, which launches three kernels and writes two temporaries of the size of $\Delta$, or inside `dt_backward_kernel`, where the chunk's values are already in registers: `tl.associative_scan(..., reverse=True)`. Both give the same gradients:
+
+# %%
+inp = make_inputs()
+dy = randn(*inp["x"].shape)
+grads = {how: ssd_backward(dy, None, inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk, inp["D"],
+                           inp["dt_bias"], True, (0.0, math.inf), None, None, how) for how in ("kernel", "flip")}
+for name in ("dt", "A", "dt_bias"):
+    check(f"in-kernel vs flip reverse cumsum: grad {name}", grads["kernel"][name], grads["flip"][name], 1e-6)
+
+# %% [markdown]
+# Timed alone and inside the whole backward pass (on a GPU the chapter's stored outputs come from an H100/H200; at benchmark size see `benchmarks/bench_ssd.py`):
+
+# %% tags=["nbval-ignore-output"]
+size = runtime.size(gpu=dict(batch=4, length=4096, heads=80, headdim=64, groups=1, dstate=128, dtype=torch.bfloat16),
+                    cpu=dict(batch=1, length=32, heads=2, headdim=16, groups=1, dstate=16, dtype=torch.float32))
+chunk_t = runtime.size(gpu=256, cpu=16)
+big = make_inputs(**size)
+big.pop("z"), big.pop("initial_states")
+dy = randn(*big["x"].shape, dtype=big["x"].dtype)
+lim = (0.0, math.inf)
+dA_b, dt_b = chunk_cumsum(big["dt"], big["A"], big["dt_bias"], True, lim, chunk_t)
+d_a, d_step = torch.randn_like(dA_b), torch.randn_like(dA_b)
+rows = []
+for how in ("kernel", "flip"):
+    rows.append(dict(reverse_cumsum=how,
+                     alone_ms=median_ms(lambda: dt_backward(big["dt"], big["A"], big["dt_bias"], True, lim, dt_b, d_a, d_step, how)),
+                     whole_backward_ms=median_ms(lambda: ssd_backward(dy, None, big["x"], big["dt"], big["A"], big["B"], big["C"],
+                                                                      chunk_t, big["D"], big["dt_bias"], True, lim, None, None, how))))
+print(f"device: {runtime.device_name()}")
+print_table(rows)
+
+# %% [markdown]
+# ## Speed
+#
+# How the time splits as the chunk size varies: the diagonal blocks cost $O(L Q (N + P))$ and grow with $Q$; the states cost $O(L N P)$ whatever $Q$, and the sequential carry has $L/Q$ steps, so it shrinks with $Q$. We time the forward pass per chunk size (bfloat16 on a GPU).
+
+# %% tags=["nbval-ignore-output"]
+fwd = lambda c: ssd_chunk_scan(big["x"], big["dt"], big["A"], big["B"], big["C"], c, D=big["D"],
+                               dt_bias=big["dt_bias"], dt_softplus=True)
+chunk_sizes = runtime.size(gpu=[32, 64, 128, 256], cpu=[16, 32])
+rows = []
+for c in chunk_sizes:
+    dA_c, dt_c = chunk_cumsum(big["dt"], big["A"], big["dt_bias"], True, lim, c)
+    S_c = chunk_state(big["x"], big["B"], dA_c, dt_c, None, True)
+    H_c, _ = state_passing(S_c, dA_c, None, big["x"].shape[1], None)
+    CB_c = chunk_cb(big["C"], big["B"], c)
+    rows.append(dict(chunk=c, forward_ms=median_ms(lambda: fwd(c)),
+                     cb_ms=median_ms(lambda: chunk_cb(big["C"], big["B"], c)),
+                     chunk_state_ms=median_ms(lambda: chunk_state(big["x"], big["B"], dA_c, dt_c, None, True)),
+                     state_passing_ms=median_ms(lambda: state_passing(S_c, dA_c, None, big["x"].shape[1], None)),
+                     chunk_scan_ms=median_ms(lambda: chunk_scan(CB_c, big["x"], None, big["C"], H_c, dA_c, dt_c, big["D"], None))))
+print_table(rows)
+fig, ax = plt.subplots(figsize=(6.4, 3.6))
+for key, colour in (("cb_ms", COLORS["decay"]), ("chunk_state_ms", COLORS["h"]),
+                    ("state_passing_ms", COLORS["carry"]), ("chunk_scan_ms", COLORS["y"])):
+    ax.plot([r["chunk"] for r in rows], [r[key] for r in rows], marker="o", color=colour, label=key[:-3])
+ax.set(xscale="log", xlabel="chunk size Q", ylabel="median ms", title="forward kernels vs chunk size")
+ax.set_xscale("log", base=2)
+ax.legend(fontsize="small");
+
+# %% [markdown]
+# Against mamba_ssm's `mamba_chunk_scan_combined` at the benchmark shapes, `benchmarks/bench_ssd.py` times both in one run (forward, forward + backward, peak memory, achieved TFLOP/s and the floor). When its JSON is present beside the book, it is shown here:
+
+# %% tags=["nbval-ignore-output"]
+import json
+import pathlib
+
+results = pathlib.Path("data/ssd_bench.json")  # python benchmarks/bench_ssd.py --json book/data/ssd_bench.json
+if results.is_file():
+    data = json.loads(results.read_text())
+    print(f"device: {data['device']}")
+    print_table(data["rows"])
+    for shape, stages in data["stages"].items():
+        print(f"\nwhere the time goes, {shape}:")
+        print_table(stages)
+else:
+    print("no stored benchmark run (python benchmarks/bench_ssd.py --json book/data/ssd_bench.json); a small timing:")
+    c = chunk_sizes[-1]
+    ms = median_ms(lambda: fwd(c))
+    b, l, h, p, n = (size[k] for k in ("batch", "length", "heads", "headdim", "dstate"))
+    flop = b * (l // c) * h * (4 * c * p * n + c * c * p) + b * (l // c) * c * c * n
+    print(f"{runtime.device_name()}: forward {ms:.3f} ms, {tflops(flop, ms):.2f} TFLOP/s "
+          f"(measured matmul rate {matmul_tflops():.0f} TFLOP/s)")
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels and five backward ones (two of them the forward's chunk-state and state-passing kernels, reused) implement it, each checked against a float64 reference; the gradient of the decays reduces to $C \cdot dC - B \cdot dB$ followed by a reverse cumulative sum.
+#
+# Chapter 6 runs the same kernels in both directions for the bidirectional (quasiseparable) models.
+#
+# **Exercises** (the tests in `tests/test_ssd.py` check both):
+#
+# 1. Show that packing two sequences into one row with `seq_idx` gives exactly the outputs of two separate calls.
+# 2. Show that the chunk size does not change the result: `ssd_chunk_scan(..., chunk_size=16)` and `chunk_size=32` agree to float32 rounding (and both agree with `ssd_recurrent_ref`).

@@ -1,0 +1,424 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Memory-efficient attention, forward and backward
+#
+# In this chapter you will learn:
+#
+# - how an *online softmax* computes attention in one sweep over the keys, and why one float per query row, the log-sum-exp, is all the backward pass needs to rebuild any tile of the attention matrix;
+# - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (two kernels, one kernel, atomics), measured against each other;
+# - how causal masks, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one.
+#
+# [Chapter 5](05_ssd.ipynb) wrote Mamba-2 as a masked matrix $M = L \circ (C B^\top)$ applied to the input and computed it chunk by chunk, never materialising all of $M$. Softmax attention is the model Mamba set out to replace, and it has the same shape of problem: an $N \times N$ matrix that we want to use without ever storing. Here the matrix is $\operatorname{softmax}(QK^\top)$, and the tool is FlashAttention {cite}`dao2022flashattention,dao2023flashattention2`.
+
+# %%
+import contextlib
+import math
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from matplotlib.patches import Rectangle
+
+from mamba_annotated import runtime
+from mamba_annotated.attention import attention, attention_variant
+from mamba_annotated.attention.backward import (_dkdv_program, _dkdv_query_blocks, _dq_key_blocks,
+                                                attention_bwd_fused_kernel, attention_bwd_preprocess_kernel,
+                                                backward_config)
+from mamba_annotated.attention.forward import _attend_key_blocks, attention_fwd_kernel, forward_config
+from mamba_annotated.attention.reference import attention_ref, check_flash_rule, naive_attention
+from mamba_annotated.bench import median_ms, print_table, progress, tflops
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.testing import check, gradients, randn, seed_everything
+
+seed_everything(0)
+device = runtime.DEVICE
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## Attention and its $N \times N$ matrix
+#
+# For one head, queries $Q \in \mathbb{R}^{N_q \times d}$, keys $K$ and values $V \in \mathbb{R}^{N_k \times d}$ and a scale $\tau$ (by default $1/\sqrt d$):
+#
+# $$
+# S = \tau\, Q K^\top, \qquad P_{ij} = \frac{e^{S_{ij}}}{\sum_{j'} e^{S_{ij'}}}, \qquad O = P V .
+# $$
+#
+# Written this way, $S$ and $P$ are $N_q \times N_k$ per head, and autograd keeps $P$ for the backward pass: at $N = 16384$, 16 heads and a batch of 4, that is 64 GiB in bfloat16 for one layer. *Causal* attention lets query $i$ see key $j$ only if $j \le i + N_k - N_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
+#
+# The float64 reference does exactly what the formulas say, in the layout of `flash_attn_func`: `(batch, seqlen, heads, head_dim)`. It also returns the log-sum-exp of every query row, $\mathrm{lse}_i = \log \sum_j e^{S_{ij}}$, which will matter below.
+
+# %%
+show_source(naive_attention)
+
+# %%
+batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim = 1, 12, 20, 2, 1, 16
+q = randn(batch, seqlen_q, heads, head_dim, dtype=torch.float64)
+k = randn(batch, seqlen_k, kv_heads, head_dim, dtype=torch.float64)
+v = randn(batch, seqlen_k, kv_heads, head_dim, dtype=torch.float64)
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+for ax, causal in zip(axes, (False, True)):
+    q_, k_ = q[0, :, 0], k[0, :, 0]
+    scores = (q_ @ k_.T) / math.sqrt(head_dim)
+    if causal:
+        scores = scores.masked_fill(torch.arange(seqlen_k)[None] > torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q,
+                                    float("-inf"))
+    ax.imshow(torch.softmax(scores, -1), cmap="Greens")
+    ax.set(title=f"P, {'causal (bottom-right)' if causal else 'full'}", xlabel="key j", ylabel="query i")
+plt.tight_layout()
+out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+print("out", tuple(out_ref.shape), "lse", tuple(lse_ref.shape))
+
+# %% [markdown]
+# ## One sweep over the keys: the online softmax
+#
+# Split the keys into blocks. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $a_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
+#
+# $$
+# m_i' = \max\big(m_i, \max_{j \in B} S_{ij}\big), \qquad
+# \ell_i' = e^{m_i - m_i'}\,\ell_i + \sum_{j \in B} e^{S_{ij} - m_i'}, \qquad
+# a_i' = e^{m_i - m_i'}\,a_i + \sum_{j \in B} e^{S_{ij} - m_i'}\, v_j .
+# $$
+#
+# The factor $e^{m_i - m_i'}$ rescales what was summed under the old maximum, so after the last block $O_i = a_i / \ell_i$ exactly, and $m_i + \log \ell_i = \mathrm{lse}_i$. Subtracting the running maximum keeps every exponent $\le 0$, so nothing overflows. In plain PyTorch, one head:
+
+# %%
+def online_softmax_attention(q, k, v, block):
+    """q (Nq, d), k, v (Nk, d), scale folded into q: one sweep over key blocks."""
+    m = torch.full((q.shape[0],), float("-inf"), dtype=q.dtype)
+    l = torch.zeros(q.shape[0], dtype=q.dtype)
+    acc = torch.zeros_like(q)
+    for start in range(0, k.shape[0], block):
+        s = q @ k[start:start + block].T
+        m_new = torch.maximum(m, s.max(dim=1).values)
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(dim=1)
+        acc = alpha[:, None] * acc + p @ v[start:start + block]
+        m = m_new
+    return acc / l[:, None], m + torch.log(l)
+
+
+out_online, lse_online = online_softmax_attention(q[0, :, 0] / math.sqrt(head_dim), k[0, :, 0], v[0, :, 0], block=6)
+out_full, lse_full = attention_ref(q[:, :, :1], k, v)
+check("online softmax, out", out_online, out_full[0, :, 0], 1e-12)
+check("online softmax, lse", lse_online, lse_full[0, 0], 1e-12)
+
+# %% [markdown]
+# **Why one float per row is enough.** The backward pass needs $P$, tile by tile. Since $P_{ij} = e^{S_{ij}} / \sum_{j'} e^{S_{ij'}} = e^{S_{ij} - \mathrm{lse}_i}$, any tile of $P$ is one matrix product $Q_{\text{tile}} K_{\text{tile}}^\top$ and one exponential away, given $\mathrm{lse}$: no running maximum, no second pass over the keys. Storing $\mathrm{lse}$ costs $N_q$ floats per head against $N_q N_k$ for $P$. Recomputing $S$ costs flops, but flops are what a GPU has in excess; reading $P$ back from memory would cost bandwidth, which it does not. This is the observation behind the memory-efficient backward passes of Rabe and Staats {cite}`rabe2021self`, of xformers {cite}`repo_xformers` and of FlashAttention.
+
+# %%
+scores = (q[0, :, 0] @ k[0, :, 0].T) / math.sqrt(head_dim)
+check("P rebuilt as exp(S - lse)", torch.exp(scores - lse_full[0, 0][:, None]), torch.softmax(scores, dim=-1), 1e-12)
+
+# %% [markdown]
+# ## The tiles, and which of them are skipped
+#
+# The kernel gives each program a tile of `BLOCK_M` query rows of one (batch, head) and walks the key blocks, exactly as the loop above walks `block`. With a causal mask, a key block wholly to the right of the diagonal is never loaded; a key block wholly to its left needs no mask at all; only the blocks the diagonal crosses pay for the `where`. The backward pass walks the same tiles twice, once by rows (for $dQ$) and once by columns (for $dK$, $dV$). Blue tiles run unmasked, orange ones are masked, grey ones are skipped.
+
+# %%
+def tile_kind(m0, n0, block_m, block_n, seqlen_q, seqlen_k):
+    """'skip', 'mask' or 'full' for the tile of rows [m0, m0+block_m) x keys [n0, n0+block_n), causal."""
+    offset = seqlen_k - seqlen_q
+    if n0 > min(m0 + block_m, seqlen_q) - 1 + offset:
+        return "skip"
+    return "full" if n0 + block_n - 1 <= m0 + offset else "mask"
+
+
+def draw_schedule(ax, seqlen_q, seqlen_k, block_m, block_n, by_rows, title):
+    colors = {"full": COLORS["x"], "mask": COLORS["h"], "skip": "#dddddd"}
+    for m0 in range(0, seqlen_q, block_m):
+        for n0 in range(0, seqlen_k, block_n):
+            kind = tile_kind(m0, n0, block_m, block_n, seqlen_q, seqlen_k)
+            ax.add_patch(Rectangle((n0, m0), block_n, block_m, facecolor=colors[kind], edgecolor="white", lw=2))
+    for start in range(0, seqlen_q if by_rows else seqlen_k, block_m if by_rows else block_n):
+        mid = start + (block_m if by_rows else block_n) / 2
+        xy, xytext = ((seqlen_k, mid), (0, mid)) if by_rows else ((mid, seqlen_q), (mid, 0))
+        ax.annotate("", xy=xy, xytext=xytext, arrowprops=dict(arrowstyle="->", color=COLORS["carry"], lw=1))
+    ax.plot([seqlen_k - seqlen_q, seqlen_k], [0, seqlen_q], "k--", lw=1)
+    ax.set(xlim=(0, seqlen_k), ylim=(seqlen_q, 0), title=title, xlabel="keys", ylabel="queries", aspect="equal")
+
+
+fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+draw_schedule(axes[0], 512, 512, 128, 64, True, "forward and dQ: a program per row\nof tiles walks the keys")
+draw_schedule(axes[1], 512, 512, 64, 128, False, "dK, dV: a program per column\nof tiles walks the queries")
+draw_schedule(axes[2], 256, 512, 128, 64, True, "forward, seqlen_q < seqlen_k:\ndiagonal aligned bottom-right")
+plt.tight_layout()
+
+# %% [markdown]
+# About half of the tiles are skipped when causal, so a causal pass does about half the work: the FLOP counts in the speed section are halved accordingly.
+#
+# ## The forward kernel
+#
+# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the loop body is a helper called twice: once without the causal mask for the tiles left of the diagonal, once with it for the tiles it crosses. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
+
+# %%
+show_source(_attend_key_blocks)
+
+# %%
+show_source(attention_fwd_kernel)
+
+# %% [markdown]
+# Tile sizes come from a small table per head dim and dtype, chosen with `benchmarks/bench_attention.py --tune` on an H200 (bfloat16, batch 4, 16 heads, $N = 4096$); the interpreter gets small unequal tiles. In that sweep the forward pass ran at 487 TFLOP/s at head dim 128 with 128 x 128 tiles, 8 warps and 3 pipeline stages (4 stages no longer fit in shared memory), and at 436 TFLOP/s at head dim 64 with 128 x 64 tiles and 4 warps.
+
+# %% tags=["nbval-ignore-output"]
+print("forward", forward_config(128, torch.bfloat16))
+print("backward", backward_config(128, torch.bfloat16))
+
+# %% [markdown]
+# The check follows FlashAttention's rule: against the float64 reference, the kernel's error must be at most twice that of PyTorch computing the same attention naively in the same dtype (plus a tiny floor). Inputs are bfloat16, grouped-query (4 query heads on 2 key/value heads), and the lengths are not multiples of any block.
+
+# %%
+dims = runtime.size(gpu=dict(batch=2, seqlen=1000, heads=8, kv_heads=2, head_dim=128),
+                    cpu=dict(batch=1, seqlen=45, heads=4, kv_heads=2, head_dim=32))
+
+
+def make_qkv(seqlen_q, seqlen_k, head_dim=dims["head_dim"], dtype=torch.bfloat16, heads=dims["heads"],
+             kv_heads=dims["kv_heads"]):
+    q = randn(dims["batch"], seqlen_q, heads, head_dim, dtype=dtype)
+    k = randn(dims["batch"], seqlen_k, kv_heads, head_dim, dtype=dtype)
+    v = randn(dims["batch"], seqlen_k, kv_heads, head_dim, dtype=dtype)
+    return q, k, v
+
+
+q, k, v = make_qkv(dims["seqlen"], dims["seqlen"] + 3)
+out, lse = attention(q, k, v, return_lse=True)
+out_ref, lse_ref = attention_ref(q, k, v)
+out_same, lse_same = naive_attention(q, k, v)
+check_flash_rule("forward, out", out, out_same, out_ref, q.dtype)
+check_flash_rule("forward, lse", lse, lse_same, lse_ref, q.dtype)
+
+# %% [markdown]
+# Edge cases: causal with more keys than queries and with more queries than keys (the first rows see no key: output 0, lse $= -\infty$), a single query, a head dim that is not a power of two, every dtype. float32 uses exact IEEE products unless TF32 is allowed with `torch.set_float32_matmul_precision("high")`.
+
+# %%
+n = dims["seqlen"]
+cases = [("causal, seqlen_q < seqlen_k", n // 2, n, dims["head_dim"], torch.bfloat16),
+         ("causal, seqlen_q > seqlen_k", n, n // 3, dims["head_dim"], torch.float16),
+         ("causal, one query", 1, n, dims["head_dim"], torch.bfloat16),
+         ("causal, head_dim 80", n, n, 80, torch.float16),
+         ("causal, float32", n, n - 5, dims["head_dim"], torch.float32)]
+for name, sq, sk, d, dtype in cases:
+    q, k, v = make_qkv(sq, sk, d, dtype)
+    out, lse = attention(q, k, v, causal=True, return_lse=True)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+    out_same, lse_same = naive_attention(q, k, v, causal=True)
+    check_flash_rule(f"{name}, out", out, out_same, out_ref, dtype)
+    check_flash_rule(f"{name}, lse", lse, lse_same, lse_ref, dtype)
+
+# %% [markdown]
+# ## The gradients
+#
+# Take a loss with upstream gradient $dO = \partial L / \partial O$. Going back through $O = PV$, the softmax and $S = \tau QK^\top$ one step at a time (one query row $i$, sums over keys $j$):
+#
+# $$
+# dV = P^\top dO, \qquad dP = dO\, V^\top, \qquad
+# dS_{ij} = P_{ij}\big(dP_{ij} - \textstyle\sum_{j'} P_{ij'}\, dP_{ij'}\big), \qquad
+# dQ = \tau\, dS\, K, \qquad dK = \tau\, dS^\top Q .
+# $$
+#
+# The softmax line is the Jacobian of $p = \operatorname{softmax}(s)$, $\partial p_j / \partial s_k = p_j(\delta_{jk} - p_k)$, applied to $dP_{i\cdot}$. Its inner sum looks as if it needed a whole row of $P$ and $dP$ before any $dS$ could be formed, which would break the tiling. It does not:
+#
+# $$
+# \delta_i := \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij}\, (dO_i \cdot v_j) = dO_i \cdot \Big(\sum_j P_{ij} v_j\Big) = dO_i \cdot O_i ,
+# $$
+#
+# so $\delta = \operatorname{rowsum}(dO \circ O)$, one float per query row from two tensors we already have. A preprocessing kernel computes it (and converts $\mathrm{lse}$ to base 2, with $+\infty$ for rows that see no key so that their rebuilt $P$ is exactly 0). With $\mathrm{lse}$ and $\delta$ in hand, every tile of $dS$ needs only its own tiles of $Q$, $K$, $V$ and $dO$.
+
+# %%
+show_source(attention_bwd_preprocess_kernel)
+
+# %% [markdown]
+# ## The backward kernels
+#
+# $dK_j$ and $dV_j$ sum over query rows, $dQ_i$ over keys. So the backward pass is two loops over the same tiles, in two directions:
+#
+# - **dK/dV**: a program owns a block of keys (and keeps $K_j$, $V_j$ and two float32 accumulators in registers) and walks the query blocks, recomputing $P^\top$ and $dP^\top$ for each. With grouped-query attention it walks the query blocks of every query head that shares its key/value head, so the sum over the group happens in registers: no two programs write the same element of $dK$ or $dV$, and the result is deterministic.
+# - **dQ**: a program owns a block of queries and walks the key blocks, the same schedule as the forward pass.
+#
+# Both skip the causal tiles above the diagonal and mask only the diagonal ones; both are parallel across the sequence.
+
+# %%
+show_source(_dkdv_query_blocks)
+
+# %%
+show_source(_dkdv_program)
+
+# %%
+show_source(_dq_key_blocks)
+
+# %% [markdown]
+# All three gradients, against float64 and PyTorch in the same dtype, for a causal grouped-query problem with unequal lengths:
+
+# %%
+def check_gradients(name, q, k, v, causal, backward="split"):
+    inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
+    ours = gradients(lambda q, k, v: attention_variant(q, k, v, causal, backward=backward), inputs, grad_out)
+    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal), inputs, grad_out)
+    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal)[0],
+                    {key: t.detach().double().requires_grad_() for key, t in inputs.items()}, grad_out)
+    for key in ("q", "k", "v"):
+        check_flash_rule(f"{name}, d{key}", ours[key], same[key], ref[key], q.dtype)
+
+
+check_gradients("causal bfloat16", *make_qkv(n, n + 9), causal=True)
+check_gradients("full float16, head_dim 80", *make_qkv(n - 7, n, 80, torch.float16), causal=False)
+check_gradients("causal float32", *make_qkv(n, n // 2, dtype=torch.float32), causal=True)
+
+# %% [markdown]
+# ## One kernel or two?
+#
+# The two loops can also run in **one kernel**: program $i$ does the dK/dV of key block $i$, then the dQ of query block $i$. That saves a launch and lets one program's two halves overlap with other programs' work, but the program is bigger (more registers, fewer programs in flight), and the dQ half of a causal problem is unevenly loaded across programs. The third option, from the original FlashAttention, computes $dQ$ *inside* the dK/dV loop: it already has the tile $dS$, so $dQ_{\text{tile}} \mathrel{+}= \tau\, dS\, K_j$ costs one more product and no recomputation of $S$ and $dP$ (5 matrix products per tile instead of 7). But many key blocks add into the same rows of $dQ$, so they must add with float32 **atomics**, into a buffer the size of $Q$ in float32, in whatever order the programs happen to finish.
+
+# %%
+show_source(attention_bwd_fused_kernel)
+
+# %%
+for backward in ("fused", "atomic"):
+    check_gradients(f"{backward}, causal bfloat16", *make_qkv(n, n + 9), causal=True, backward=backward)
+
+# %% [markdown]
+# Floating-point addition is not associative, so the atomic variant's $dQ$ changes in its last bits from run to run, on a GPU. (The interpreter runs programs one after another, so there it happens to repeat.) The default, two kernels, repeats bit for bit:
+
+# %%
+q, k, v = make_qkv(n, n)
+inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
+grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
+
+
+def dq_of(backward):
+    return gradients(lambda q, k, v: attention_variant(q, k, v, True, backward=backward), inputs, grad_out)["q"]
+
+
+print("two kernels, dq bitwise equal over two runs:", torch.equal(dq_of("split"), dq_of("split")))
+
+# %% tags=["nbval-ignore-output"]
+runs = [dq_of("atomic") for _ in range(5)]
+differing = max((runs[0] != r).sum().item() for r in runs[1:])
+print(f"atomic dQ: up to {differing} of {runs[0].numel()} elements differ between runs")
+
+# %% [markdown]
+# ## Memory
+#
+# What a forward pass keeps for the backward pass, measured with `torch.autograd.graph.saved_tensors_hooks` (every distinct storage saved, inputs included): naive attention keeps the $N \times N$ probabilities, this kernel keeps $Q, K, V, O$ and the lse, as does PyTorch's SDPA when it picks a flash backend. On a GPU the cell also reports the peak memory of a forward and backward pass above the inputs.
+
+# %%
+def saved_bytes(fn, q, k, v):
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(q, k, v)
+    return sum(storages.values())
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+memory_impls = {"naive": lambda q, k, v: naive_attention(q, k, v)[0], "this kernel": attention, "PyTorch SDPA": sdpa}
+
+
+def peak_mib(fn, q, k, v):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(q, k, v)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+# %% tags=["nbval-ignore-output"]
+mem_rows = []
+for seqlen in progress(runtime.size(gpu=[1024, 2048, 4096, 8192], cpu=[32, 64, 128]), "memory "):
+    q, k, v = (t.requires_grad_() for t in make_qkv(seqlen, seqlen, heads=dims["kv_heads"]))
+    for name, fn in memory_impls.items():
+        row = dict(seqlen=seqlen, impl=name, saved_MiB=saved_bytes(fn, q, k, v) / 2**20)
+        if device.type == "cuda":
+            row["peak_MiB"] = peak_mib(fn, q, k, v)
+        mem_rows.append(row)
+print_table(mem_rows)
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+for name in memory_impls:
+    points = [(r["seqlen"], r["saved_MiB"]) for r in mem_rows if r["impl"] == name]
+    ax.loglog(*zip(*points), marker="o", base=2, label=name)
+ax.set(title="kept for the backward pass (bfloat16)", xlabel="sequence length N", ylabel="MiB")
+ax.legend();
+
+# %% [markdown]
+# The naive line grows as $N^2$, the other two as $N$: at $N = 16384$, 16 heads and a batch of 4, the benchmark below measures this kernel's peak memory over a whole forward and backward pass beside SDPA's flash backend.
+#
+# ## Speed
+#
+# FLOPs are counted as FlashAttention counts them: $4 B H N^2 d$ for the forward pass (two products of $2 N^2 d$), halved when causal, and $2.5\times$ that for the backward pass (five products). The backward kernels here do 7 products per tile (two kernels each recompute $S$ and $dP$), the atomic variant 5, so "TFLOP/s" is a rate of useful work, comparable across implementations. The peers are PyTorch's SDPA backends, pinned with `torch.nn.attention.sdpa_kernel`: flash (FlashAttention-2), memory-efficient and cuDNN. `benchmarks/bench_attention.py` runs the full table (batch 4, 16 heads, head dims 64 and 128, $N$ up to 16384); this cell runs a small version of it.
+
+# %% tags=["nbval-ignore-output"]
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+speed = runtime.size(gpu=dict(batch=4, heads=16, head_dim=128, seqlens=[1024, 4096, 8192]),
+                     cpu=dict(batch=1, heads=2, head_dim=32, seqlens=[32, 64]))
+peers = {"sdpa flash": SDPBackend.FLASH_ATTENTION} if device.type == "cuda" else {"sdpa (CPU)": None}
+if device.type == "cuda":
+    peers.update({"sdpa efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa cudnn": SDPBackend.CUDNN_ATTENTION})
+speed_rows = []
+for seqlen, causal in progress([(s, c) for s in speed["seqlens"] for c in (False, True)], "timing "):
+    shape = (speed["batch"], seqlen, speed["heads"], speed["head_dim"])
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    fwd_flops = 4 * speed["batch"] * speed["heads"] * seqlen**2 * speed["head_dim"] / (2 if causal else 1)
+    impls = {f"ours ({m})": (lambda q, k, v, m=m: attention_variant(q, k, v, causal, backward=m), None)
+             for m in ("split", "fused", "atomic")}
+    impls.update({name: (lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal).transpose(1, 2), backend)
+        for name, backend in peers.items()})
+    for name, (fn, backend) in impls.items():
+        try:
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                fwd_ms = median_ms(lambda: fn(q, k, v))
+                out = fn(q, k, v)
+                bwd_ms = median_ms(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True))
+        except RuntimeError as e:  # a backend that does not take this shape
+            print(f"{name}: {str(e)[:80]}")
+            continue
+        speed_rows.append(dict(N=seqlen, causal=causal, impl=name, fwd_ms=fwd_ms, fwd_TFLOPs=tflops(fwd_flops, fwd_ms),
+                               bwd_ms=bwd_ms, bwd_TFLOPs=tflops(2.5 * fwd_flops, bwd_ms)))
+print(f"device: {runtime.device_name()}, bfloat16, batch {speed['batch']}, {speed['heads']} heads, "
+      f"head_dim {speed['head_dim']}")
+print_table(speed_rows)
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+for ax, pass_ in zip(axes, ("fwd", "bwd")):
+    for name in dict.fromkeys(r["impl"] for r in speed_rows):
+        points = sorted((r["N"], r[f"{pass_}_TFLOPs"]) for r in speed_rows if r["impl"] == name and not r["causal"])
+        ax.plot(*zip(*points), marker="o", label=name)
+    ax.set(title=f"{'forward' if pass_ == 'fwd' else 'backward'}, non-causal", xlabel="N", ylabel="TFLOP/s")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+axes[1].legend(fontsize="small");
+
+# %% [markdown]
+# Reading the table (on a GPU): "two kernels" and "one kernel" do the same arithmetic, so their difference is scheduling alone; the atomic variant saves two of seven products per tile but pays for float32 atomics into $dQ$, a float32 buffer the size of $Q$, and its non-determinism. The default is the deterministic two-kernel form.
+#
+# ## What we have
+#
+# An attention kernel that never forms the $N \times N$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)`, takes `flash_attn_func`'s arguments.
+#
+# **Exercises** (the tests in `tests/test_attention.py` check both):
+#
+# 1. *Attention in pieces.* Split the keys and values into two parts, run `attention(q, k1, v1, return_lse=True)` and `attention(q, k2, v2, return_lse=True)`, and combine the two results into attention over all keys using only the outputs and the two lse. (Hint: each part is normalised by its own $\sum_j e^{S_{ij}} = e^{\mathrm{lse}_i}$.) This is how split-KV decoding and ring attention merge partial results; the solution is `merge_attention` in the tests.
+# 2. *Decoding.* Show that with the bottom-right alignment, `attention(q[:, -1:], k, v, causal=True)` equals `attention(q[:, -1:], k, v)`: the last query sees every key, which is what generating one token against a key/value cache needs.

@@ -1,0 +1,225 @@
+"""Chapter 7: the attention forward pass, one sweep over the keys with an online softmax.
+
+Algorithm (FlashAttention-2)
+    A program owns BLOCK_M query rows of one (batch, head) and walks the keys BLOCK_N at a time,
+    keeping per row the running maximum m of the scores, the running sum l of exp(s - m) and the
+    running output acc = sum_j exp(s_j - m) v_j. When a key block raises the maximum, the old l and
+    acc are rescaled by exp(m_old - m_new). At the end out = acc / l, and the row's log-sum-exp
+    lse = m + log(l) is stored: one float per query row is all the backward pass needs to rebuild
+    the probabilities P = exp(S - lse) of any tile.
+    Exponentials are base 2 (exp2 is one instruction): the scores are scaled by scale * log2(e),
+    fused with the subtraction of the maximum into one multiply-add.
+
+Masking
+    causal: query i sees key j iff j <= i + (seqlen_k - seqlen_q), the diagonal aligned to the
+    bottom-right corner as in FlashAttention >= 2.1. Key blocks wholly right of the diagonal are
+    never loaded; key blocks wholly left of it run without the causal mask; only the blocks the
+    diagonal crosses pay for it. The bounds masks (seqlen not a multiple of the block, head_dim not a
+    power of two) are compiled in only when needed (EVEN_* constexprs). A row that sees no key
+    (causal with seqlen_q > seqlen_k) gets out = 0 and lse = -inf.
+
+Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
+strides with the last one 1; query head h reads key/value head h // (heads // kv_heads) (grouped-
+query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims that are
+not powers of two are padded to BLOCK_D = next_power_of_2(head_dim) by masked loads. Offsets are
+64-bit: batch and row offsets are formed in int64 and pointers advance by one block per step.
+
+Bytes moved (element size s, H heads): q and out once, 2*B*Nq*H*d*s; k and v once per query block,
+2*B*Nk*H*d*s*ceil(Nq/BLOCK_M) (mostly hits in L2); lse 4*B*H*Nq. FLOPs 4*B*H*Nq*Nk*d, about half
+that causal: the kernel is bound by the tensor cores, not by memory.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import outputs
+from ..runtime import INTERPRETED
+
+LOG2E = math.log2(math.e)
+
+
+def block_d(head_dim: int) -> int:
+    """The head-dim tile: the next power of two (tl.arange and tl.dot need one), at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 dots are exact IEEE unless the caller allowed TF32 the PyTorch way
+    (torch.backends.cuda.matmul.allow_tf32 / torch.set_float32_matmul_precision("high")).
+    The interpreter misreads bfloat16 dot operands (Triton 3.9), so there they are widened first."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        return "widen"
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"  # ignored for 16-bit inputs
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr):
+    """tl.dot with float32 accumulation. "widen" (interpreter, bfloat16) computes the same exact
+    products of the 16-bit values in float32."""
+    if PRECISION == "widen":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def rne(x, PRECISION: tl.constexpr):
+    """x itself, ready for a cast to the input dtype. Under "widen" (interpreter, bfloat16) it is
+    first rounded to bfloat16's nearest even on the bits, since the interpreter's float32 ->
+    bfloat16 cast truncates where a GPU rounds to nearest even."""
+    if PRECISION == "widen":
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x
+
+
+def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Block sizes, warps and pipeline stages, from a small table measured on an H200 (Triton 3.6)
+    with ``benchmarks/bench_attention.py --tune`` (bfloat16, batch 4, 16 heads, N = 4096).
+
+    BLOCK_M = 128 query rows amortise each key tile over many rows; larger head dims and float32
+    shrink the key tile so that the pipeline's stages still fit in shared memory and the
+    accumulator in registers. The interpreter gets small blocks (its cost grows with the tile) that
+    differ (32 x 16) so the tests exercise BLOCK_M != BLOCK_N.
+    """
+    if INTERPRETED:
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    d = block_d(head_dim)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32 if d <= 128 else 16, num_warps=4, num_stages=2)
+    if d <= 64:  # H200, N = 4096: 436 TFLOP/s
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if d <= 128:  # 487 TFLOP/s (BLOCK_N = 64: 471; 4 stages no longer fit in shared memory)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _attend_key_blocks(acc, m_i, l_i, q, k_ptrs, v_ptrs, lo, hi, offs_m, offs_n, offs_d,
+                       seqlen_k, head_dim, causal_offset, qk_scale, stride_kn, stride_vn,
+                       CAUSAL_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold key blocks [lo, hi) into the running (acc, m_i, l_i); k_ptrs/v_ptrs point at block lo."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if EVEN_N and EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = mma(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
+        if CAUSAL_MASK or not EVEN_N:
+            visible = cols[None, :] < seqlen_k
+            if CAUSAL_MASK:
+                visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: all p = 0
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_shift = m_new
+        p = tl.exp2(s * qk_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
+        alpha = tl.exp2(m_i - m_shift)                # rescales what was summed under the old maximum
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + mma(rne(p, PRECISION).to(v.dtype), v, PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_i, l_i, k_ptrs, v_ptrs
+
+
+@triton.jit
+def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+                         stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                         stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
+                         seqlen_q, seqlen_k, heads, group, head_dim, qk_scale,
+                         CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    kv_head = head // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    causal_offset = seqlen_k - seqlen_q
+
+    # 64-bit base offsets; within a tile the offsets are small
+    q_ptrs = (q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + start_m.to(tl.int64) * stride_qm
+              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :])
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
+    row_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    if EVEN_M and EVEN_D:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=row_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key blocks [0, full) are seen by every row of this tile, [full, hi) are crossed by the diagonal.
+    if CAUSAL:
+        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset))
+        full = tl.maximum(0, tl.minimum(hi, start_m + causal_offset + 1)) // BLOCK_N * BLOCK_N
+    else:
+        hi = seqlen_k
+        full = seqlen_k
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
+    acc, m_i, l_i, k_ptrs, v_ptrs = _attend_key_blocks(
+        acc, m_i, l_i, q, k_ptrs, v_ptrs, 0, full, offs_m, offs_n, offs_d, seqlen_k, head_dim,
+        causal_offset, qk_scale, stride_kn, stride_vn,
+        CAUSAL_MASK=False, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+    if CAUSAL:
+        acc, m_i, l_i, k_ptrs, v_ptrs = _attend_key_blocks(
+            acc, m_i, l_i, q, k_ptrs, v_ptrs, full, hi, offs_m, offs_n, offs_d, seqlen_k, head_dim,
+            causal_offset, qk_scale, stride_kn, stride_vn,
+            CAUSAL_MASK=True, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+
+    empty_row = l_i == 0.0  # causal rows that see no key
+    l_safe = tl.where(empty_row, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # base 2 -> natural
+    out_ptrs = (out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + start_m.to(tl.int64) * stride_om
+                + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
+    lse_ptrs = lse_ptr + tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
+    if EVEN_M and EVEN_D:
+        tl.store(out_ptrs, rne(out, PRECISION).to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptrs, rne(out, PRECISION).to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+
+
+def attention_forward(q, k, v, causal, softmax_scale, config=None):
+    """q (B, Nq, H, d), k, v (B, Nk, KVH, d), last strides 1. Returns out (B, Nq, H, d), lse (B, H, Nq) float32.
+
+    ``config`` overrides :func:`forward_config` (the benchmark's tuning sweep uses it).
+    """
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    cfg = dict(config or forward_config(head_dim, q.dtype))
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    out = outputs.empty(q.shape, q.dtype, q.device)
+    lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    attention_fwd_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, softmax_scale * LOG2E,
+        CAUSAL=causal, EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0,
+        EVEN_D=head_dim == block_d(head_dim), PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim), **cfg,
+    )
+    return out, lse

@@ -1,0 +1,143 @@
+"""Chapter 5, kernel 5: the outputs, diagonal blocks plus the passed-in state, skip and gate.
+
+Algorithm, for t in chunk c of head h (group g):
+    y_t = exp(a_t) * C_t . H_c                                   (off-diagonal blocks: the state
+                                                                  entering the chunk, decayed to t)
+        + sum_{s <= t in chunk c} CB[t, s] * exp(a_t - a_s) * dt_s * x_s   (diagonal block,
+                                                                  quadratic, like causal attention)
+        + D * x_t;   out_t = y_t * silu(z_t) when z is given.
+    With seq_idx, s only counts when it is in t's sequence, and the state term only when t is
+    in the carried state's sequence.
+
+Parallelism: one program per (batch, chunk, head) x (BLOCK_M rows of the chunk) x (BLOCK_P of
+headdim), the row blocks of one chunk and head adjacent in launch order. Its loop over s
+stops at the diagonal, so the causal half of the block is skipped.
+Both matmuls run on tensor cores in the input dtype (the float32 weights are rounded to it).
+
+Shapes: x, z, out (batch, L, heads, headdim); C (batch, L, groups, dstate); CB (batch, chunks,
+groups, Q, Q) float32; H_in (batch, chunks, heads, headdim, dstate) float32 or x's dtype; dA_cumsum, dt_out
+(batch, heads, chunks, Q) float32.
+
+Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
+average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import outputs
+from .chunk_state import dot_precision, mm
+from .tuning import autotune, config
+
+
+@autotune([config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, num_stages=2),
+           config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64),
+           config(BLOCK_M=128, BLOCK_P=64, BLOCK_N=64, num_warps=8, num_stages=2),
+           config(BLOCK_M=128, BLOCK_P=64, BLOCK_N=32, num_warps=4),
+           config(BLOCK_M=64, BLOCK_P=32, BLOCK_N=64)],
+          config(BLOCK_M=16, BLOCK_P=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK", "HAS_Z"])
+@triton.jit
+def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
+                      out_ptr, y_ptr,
+                      length, heads, groups, n_chunks, headdim, dstate,
+                      stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                      stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                      stride_seq_b, stride_seq_l,
+                      HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+                      HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    # the row blocks of one (chunk, head) run side by side, so the x blocks they share hit in L2
+    n_m = CHUNK // BLOCK_M
+    pid_m = tl.program_id(0) % n_m
+    pid = tl.program_id(0) // n_m
+    h = pid % heads
+    c = (pid // heads) % n_chunks
+    b = pid // (heads * n_chunks)
+    g = h // (heads // groups)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    t = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok = t < chunk_end
+    p_ok = p < headdim
+    x_base = x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h
+    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
+    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+    a_t = tl.load(dA_cumsum_ptr + chunk_base + m)
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
+        seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
+
+    # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
+    acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    H_base = H_ptr + ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        Ct = tl.load(c_base + t[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
+                     mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
+        HT = tl.load(H_base + p[None, :] * dstate + n[:, None],
+                     mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
+        acc += mm(Ct, HT.to(Ct.dtype), PRECISION)
+    from_start = tl.exp(a_t)
+    if HAS_SEQ_IDX:
+        from_start = tl.where(seq_t == seq_carry, from_start, 0.0)
+    acc *= from_start[:, None]
+
+    # diagonal block: sum over s <= t, stopping at the diagonal
+    CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    for k0 in range(0, (pid_m + 1) * BLOCK_M, BLOCK_M):
+        k = k0 + tl.arange(0, BLOCK_M)
+        s = c * CHUNK + k
+        CB = tl.load(CB_base + m[:, None] * CHUNK + k[None, :])
+        a_s = tl.load(dA_cumsum_ptr + chunk_base + k)
+        dt_s = tl.load(dt_ptr + chunk_base + k)
+        keep = (m[:, None] >= k[None, :]) & (s[None, :] < chunk_end)
+        if HAS_SEQ_IDX:
+            seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s < chunk_end, other=-2)
+            keep &= seq_t[:, None] == seq_s[None, :]
+        decay = tl.exp(tl.where(keep, a_t[:, None] - a_s[None, :], float("-inf")))
+        xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+                     mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
+        # where, not a product: CB's tiles above the diagonal may be unwritten (NaN in tests)
+        weights = tl.where(keep, CB * decay * dt_s[None, :], 0.0).to(xs.dtype)
+        acc += mm(weights, xs, PRECISION)
+
+    offs = t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
+    mask = row_ok[:, None] & p_ok[None, :]
+    if HAS_D:
+        if D_PER_CHANNEL:
+            D = tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)
+        else:
+            D = tl.load(D_ptr + h).to(tl.float32)
+        acc += tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32) * D
+    if HAS_Z:
+        tl.store(y_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        zt = tl.load(z_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, mask=mask, other=0.0).to(tl.float32)
+        acc *= zt / (1.0 + tl.exp(-zt))
+    tl.store(out_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def chunk_scan(CB, x, z, C, H_in, dA_cumsum, dt_out, D, seq_idx):
+    """Returns (out, y): out like x; y (before the gate) like x when z is given, else None.
+
+    x, z and C must share strides with x's layout (contiguous in the public function).
+    """
+    batch, length, heads, headdim = x.shape
+    groups, dstate = C.shape[2], C.shape[3]
+    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    out = outputs.empty(x.shape, x.dtype, x.device)
+    y = outputs.empty(x.shape, x.dtype, x.device) if z is not None else None
+    grid = lambda META: (batch * n_chunks * heads * (chunk_size // META["BLOCK_M"]),  # noqa: E731
+                         triton.cdiv(headdim, META["BLOCK_P"]))
+    chunk_scan_kernel[grid](
+        CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
+        D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,
+        y if y is not None else out,
+        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *C.stride(),
+        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
+        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, PRECISION=dot_precision(x.dtype),
+    )
+    return out, y

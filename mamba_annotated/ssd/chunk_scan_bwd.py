@@ -1,0 +1,325 @@
+"""Chapter 5, backward kernels: dx, d dt (direct part), dD, dB, dC and d a_t, chunk by chunk.
+
+Notation: in chunk c of head h, L[t, s] = exp(a_t - a_s) for s <= t in one sequence (else 0),
+dy the gradient of y (before the gate), dS = dS_c the gradient of the chunk state S_c and H = H_c
+the state entering the chunk (both from :mod:`.state_passing`).
+
+dx kernel, for each position s (rows) and all of headdim:
+    G_s   = exp(a_last - a_s) [s in the last sequence] * dS B_s  +  sum_{t >= s} CB[t, s] L[t, s] dy_t
+    dx_s  = dt_s G_s + D dy_s;   d dt_s (direct) = x_s . G_s;   dD += dy_s * x_s (partial sums)
+dCB kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share B and C,
+so their gradients add up):
+    dCB[t, s] = sum_h L[t, s] dt_s (dy_t . x_s)            (the gradient of C_t . B_s)
+    and, per head, W = CB * (that head's term): d a_t += row sums of W, d a_s -= column sums.
+dBC kernel, for each position r (rows) and a block of dstate:
+    dC_r  = sum_h exp(a_r) [r in H's sequence] * dy_r H  +  sum_{s <= r} dCB[r, s] B_s
+    dB_r  = sum_h exp(a_last - a_r) dt_r [r in the last sequence] * x_r dS  +  sum_{t >= r} dCB[t, r] C_t
+    and, per head, d a_r += C_r . (its state term of dC_r) - B_r . (its state term of dB_r).
+Together these give d a_r = C_r . dC_r - B_r . dB_r per head, the heart of the backward pass:
+a_t enters every term as exp(a_t - a_s) with a plus sign for the row t and a minus sign for the
+column s, and summing the terms where t is the row gives C_t . dC_t, those where t is the column
+B_t . dB_t. (The chunk's last slot also gets <dS_c, H_{c+1}> from the state passing.) Then
+d(dt_k A) = sum_{t >= k} d a_t, a reverse cumsum (:mod:`.chunk_cumsum`).
+
+Shapes as the forward kernels. Outputs: dx (x's dtype), d dt direct and d a (batch, heads, chunks,
+Q) float32, dCB (batch, chunks, groups, Q, Q) float32 (tiles on or below the diagonal), dB, dC
+(batch, L, groups, dstate). d a is accumulated by atomic adds, so it starts at zero.
+Bytes moved: dx reads x, dy, B, CB and dS; dCB reads x and dy once per tile (about (Q/BLOCK + 1)/2
+times, mostly from L2) and writes Q*Q float32 per chunk and group; dBC reads x, dy, H and dS once
+per dstate block, dCB, B and C, and writes dB, dC.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import outputs
+from .chunk_state import dot_precision, mm
+from .tuning import autotune, config
+
+
+@autotune([config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8, num_stages=2),
+           config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64),
+           config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
+           config(BLOCK_M=128, BLOCK_K=32, BLOCK_N=32, num_warps=8, num_stages=2)],
+          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK"])
+@triton.jit
+def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
+                             dx_ptr, ddt_ptr, dD_part_ptr,
+                             length, heads, groups, n_chunks, headdim, dstate,
+                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                             stride_seq_b, stride_seq_l,
+                             HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % heads
+    c = (pid // heads) % n_chunks
+    b = pid // (heads * n_chunks)
+    g = h // (heads // groups)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_P)
+    s = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok = s < chunk_end
+    p_ok = p < headdim
+    x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
+    b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
+    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+    a_s = tl.load(dA_cumsum_ptr + chunk_base + m)
+    a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
+    to_end = tl.exp(a_last - a_s)
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
+        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
+        to_end = tl.where(seq_s == seq_last, to_end, 0.0)
+
+    # through the chunk state: dS B_s, decayed from s to the chunk end
+    acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    dS_base = dS_ptr + ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        Bs = tl.load(b_base + s[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n,
+                     mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
+        dST = tl.load(dS_base + p[None, :] * dstate + n[:, None], mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
+        acc += mm(Bs, dST.to(Bs.dtype), PRECISION)
+    acc *= to_end[:, None]
+
+    # through the diagonal block: sum over t >= s, starting at the diagonal
+    CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        t = c * CHUNK + k
+        CBT = tl.load(CB_base + k[None, :] * CHUNK + m[:, None])            # CB[t, s], (s, t) tile
+        a_t = tl.load(dA_cumsum_ptr + chunk_base + k)
+        keep = (k[None, :] >= m[:, None]) & (t[None, :] < chunk_end)
+        if HAS_SEQ_IDX:
+            seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
+            keep &= seq_s[:, None] == seq_t[None, :]
+        decay = tl.exp(tl.where(keep, a_t[None, :] - a_s[:, None], float("-inf")))
+        dyt = tl.load(dy_ptr + x_base + t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+                      mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
+        acc += mm((tl.where(keep, CBT, 0.0) * decay).to(dyt.dtype), dyt, PRECISION)
+
+    offs = x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
+    mask = row_ok[:, None] & p_ok[None, :]
+    xs = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dt_s = tl.load(dt_ptr + chunk_base + m)
+    tl.store(ddt_ptr + chunk_base + m, tl.sum(acc * xs, axis=1))
+    dx = acc * dt_s[:, None]
+    if HAS_D:
+        dys = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            D = tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)
+            dx += dys * D[None, :]
+        else:
+            dx += dys * tl.load(D_ptr + h).to(tl.float32)
+        part = (pid.to(tl.int64) * (CHUNK // 16) + pid_m) * headdim  # row blocks are >= 16 rows
+        tl.store(dD_part_ptr + part + p, tl.sum(dys * xs, axis=0), mask=p_ok)
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@autotune([config(BLOCK_M=64, num_stages=2), config(BLOCK_M=64, num_warps=8, num_stages=2),
+           config(BLOCK_M=32, num_stages=3), config(BLOCK_M=128, num_warps=8, num_stages=2)],
+          config(BLOCK_M=16), key=["headdim", "CHUNK"], reset_to_zero=["da_ptr"])
+@triton.jit
+def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dCB_ptr, da_ptr,
+                              length, heads, groups, n_chunks, headdim,
+                              stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_seq_b, stride_seq_l,
+                              HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    """dCB[t, s] = sum over the heads of a group of L[t, s] dt_s (dy_t . x_s), one (t, s) tile per
+    program; each head's W = CB * (its term) adds row sums to d a_t and takes column sums from d a_s."""
+    n_m = CHUNK // BLOCK_M
+    pid_t = tl.program_id(1) // n_m
+    pid_s = tl.program_id(1) % n_m
+    if pid_s > pid_t:
+        return  # above the diagonal
+    pid = tl.program_id(0)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    heads_per_group = heads // groups
+    mt = pid_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    ms = pid_s * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_P)
+    t, s = c * CHUNK + mt, c * CHUNK + ms
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    t_ok, s_ok, p_ok = t < chunk_end, s < chunk_end, p < headdim
+    keep = (mt[:, None] >= ms[None, :]) & t_ok[:, None] & s_ok[None, :]
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-1)
+        seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
+        keep &= seq_t[:, None] == seq_s[None, :]
+    cb_tile = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK + mt[:, None] * CHUNK + ms[None, :]
+    CB = tl.where(keep, tl.load(CB_ptr + cb_tile), 0.0)
+    dCB = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
+    for i in range(heads_per_group):
+        h = g * heads_per_group + i
+        x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
+        chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+        dyt = tl.load(dy_ptr + x_base + t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+                      mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        xsT = tl.load(x_ptr + x_base + s[None, :].to(tl.int64) * stride_x_l + p[:, None] * stride_x_p,
+                      mask=s_ok[None, :] & p_ok[:, None], other=0.0)
+        a_t = tl.load(dA_cumsum_ptr + chunk_base + mt)
+        a_s = tl.load(dA_cumsum_ptr + chunk_base + ms)
+        dt_s = tl.load(dt_ptr + chunk_base + ms)
+        decay = tl.exp(tl.where(keep, a_t[:, None] - a_s[None, :], float("-inf")))
+        term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
+        dCB += term
+        W = term * CB
+        tl.atomic_add(da_ptr + chunk_base + mt, tl.sum(W, axis=1))
+        tl.atomic_add(da_ptr + chunk_base + ms, -tl.sum(W, axis=0))
+    tl.store(dCB_ptr + cb_tile, dCB)
+
+
+@autotune([config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
+           config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64),
+           config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
+           config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=2)],
+          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK"],
+          reset_to_zero=["da_ptr"])
+@triton.jit
+def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+                              seq_idx_ptr, dB_ptr, dC_ptr, da_ptr,
+                              length, heads, groups, n_chunks, headdim, dstate,
+                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                              stride_seq_b, stride_seq_l,
+                              HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PRECISION: tl.constexpr):
+    """dB and dC of rows r: the state terms per head (summed over the group's heads, with their
+    share of d a), then the diagonal-block terms once per group from dCB."""
+    pid = tl.program_id(0)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    n_m = CHUNK // BLOCK_M
+    pid_m, pid_n = tl.program_id(1) % n_m, tl.program_id(1) // n_m
+    heads_per_group = heads // groups
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_P)
+    r = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok, n_ok, p_ok = r < chunk_end, n < dstate, p < headdim
+    bc_base = b.to(tl.int64) * stride_b_b + g * stride_b_g
+    bc_rows = bc_base + r[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n
+    Br = tl.load(B_ptr + bc_rows, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    Cr = tl.load(C_ptr + bc_rows, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
+        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
+        seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
+    dB = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dC = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    state_mask = p_ok[:, None] & n_ok[None, :]
+    for i in range(heads_per_group):
+        h = g * heads_per_group + i
+        x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
+        chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+        state_offs = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
+        a_r = tl.load(dA_cumsum_ptr + chunk_base + m)
+        a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
+        from_start = tl.exp(a_r)
+        to_end = tl.exp(a_last - a_r) * tl.load(dt_ptr + chunk_base + m)
+        if HAS_SEQ_IDX:
+            from_start = tl.where(seq_r == seq_carry, from_start, 0.0)
+            to_end = tl.where(seq_r == seq_last, to_end, 0.0)
+        rows = x_base + r[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
+        dyr = tl.load(dy_ptr + rows, mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+        xr = tl.load(x_ptr + rows, mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+        H = tl.load(H_ptr + state_offs, mask=state_mask, other=0.0)
+        dS = tl.load(dS_ptr + state_offs, mask=state_mask, other=0.0)
+        dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * from_start[:, None]
+        dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
+        tl.atomic_add(da_ptr + chunk_base + m, tl.sum(Cr * dC_h, axis=1) - tl.sum(Br * dB_h, axis=1))
+        dC += dC_h
+        dB += dB_h
+    # diagonal blocks, once per group: dC_r += sum_{s <= r} dCB[r, s] B_s, dB_r += sum_{t >= r} dCB[t, r] C_t
+    cb_base = dCB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    for k0 in range(0, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        u = c * CHUNK + k
+        u_ok = u < chunk_end
+        cols = bc_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n
+        if k0 < (pid_m + 1) * BLOCK_M:
+            tile = tl.load(cb_base + m[:, None] * CHUNK + k[None, :])
+            tile = tl.where((k[None, :] <= m[:, None]) & u_ok[None, :], tile, 0.0)
+            Bu = tl.load(B_ptr + cols, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            dC += mm(tile.to(Bu.dtype), Bu, PRECISION)
+        if k0 + BLOCK_K > pid_m * BLOCK_M:
+            tileT = tl.load(cb_base + k[None, :] * CHUNK + m[:, None])
+            tileT = tl.where((k[None, :] >= m[:, None]) & u_ok[None, :], tileT, 0.0)
+            Cu = tl.load(C_ptr + cols, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            dB += mm(tileT.to(Cu.dtype), Cu, PRECISION)
+    tl.store(dB_ptr + bc_rows, dB.to(dB_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(dC_ptr + bc_rows, dC.to(dC_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _block(dim, cap):
+    return max(16, min(cap, triton.next_power_of_2(dim)))
+
+
+def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx):
+    """Returns dx (like x), d dt direct (batch, heads, chunks, Q) float32 and dD (like D) or None."""
+    batch, length, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    dx = outputs.empty(x.shape, x.dtype, x.device)
+    ddt = outputs.empty(dA_cumsum.shape, torch.float32, x.device)
+    # dD: one partial row per (chunk, head, row block), summed here; BLOCK_M is tuned, so room
+    # for the most blocks (16 rows each) is zeroed and the unused rows add nothing
+    dD_part = torch.zeros((batch * n_chunks * heads, chunk_size // 16, headdim), dtype=torch.float32,
+                          device=x.device) if D is not None else None
+    grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
+    chunk_scan_bwd_dx_kernel[grid](
+        CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,
+        seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if D is not None else ddt,
+        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *B.stride(),
+        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_SEQ_IDX=seq_idx is not None,
+        CHUNK=chunk_size, BLOCK_P=_block(headdim, 128), PRECISION=dot_precision(x.dtype),
+    )
+    dD = None
+    if D is not None:
+        dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))
+        dD = (dD if D.dim() == 2 else dD.sum(dim=-1)).to(D.dtype)
+    return dx, ddt, dD
+
+
+def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, seq_idx):
+    """Returns dB, dC (like B) and d a (batch, heads, chunks, Q) float32 (without the last-slot term)."""
+    batch, length, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    seq_args = (seq_idx if seq_idx is not None else dt_out,)
+    seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
+    # d a gathers atomic adds: accumulators start at zero, one per kernel, because the autotuner
+    # zeroes a kernel's accumulator between its trial runs
+    d_a_diag = torch.zeros(dA_cumsum.shape, dtype=torch.float32, device=x.device)
+    d_a_state = torch.zeros(dA_cumsum.shape, dtype=torch.float32, device=x.device)
+    dCB = outputs.empty(CB.shape, torch.float32, x.device)
+    grid = lambda META: (batch * n_chunks * groups, (chunk_size // META["BLOCK_M"]) ** 2)  # noqa: E731
+    chunk_scan_bwd_dcb_kernel[grid](
+        x, dy, CB, dA_cumsum, dt_out, *seq_args, dCB, d_a_diag, length, heads, groups, n_chunks, headdim,
+        *x.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size,
+        BLOCK_P=_block(headdim, 128), PRECISION=dot_precision(x.dtype),
+    )
+    dB = outputs.empty(B.shape, B.dtype, B.device)
+    dC = outputs.empty(C.shape, C.dtype, C.device)
+    grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
+                         (chunk_size // META["BLOCK_M"]) * triton.cdiv(dstate, META["BLOCK_N"]))
+    chunk_scan_bwd_dbc_kernel[grid](
+        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, d_a_state,
+        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *B.stride(), *seq_strides,
+        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=_block(headdim, 128),
+        PRECISION=dot_precision(x.dtype),
+    )
+    return dB, dC, d_a_diag + d_a_state

@@ -1,0 +1,174 @@
+"""Chapter 5, kernels 2 and 3: C.B inside each chunk, and the state each chunk contributes.
+
+Algorithm
+    chunk_cb:    CB[c, g, t, s] = sum_n C[t, n] B[s, n] for t, s in chunk c and group g. Every
+                 head of a group shares it, so it is computed once per group, not once per head.
+    chunk_state: out[c, h, p, n] = sum_{t in chunk c} u[t, h, p] * w_t * v[t, g(h), n], a
+                 (headdim x Q) @ (Q x dstate) matmul per (chunk, head), with one of two weights:
+                 * TO_END:     w_t = exp(a_last - a_t) * dt_t, u = x, v = B: the chunk state S_c,
+                               what the chunk adds to the SSM state at its end;
+                 * FROM_START: w_t = exp(a_t), u = dy, v = C: the gradient that the outputs of
+                               chunk c send to the state entering it (the backward pass's twin).
+                 With seq_idx, positions of another sequence than the one the state belongs to
+                 (TO_END: the chunk's last position; FROM_START: the position before the chunk)
+                 get w_t = 0.
+
+Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
+heads, chunks, Q) float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
+groups, Q, Q) float32, only the blocks on or below the diagonal are written (nothing reads the rest).
+
+Bytes moved: chunk_state reads u and v once per (head, p-block) and writes headdim*dstate float32
+per chunk and head: with Q = 256 that is 2x smaller than u. chunk_cb reads B and C once per
+(t-block, s-block) pair and writes Q*Q float32 per chunk and group.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import outputs
+from ..runtime import INTERPRETED
+from .tuning import autotune, config
+
+
+def dot_precision(dtype):
+    """How :func:`mm` multiplies tiles of ``dtype``.
+
+    float32 tiles multiply exactly ("ieee"), so a GPU agrees with the interpreter to 1e-5; 16-bit
+    tiles use the tensor cores. Triton 3.9's interpreter gets bfloat16 dots wrong, so there they
+    are upcast first ("upcast"): the products of 16-bit numbers are exact in float32 either way.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if INTERPRETED and dtype == torch.bfloat16 else "tf32"
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """tl.dot(a, b) with float32 accumulation, as :func:`dot_precision` chose."""
+    if PRECISION == "upcast":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
+                    stride_b, stride_l, stride_g, stride_n,
+                    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    pid_m, pid_k = tl.program_id(1), tl.program_id(2)
+    if pid_k * BLOCK_K >= (pid_m + 1) * BLOCK_M:
+        return  # above the diagonal: causal, never read
+    t = c * CHUNK + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    s = c * CHUNK + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    base = b.to(tl.int64) * stride_b + g * stride_g
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        Ct = tl.load(C_ptr + base + t[:, None].to(tl.int64) * stride_l + n[None, :] * stride_n,
+                     mask=(t[:, None] < length) & (n[None, :] < dstate), other=0.0)
+        Bs = tl.load(B_ptr + base + s[None, :].to(tl.int64) * stride_l + n[:, None] * stride_n,
+                     mask=(s[None, :] < length) & (n[:, None] < dstate), other=0.0)
+        acc += mm(Ct, Bs, PRECISION)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    out = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    tl.store(CB_ptr + out + rows[:, None] * CHUNK + cols[None, :], acc)
+
+
+@autotune([config(BLOCK_P=64, BLOCK_N=64, BLOCK_K=64),
+           config(BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=4),
+           config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64, num_warps=8),
+           config(BLOCK_P=32, BLOCK_N=64, BLOCK_K=64)],
+          config(BLOCK_P=16, BLOCK_N=16, BLOCK_K=16), key=["headdim", "dstate", "CHUNK", "TO_END"])
+@triton.jit
+def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr,
+                       length, heads, groups, n_chunks, headdim, dstate,
+                       stride_u_b, stride_u_l, stride_u_h, stride_u_p,
+                       stride_v_b, stride_v_l, stride_v_g, stride_v_n,
+                       stride_seq_b, stride_seq_l,
+                       TO_END: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % heads
+    c = (pid // heads) % n_chunks
+    b = pid // (heads * n_chunks)
+    g = h // (heads // groups)
+    n_p_blocks = tl.cdiv(headdim, BLOCK_P)
+    p = (tl.program_id(1) % n_p_blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = (tl.program_id(1) // n_p_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    u_base = u_ptr + b.to(tl.int64) * stride_u_b + h * stride_u_h
+    v_base = v_ptr + b.to(tl.int64) * stride_v_b + g * stride_v_g
+    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+    a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    if HAS_SEQ_IDX:
+        if TO_END:
+            owner = chunk_end - 1
+        else:
+            owner = tl.maximum(c * CHUNK - 1, 0)
+        seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + owner * stride_seq_l)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        t = c * CHUNK + k
+        in_seq = t < chunk_end
+        a = tl.load(dA_cumsum_ptr + chunk_base + k)
+        if TO_END:
+            w = tl.exp(a_last - a) * tl.load(dt_ptr + chunk_base + k)
+        else:
+            w = tl.exp(a)
+        if HAS_SEQ_IDX:
+            seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
+                          mask=in_seq, other=-1)
+            w = tl.where(seq == seq_owner, w, 0.0)
+        uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
+                     mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
+        vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
+                     mask=in_seq[:, None] & (n[None, :] < dstate), other=0.0)
+        vw = (vt.to(tl.float32) * w[:, None]).to(uT.dtype)
+        acc += mm(uT, vw, PRECISION)
+    out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
+    tl.store(out_ptr + out + p[:, None] * dstate + n[None, :], acc,
+             mask=(p[:, None] < headdim) & (n[None, :] < dstate))
+
+
+def _block(dim, cap):
+    return max(16, min(cap, triton.next_power_of_2(dim)))
+
+
+def chunk_cb(C, B, chunk_size):
+    """C, B (batch, L, groups, dstate), same strides -> CB (batch, chunks, groups, Q, Q) float32."""
+    batch, length, groups, dstate = C.shape
+    n_chunks = triton.cdiv(length, chunk_size)
+    CB = outputs.empty((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32, C.device)
+    block = 16 if INTERPRETED else min(64, chunk_size)
+    block_n = _block(dstate, 16 if INTERPRETED else 64)
+    grid = (batch * n_chunks * groups, chunk_size // block, chunk_size // block)
+    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(),
+                          CHUNK=chunk_size, BLOCK_M=block, BLOCK_K=block, BLOCK_N=block_n,
+                          PRECISION=dot_precision(C.dtype), num_warps=4)
+    return CB
+
+
+def chunk_state(u, v, dA_cumsum, dt_out, seq_idx, to_end):
+    """The chunk states (``to_end``) or the state gradients (not ``to_end``); see the docstring."""
+    batch, length, heads, headdim = u.shape
+    groups, dstate = v.shape[2], v.shape[3]
+    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    out = outputs.empty((batch, n_chunks, heads, headdim, dstate), torch.float32, u.device)
+    grid = lambda META: (batch * n_chunks * heads,  # noqa: E731
+                         triton.cdiv(headdim, META["BLOCK_P"]) * triton.cdiv(dstate, META["BLOCK_N"]))
+    chunk_state_kernel[grid](
+        u, v, dA_cumsum, dt_out, seq_idx if seq_idx is not None else dA_cumsum, out,
+        length, heads, groups, n_chunks, headdim, dstate, *u.stride(), *v.stride(),
+        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        TO_END=to_end, HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, PRECISION=dot_precision(u.dtype),
+    )
+    return out
