@@ -5,7 +5,9 @@ Importing the package first decides where kernels run (:mod:`mamba_annotated.run
 CUDA device it turns on Triton's interpreter, which must happen before any kernel is defined.
 """
 from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET before kernels are defined)
-from .scan import sequential_scan
+from .attention import attention
+from .scan import linear_scan, selective_scan, sequential_scan
+from .ssd import ssd_chunk_scan
 
-__all__ = ["sequential_scan"]
+__all__ = ["sequential_scan", "linear_scan", "selective_scan", "ssd_chunk_scan", "attention"]
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mamba_annotated import sequential_scan
+from mamba_annotated import linear_scan, sequential_scan
 from mamba_annotated import runtime
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref
@@ -73,11 +73,12 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
 @pytest.mark.parametrize("build, error, message", BAD_INPUTS)
-def test_bad_inputs_raise_clear_errors(build, error, message):
+def test_bad_inputs_raise_clear_errors(scan, build, error, message):
     a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(error, match=message):
-        sequential_scan(**build(a, b))
+        scan(**build(a, b))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")

@@ -8,6 +8,7 @@ gives h -> a2*(a1*h + b1) + b2, so
 Composition of maps is associative, so any bracketing (a scan tree) gives the same result.
 """
 import triton
+import triton.language as tl  # noqa: F401  (the interpreter needs it visible to run the combine outside a scan)
 
 
 @triton.jit

@@ -1,0 +1,327 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The associative scan
+#
+# In this chapter you will learn:
+#
+# - why the step $h \mapsto a h + b$ composes associatively, and how that turns a chain of $L$ dependent steps into a tree of depth $O(\log L)$ (Hillis–Steele and Blelloch trees);
+# - how to write the scan as one `tl.associative_scan` over the tuple $(a, b)$ in Triton, and its backward pass as a reverse scan;
+# - why the popular log-space formulation loses precision on long sequences while the tuple scan does not.
+#
+# It builds on [chapter 1](01_sequential_scan.ipynb): the recurrence $h_t = a_t h_{t-1} + b_t$, its float64 reference, and its gradient $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$, which we computed there one step at a time.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+from mamba_annotated import runtime, sequential_scan
+from mamba_annotated.bench import gbps, median_ms, memory_floor_ms, print_table
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.scan.associative import (combine_both_bracketings, tuple_scan_backward, tuple_scan_bwd_kernel,
+                                              tuple_scan_forward, tuple_scan_fwd_kernel)
+from mamba_annotated.scan.combine import first_order_combine, first_order_combine_torch
+from mamba_annotated.scan.log_space import log_space_scan
+from mamba_annotated.scan.reference import linear_scan_ref
+from mamba_annotated.testing import assert_associative, check, randn, rel_error, seed_everything, tolerance, uniform
+
+seed_everything(0)
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## One step is an affine map, and affine maps compose
+#
+# Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2$, so
+#
+# $$
+# (a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2).
+# $$
+#
+# (We write the earlier map on the left, the order in which a scan meets them.)
+#
+# **Associativity.** Both bracketings of three maps give the same pair:
+#
+# $$
+# \big((a_1,b_1)\circ(a_2,b_2)\big)\circ(a_3,b_3) = (a_1 a_2 a_3,\; a_3(a_2 b_1 + b_2) + b_3),
+# $$
+# $$
+# (a_1,b_1)\circ\big((a_2,b_2)\circ(a_3,b_3)\big) = (a_1 a_2 a_3,\; a_2 a_3 b_1 + a_3 b_2 + b_3),
+# $$
+#
+# and the second components are equal after expanding. (Shorter: composition of functions is always associative, and the pair is just a function.) The operator is *not* commutative: the order of time matters.
+#
+# **Identity.** $(1, 0)$, the map $h \mapsto h$: $(1,0)\circ(a,b) = (a, b) = (a,b)\circ(1,0)$. It is what padding past the end of a sequence must hold, so that padded positions change nothing.
+#
+# **The initial state** is one more map: $h_{-1}$ folds into the first element as $b_0 \leftarrow b_0 + a_0 h_{-1}$.
+#
+# **Why this gives $O(\log L)$ depth.** The prefix $P_t = e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds every prefix is known. Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
+#
+# The implementation in the package, in Triton and in PyTorch (`mamba_annotated/scan/combine.py`):
+
+# %%
+show_source(first_order_combine)
+
+# %% [markdown]
+# Before trusting any scan, we test the claim itself: random triples, both bracketings, in float64. (This matters more than it looks: Triton's interpreter folds a scan strictly left to right, so a non-associative combine passes every CPU test, and then fails on a GPU, which brackets differently.)
+
+# %%
+def random_element():
+    return uniform(64, low=-1.5, high=1.5, dtype=torch.float64), randn(64, dtype=torch.float64)
+
+
+assert_associative(first_order_combine_torch, random_element, tol=1e-12)
+print("PyTorch combine: associative on 100 random triples: True")
+
+# %% [markdown]
+# And the Triton function itself, applied in both bracketings inside a tiny kernel (`combine_both_bracketings`), then compared with the PyTorch twin in float64:
+
+# %%
+a3, b3 = uniform(3, 64, low=-1.5, high=1.5), randn(3, 64)
+left, right = combine_both_bracketings(a3, b3)
+x, y, z = [(a3[i].double(), b3[i].double()) for i in range(3)]
+check("Triton combine: (x o y) o z vs x o (y o z)", left, right, tolerance(torch.float32))
+check("Triton combine vs PyTorch combine", left, torch.stack(first_order_combine_torch(first_order_combine_torch(x, y), z)),
+      tolerance(torch.float32))
+
+# %% [markdown]
+# ## Two scan trees on eight elements
+#
+# *Hillis–Steele* {cite}`hillis1986data`: in round $k$ every element $i \ge 2^k$ combines with element $i - 2^k$. Depth $\log_2 L$, but every round touches almost every element: work $O(L \log L)$.
+#
+# *Blelloch* {cite}`blelloch1990prefix` (drawn here in its inclusive, Brent–Kung form): an up-sweep builds a reduction tree (the pairs, the quadruples, ...), and a down-sweep pushes the partial results back down to the elements that still miss a prefix. Depth $2\log_2 L - 1$, work $O(L)$: about $2L$ combines.
+#
+# On a GPU the two are mixed: each thread first folds its few consecutive elements sequentially (work-efficient), the threads of a warp then run a Hillis–Steele scan through register shuffles (shallow), and warps exchange their totals through shared memory. `tl.associative_scan` generates that code for us from the combine function.
+
+# %%
+def hillis_steele_edges(n):
+    rounds, step = [], 1
+    while step < n:
+        rounds.append([(i - step, i) for i in range(step, n)])
+        step *= 2
+    return rounds
+
+
+def blelloch_edges(n):
+    rounds, step = [], 1
+    while step < n:  # up-sweep: the last element of each block of 2*step gathers the block
+        rounds.append([(i - step, i) for i in range(2 * step - 1, n, 2 * step)])
+        step *= 2
+    step //= 2
+    while step >= 1:  # down-sweep: a block total feeds the element half a block further on
+        rounds.append([(i, i + step) for i in range(2 * step - 1, n - step, 2 * step)])
+        step //= 2
+    return [r for r in rounds if r]
+
+
+def draw_tree(ax, rounds, n, title):
+    for level in range(len(rounds) + 1):
+        ax.scatter(range(n), [level] * n, s=90, zorder=3,
+                   color=COLORS["x"] if level == 0 else COLORS["h"] if level == len(rounds) else "white",
+                   edgecolor="black")
+    for level, edges in enumerate(rounds):
+        targets = {dst for _, dst in edges}
+        for i in range(n):
+            if i not in targets:
+                ax.plot([i, i], [level, level + 1], color="lightgrey", zorder=1)
+        for src, dst in edges:
+            ax.plot([src, dst], [level, level + 1], color=COLORS["carry"], zorder=2)
+            ax.plot([dst, dst], [level, level + 1], color="black", lw=0.8, zorder=2)
+    work = sum(len(e) for e in rounds)
+    ax.set(title=f"{title}\ndepth {len(rounds)}, work {work} combines", xticks=range(n), xlabel="element",
+           yticks=range(len(rounds) + 1), ylabel="round")
+    ax.invert_yaxis()
+
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+draw_tree(axes[0], hillis_steele_edges(8), 8, "Hillis–Steele")
+draw_tree(axes[1], blelloch_edges(8), 8, "Blelloch (up-sweep, then down-sweep)")
+plt.tight_layout()
+
+# %% [markdown]
+# Each red edge is one combine (the element it starts from is the *earlier* map); grey lines carry a value unchanged. Blue dots are the inputs $(a_t, b_t)$, orange dots the prefixes $(\prod a, h_t)$.
+#
+# A quick check that both trees, run with our combine in float64, compute every prefix:
+
+# %%
+def run_tree(rounds, elements):
+    values = list(elements)
+    for edges in rounds:
+        updated = list(values)
+        for src, dst in edges:
+            updated[dst] = first_order_combine_torch(values[src], values[dst])
+        values = updated
+    return values
+
+
+elements = [(uniform(1, low=0.5, high=1.0, dtype=torch.float64), randn(1, dtype=torch.float64)) for _ in range(8)]
+a8 = torch.cat([e[0] for e in elements])
+b8 = torch.cat([e[1] for e in elements])
+for name, rounds in [("Hillis–Steele", hillis_steele_edges(8)), ("Blelloch", blelloch_edges(8))]:
+    h_tree = torch.cat([value[1] for value in run_tree(rounds, elements)])
+    check(f"{name} tree on 8 elements", h_tree, linear_scan_ref(a8, b8), 1e-12)
+
+# %% [markdown]
+# ## The kernel: one `tl.associative_scan` over a tuple
+#
+# `tl.associative_scan(inputs, axis, combine_fn)` scans a block along one axis with any associative `combine_fn`; when `inputs` is a tuple of tensors, the combine receives and returns tuples. The scan of the pairs gives at position $t$ the composed map $(\prod_{s\le t} a_s,\, h_t)$: its second component *is* the state. One program owns one row and holds all of it in one block; padding is the identity $(1, 0)$; the initial state folds into the first element; `reverse=True` scans from the end, which is exactly $h_t = a_t h_{t+1} + b_t$.
+
+# %%
+show_source(tuple_scan_fwd_kernel)
+
+# %% [markdown]
+# Run it on fresh inputs and a row length that is not a power of two (the block is the next power of two, padded with the identity):
+
+# %%
+rows, length = runtime.size(gpu=(4 * 1536, 2000), cpu=(5, 100))
+a = uniform(rows, length, low=0.6, high=1.0)
+b = randn(rows, length)
+h0 = randn(rows)
+h = tuple_scan_forward(a, b, h0)
+
+# %%
+check("forward, float32", h, linear_scan_ref(a, b, h0), tolerance(torch.float32))
+
+# %% [markdown]
+# The edge cases: one step, 7 steps, the reverse direction, no initial state, 16-bit inputs (accumulated in float32, rounded once on output).
+
+# %%
+for length_case in [1, 7]:
+    a_s, b_s = uniform(rows, length_case, low=0.6, high=1.0), randn(rows, length_case)
+    check(f"length {length_case}", tuple_scan_forward(a_s, b_s, h0), linear_scan_ref(a_s, b_s, h0), tolerance(torch.float32))
+check("reverse", tuple_scan_forward(a, b, h0, reverse=True), linear_scan_ref(a, b, h0, reverse=True), tolerance(torch.float32))
+check("no initial state", tuple_scan_forward(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
+for dtype in (torch.float16, torch.bfloat16):
+    check(f"forward, {str(dtype).removeprefix('torch.')}", tuple_scan_forward(a.to(dtype), b.to(dtype), h0),
+          linear_scan_ref(a.to(dtype), b.to(dtype), h0), tolerance(dtype))
+
+# %% [markdown]
+# ## The backward pass is a reverse scan
+#
+# Chapter 1 derived the adjoint $\lambda_t = \partial\mathcal L / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
+#
+# $$
+# \lambda_t = g_t + a_{t+1}\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}.
+# $$
+#
+# This is the same first-order recurrence, run from the end, over the pairs $(a_{t+1}, g_t)$: the decay that multiplies $\lambda_{t+1}$ belongs to the *next* step. So it is one more associative scan, with `reverse=True` and the decays loaded one position later (with anything, say 0, past the end, where $\lambda_L = 0$ makes it irrelevant). Then, as before,
+#
+# $$
+# \frac{\partial\mathcal L}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal L}{\partial a_t} = \lambda_t h_{t-1}, \qquad \frac{\partial\mathcal L}{\partial h_{-1}} = a_0\lambda_0 ,
+# $$
+#
+# with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal L/\partial a_t = \lambda_t h_{t+1}$. The kernel reads $a$, $h$ and $g$ once and writes both gradients:
+
+# %%
+show_source(tuple_scan_bwd_kernel)
+
+# %% [markdown]
+# We check all three gradients against autograd through the float64 loop, with a random upstream gradient, in both directions:
+
+# %%
+def check_gradients(name, a, b, h0, reverse):
+    h = tuple_scan_forward(a, b, h0, reverse)
+    grad_h = randn(*a.shape, dtype=torch.float64)
+    got = tuple_scan_backward(a, h, h0, grad_h.to(a.dtype), reverse)
+    leaves = [x.double().requires_grad_() for x in (a, b, h0)]
+    want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
+    for arg, g, w in zip(("a", "b", "h0"), got, want):
+        check(f"{name}: grad {arg}", g, w, tolerance(a.dtype))
+
+
+check_gradients("forward direction", a, b, h0, reverse=False)
+check_gradients("reverse direction", a, b, h0, reverse=True)
+check_gradients("bfloat16 inputs", a.bfloat16(), b.bfloat16(), h0, reverse=False)
+
+# %% [markdown]
+# ## Numerics: the tuple scan against the log-space scan
+#
+# A popular way to avoid writing a custom scan {cite}`heinsen2023efficient` rewrites the recurrence with library scans. With $A_t = \prod_{s \le t} a_s$,
+#
+# $$
+# h_t = A_t \sum_{s \le t} \frac{b_s}{A_s}
+# \quad\Longrightarrow\quad
+# \log h_t = \underbrace{\textstyle\sum_{s\le t}\log a_s}_{\texttt{cumsum}} + \texttt{logcumsumexp}_{s \le t}\big(\log b_s - \log A_s\big)
+# $$
+#
+# (for positive $b$; signs need complex logarithms). The catch is the size of the numbers: $\log A_t$ grows like $t \cdot \overline{|\log a|}$, and a float32 number of that size carries an absolute error of about $|\log A_t| \cdot 2^{-24}$. The two large terms then cancel to give $\log h_t$, which is of order one, and their absolute error survives as a *relative* error of $h_t$ — growing linearly with the length. The tuple scan never forms a large number: every combine multiplies decays below one and adds bounded states, so its error stays near float32 resolution.
+
+# %%
+show_source(log_space_scan)
+
+# %% tags=["nbval-ignore-output"]
+lengths = runtime.size(gpu=[2**k for k in range(6, 17, 2)], cpu=[16, 64, 256, 1024])
+errors = {"tuple scan (Triton, float32)": [], "log-space scan (PyTorch, float32)": []}
+for length_case in lengths:
+    a_l = uniform(8, length_case, low=0.9, high=1.0)
+    b_l = uniform(8, length_case, low=0.1, high=1.1)
+    ref = linear_scan_ref(a_l, b_l)
+    errors["tuple scan (Triton, float32)"].append(rel_error(tuple_scan_forward(a_l, b_l), ref))
+    errors["log-space scan (PyTorch, float32)"].append(rel_error(log_space_scan(a_l, b_l), ref))
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+for (name, errs), color in zip(errors.items(), [COLORS["h"], COLORS["decay"]]):
+    ax.loglog(lengths, errs, "o-", color=color, label=name)
+ax.set(xlabel="sequence length L", ylabel=r"$\|h - h_{ref}\| / \|h_{ref}\|$", title="relative error against float64")
+ax.grid(alpha=0.3)
+ax.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# The claim as a check: at the longest length, the log-space error is more than ten times the tuple scan's, which stays within the float32 bound.
+
+# %%
+assert errors["tuple scan (Triton, float32)"][-1] < tolerance(torch.float32)
+print("tuple scan within 1e-05 at every length:", all(e < tolerance(torch.float32) for e in errors["tuple scan (Triton, float32)"]))
+print("log-space error > 10x tuple-scan error at the longest length:",
+      errors["log-space scan (PyTorch, float32)"][-1] > 10 * errors["tuple scan (Triton, float32)"][-1])
+
+# %% [markdown]
+# ## Speed: a tree instead of a chain
+#
+# Same problem as chapter 1's timing (`8 × 1536` rows, float32), now with rows up to the one-block limit. The tuple scan reads $a$, $b$ once and writes $h$ once, like the sequential kernel, but its programs no longer wait on a chain of $L$ dependent steps.
+
+# %% tags=["nbval-ignore-output"]
+rows = runtime.size(gpu=8 * 1536, cpu=8)
+timing_rows, lengths = [], runtime.size(gpu=[1024, 4096, 16384], cpu=[64, 256])
+for length_case in lengths:
+    a_t, b_t = uniform(rows, length_case, low=0.6, high=1.0), randn(rows, length_case)
+    nbytes = 3 * a_t.numel() * a_t.element_size()
+    for name, fn in [("sequential (ch. 1)", sequential_scan), ("tuple scan", tuple_scan_forward)]:
+        ms = median_ms(lambda: fn(a_t, b_t))
+        timing_rows.append(dict(L=length_case, kernel=name, ms=ms, GBps=gbps(nbytes, ms),
+                                pct_of_floor=100 * memory_floor_ms(nbytes) / ms))
+print(f"device: {runtime.device_name()}")
+print_table(timing_rows)
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+for name, color in [("sequential (ch. 1)", COLORS["decay"]), ("tuple scan", COLORS["h"])]:
+    points = [(r["L"], r["pct_of_floor"]) for r in timing_rows if r["kernel"] == name]
+    ax.semilogx(*zip(*points), "o-", base=2, color=color, label=name)
+ax.axhline(100, color="black", ls="--", label="memory floor")
+ax.set(xlabel="sequence length L", ylabel="% of memory-floor speed", title=f"forward, float32, {rows} rows")
+ax.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# The step of the recurrence is an affine map; composing affine maps is associative with identity $(1, 0)$; so the recurrence is a scan, computable in $O(\log L)$ depth. One `tl.associative_scan` over the tuple $(a, b)$ is the whole forward kernel, and the backward pass is the same scan run the other way over $(a_{t+1}, g_t)$. Working on pairs keeps float32 precision at any length, where the log-space rewrite loses accuracy linearly with length.
+#
+# Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps, all in registers) by chaining blocks with carries.
+#
+# **Exercises** (the tests in `tests/test_associative_scan.py` check the answers):
+#
+# 1. Show that $(1, 0)$ is a two-sided identity of the combine, and that no other pair is (`test_identity_element` checks the first part on random pairs).
+# 2. The first component of the scanned pair is $\prod_{s \le t} a_s$. Use this to compute the running product of a tensor with `tuple_scan_forward` alone (hint: choose $b$ and $h_0$). `test_running_product_from_the_scan` checks the solution `tuple_scan_forward(a, torch.zeros_like(a), torch.ones(rows))` against `torch.cumprod`.

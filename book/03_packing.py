@@ -1,0 +1,201 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Packing two floats into one word
+#
+# In this chapter you will learn:
+#
+# - why early Triton kernels bit-packed the pair $(a, b)$ into a single integer to scan it, and how: bitcast, shift, or;
+# - how to write a combine that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
+# - whether packing still pays on today's Triton, measured on the GPU against the tuple scan.
+#
+# It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\circ(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ and the one-block tuple scan `tuple_scan_forward`.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+from mamba_annotated import runtime
+from mamba_annotated.bench import gbps, median_ms, memory_floor_ms, print_table
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.scan.associative import tuple_scan_forward
+from mamba_annotated.scan.packed import combine_words, pack_pair, packed_scan_forward, packed_scan_kernel, unpack_pair
+from mamba_annotated.scan.reference import linear_scan_ref
+from mamba_annotated.testing import check, randn, rel_error, seed_everything, tolerance, uniform
+
+seed_everything(0)
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## Why pack at all
+#
+# Until early 2024, `tl.associative_scan` took a single tensor: the combine function received two scalars and returned one ([triton#2657](https://github.com/triton-lang/triton/issues/2657); tuples arrived with [triton#2947](https://github.com/triton-lang/triton/pull/2947)). Our element is a *pair*. The workaround: an element is just 64 bits of information, so store it in one 64-bit integer,
+#
+# $$
+# w = \underbrace{\text{bits}(a)}_{\text{high 32}} \;\|\; \underbrace{\text{bits}(b)}_{\text{low 32}},
+# $$
+#
+# scan the integers, and let the combine reinterpret the bits: unpack both words into floats, compose the maps, pack the result. Nothing is converted numerically on the way in or out; `x.to(tl.uint32, bitcast=True)` relabels the 32 bits of a float as an integer. For 16-bit inputs two values fit in one 32-bit word the same way.
+
+# %%
+def draw_word(ax, y, label, fields):
+    x = 0
+    for name, bits, color in fields:
+        ax.add_patch(plt.Rectangle((x, y), bits, 0.8, color=color, alpha=0.35, ec="black"))
+        ax.text(x + bits / 2, y + 0.4, name, ha="center", va="center")
+        x += bits
+    ax.text(-1, y + 0.4, label, ha="right", va="center")
+
+
+fig, ax = plt.subplots(figsize=(10, 2.2))
+draw_word(ax, 1, "float32 pair -> uint64", [("a: sign | exponent 8 | mantissa 23", 32, COLORS["decay"]),
+                                            ("b: sign | exponent 8 | mantissa 23", 32, COLORS["x"])])
+draw_word(ax, 0, "bfloat16 pair -> uint32", [("a: 16 bits", 16, COLORS["decay"]), ("b: 16 bits", 16, COLORS["x"])])
+ax.set(xlim=(-22, 65), ylim=(-0.2, 2), xticks=[0, 16, 32, 48, 64], yticks=[])
+ax.set_xlabel("bit position (from the most significant)")
+for side in ("left", "right", "top"):
+    ax.spines[side].set_visible(False)
+plt.tight_layout()
+
+# %% [markdown]
+# ## Pack, unpack, and the combine between them
+#
+# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` (the unsigned type of one field) and `WORD` types are compile-time constants, so one pair of helpers serves both layouts:
+
+# %%
+show_source(pack_pair)
+
+# %%
+show_source(unpack_pair)
+
+# %% [markdown]
+# The combine unpacks both words into float32, applies the same `first_order_combine` as chapter 2, and packs the result. `tl.associative_scan` hands the combine only its two operands, so each layout gets a two-line wrapper that fixes the types (see `mamba_annotated/scan/packed.py`).
+
+# %%
+show_source(combine_words)
+
+# %% [markdown]
+# The kernel: load, pack, scan the words, unpack the state. Like chapter 2's, one program holds one row in one block.
+
+# %%
+show_source(packed_scan_kernel)
+
+# %% [markdown]
+# ## Float32 words: bit for bit the tuple scan
+#
+# For float32 every value survives the round trip exactly (the bits are only relabelled), and the combine does the same float32 multiplies and adds as the tuple scan, in the same tree. So the results should not merely be close: they should be *identical*.
+
+# %%
+rows, length = runtime.size(gpu=(4 * 1536, 2000), cpu=(3, 100))
+a = uniform(rows, length, low=0.6, high=1.0)
+b = randn(rows, length)
+h_packed = packed_scan_forward(a, b)
+
+# %%
+check("packed float32 vs float64", h_packed, linear_scan_ref(a, b), tolerance(torch.float32))
+print("packed float32 == tuple scan, bit for bit:", torch.equal(h_packed, tuple_scan_forward(a, b)))
+
+# %% [markdown]
+# ## 16-bit words: the scan now accumulates in 16 bits
+#
+# For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every level of the tree, and the errors add up with length.
+#
+# The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One interpreter fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
+
+# %%
+def sixteen_bit_loop(a, b):
+    def round_like_the_kernel(x):
+        if a.dtype == torch.bfloat16 and runtime.INTERPRETED:
+            return (x.view(torch.int32) & -65536).view(torch.float32).to(a.dtype)
+        return x.to(a.dtype)
+
+    h, states = torch.zeros_like(a[..., 0]), []
+    for t in range(a.shape[-1]):
+        h = round_like_the_kernel(a[..., t].float() * h.float() + b[..., t].float())
+        states.append(h)
+    return torch.stack(states, dim=-1)
+
+
+for dtype in (torch.bfloat16, torch.float16):
+    a16, b16 = a.to(dtype), b.to(dtype)
+    ref = linear_scan_ref(a16, b16)
+    packed_error = rel_error(packed_scan_forward(a16, b16), ref)
+    loop_error = rel_error(sixteen_bit_loop(a16, b16), ref)
+    tuple_error = rel_error(tuple_scan_forward(a16, b16), ref)
+    name = str(dtype).removeprefix("torch.")
+    print(f"{name}: packed error <= 2 x error of 16-bit accumulation in PyTorch: {packed_error <= 2 * loop_error + 1e-3}")
+    print(f"{name}: tuple scan (float32 accumulation) more accurate than packed: {tuple_error < packed_error}")
+
+# %% [markdown]
+# How the gap grows with the length (bfloat16 inputs, float64 reference):
+
+# %% tags=["nbval-ignore-output"]
+lengths = runtime.size(gpu=[2**k for k in range(4, 15, 2)], cpu=[16, 64, 256])
+errors = {"tuple scan (float32 accumulation)": [], "packed 16-bit words": []}
+for length_case in lengths:
+    a_l = uniform(8, length_case, low=0.9, high=1.0, dtype=torch.bfloat16)
+    b_l = randn(8, length_case, dtype=torch.bfloat16)
+    ref = linear_scan_ref(a_l, b_l)
+    errors["tuple scan (float32 accumulation)"].append(rel_error(tuple_scan_forward(a_l, b_l), ref))
+    errors["packed 16-bit words"].append(rel_error(packed_scan_forward(a_l, b_l), ref))
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+for (name, errs), color in zip(errors.items(), [COLORS["h"], COLORS["decay"]]):
+    ax.loglog(lengths, errs, "o-", color=color, label=name)
+ax.set(xlabel="sequence length L", ylabel="relative error vs float64", title="bfloat16 inputs")
+ax.grid(alpha=0.3)
+ax.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## Does packing still pay?
+#
+# The old argument for packing was speed as much as necessity: one 64-bit shuffle between threads instead of two 32-bit ones. Today's tuple scan moves two registers per exchange; the packed scan moves one 64-bit value but spends integer shifts, masks and casts on every combine. Both read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
+
+# %% tags=["nbval-ignore-output"]
+rows = runtime.size(gpu=8 * 1536, cpu=4)
+timing_rows = []
+for dtype in (torch.float32, torch.bfloat16):
+    for length_case in runtime.size(gpu=[1024, 4096, 16384], cpu=[64]):
+        a_t = uniform(rows, length_case, low=0.6, high=1.0, dtype=dtype)
+        b_t = randn(rows, length_case, dtype=dtype)
+        nbytes = 3 * a_t.numel() * a_t.element_size()
+        for name, fn in [("tuple", tuple_scan_forward), ("packed", packed_scan_forward)]:
+            ms = median_ms(lambda: fn(a_t, b_t))
+            timing_rows.append(dict(dtype=str(dtype).removeprefix("torch."), L=length_case, scan=name, ms=ms,
+                                    GBps=gbps(nbytes, ms), pct_of_floor=100 * memory_floor_ms(nbytes) / ms))
+print(f"device: {runtime.device_name()}")
+print_table(timing_rows)
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+for ax, dtype in zip(axes, ("float32", "bfloat16")):
+    for name, color in [("tuple", COLORS["h"]), ("packed", COLORS["decay"])]:
+        points = [(r["L"], r["ms"]) for r in timing_rows if r["scan"] == name and r["dtype"] == dtype]
+        ax.loglog(*zip(*points), "o-", base=2, color=color, label=name)
+    ax.set(title=f"{dtype}, {rows} rows", xlabel="sequence length L", ylabel="median time (ms)")
+    ax.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs packing forces 16-bit accumulation, and its error grows with length where the tuple scan's does not. The tuple scan stays our building block.
+#
+# Both one-block kernels stop at 65536 steps, the most one program can hold in registers. Chapter 4 chains blocks with carries to scan any length.
+#
+# **Exercises** (the tests in `tests/test_packed_scan.py` check the answers):
+#
+# 1. Why is the float32 packed scan bit-exact while the bfloat16 one is not, although both round-trip their inputs exactly? (`test_float32_words_match_the_tuple_scan_bit_for_bit` checks the first half; `test_sixteen_bit_words_lose_to_float32_accumulation_on_long_rows` the second.)
+# 2. Pack float16 instead of bfloat16: only the `FLOAT` type changes. The float16 cases of `test_sixteen_bit_words_are_as_accurate_as_sixteen_bit_accumulation` check `combine_float16_words`.

@@ -1,0 +1,304 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Blocked scans with carries
+#
+# In this chapter you will learn:
+#
+# - how to scan sequences longer than one block: three phases (reduce blocks, scan their totals, re-scan with carries) or one program walking its blocks with a running carry — and when each wins;
+# - how the same two kernels, run in "adjoint" mode, give the backward pass for any length, either direction and an initial state;
+# - how `linear_scan`, the book's fast default, compares with accelerated-scan and with the memory floor.
+#
+# It builds on [chapter 2](02_associative_scan.ipynb) (one `tl.associative_scan` over the pairs $(a, b)$ per block, and the backward pass as the reverse scan over $(a_{t+1}, g_t)$) and [chapter 3](03_packing.ipynb) (which kept the tuple scan as the building block).
+
+# %%
+import importlib
+import json
+import pathlib
+
+import matplotlib.pyplot as plt
+import torch
+
+from mamba_annotated import runtime, sequential_scan
+from mamba_annotated.bench import gbps, median_ms, memory_floor_ms, print_table
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.scan import linear_scan
+from mamba_annotated.scan.blocked import (chained_scan_kernel, linear_scan_backward, linear_scan_forward, plan,
+                                          segment_totals_kernel)
+from mamba_annotated.scan.reference import linear_scan_ref
+from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
+
+seed_everything(0)
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## Carries: what a block needs from the past
+#
+# Cut a row into blocks of $B$ steps. Inside block $k$, scanning the pairs gives for each position $t$ the composed map of the block's steps so far, $(A_t, \tilde h_t)$ with $A_t = \prod a_s$ and $\tilde h_t$ the state the block would reach from $h = 0$. The state that really enters the block, the **carry** $c_k$, enters linearly:
+#
+# $$
+# h_t = \tilde h_t + A_t\, c_k, \qquad c_{k+1} = h_{\text{last step of block } k}.
+# $$
+#
+# So each block needs one number from the past. There are two ways to provide it.
+#
+# **(a) Three phases.** (1) Reduce every block to its total map $(A^{(k)}, B^{(k)})$, all blocks in parallel. (2) Scan the totals: they form a recurrence of their own, $c_{k+1} = A^{(k)} c_k + B^{(k)}$ with $c_0 = h_0$, one step per block. (3) Re-scan every block in parallel with its carry. Every block runs on its own program, so one long row fills the GPU; the price is reading $a$ and $b$ twice.
+#
+# **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a register: scan block $k$, add $A_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
+#
+# The package uses both in one kernel family: a row is cut into *segments* of consecutive blocks; one program walks one segment (b), and when there is more than one segment per row, phases 1 and 2 supply each segment's carry (a). With many rows (Mamba's `batch × channels`) each row is one segment; with few long rows, the rows are split.
+
+# %%
+def draw_blocks(ax, n_blocks, title, arrows, phase_labels):
+    for k in range(n_blocks):
+        ax.add_patch(plt.Rectangle((k, 0), 0.92, 0.6, color=COLORS["x"], alpha=0.3, ec="black"))
+        ax.text(k + 0.46, 0.3, f"block {k}", ha="center", va="center", fontsize=9)
+    for start, end, y, label in arrows:
+        ax.annotate("", xy=(end, y), xytext=(start, y), arrowprops=dict(arrowstyle="->", color=COLORS["carry"], lw=1.6))
+        if label:
+            ax.text((start + end) / 2, y + 0.06, label, ha="center", fontsize=8, color=COLORS["carry"])
+    for y, text in phase_labels:
+        ax.text(-0.1, y, text, ha="right", va="center", fontsize=9)
+    ax.set(xlim=(-2.6, n_blocks + 0.2), ylim=(-1.6, 1.1), title=title)
+    ax.axis("off")
+
+
+n_blocks = 6
+fig, axes = plt.subplots(2, 1, figsize=(10, 5.5))
+three_phase_arrows = [(k + 0.2, k + 0.75, -0.35, f"(A{k},B{k})") for k in range(n_blocks)]
+three_phase_arrows += [(k + 0.75, k + 1.2, -0.8, f"c{k + 1}") for k in range(n_blocks - 1)]
+three_phase_arrows += [(k + 0.2, k + 0.75, -1.25, "re-scan") for k in range(n_blocks)]
+draw_blocks(axes[0], n_blocks, "(a) three phases: every block on its own program",
+            three_phase_arrows, [(-0.35, "1: reduce blocks"), (-0.8, "2: scan totals"), (-1.25, "3: re-scan + carry")])
+walk_arrows = [(k + 0.8, k + 1.1, 0.75, f"c{k + 1}") for k in range(n_blocks - 1)]
+draw_blocks(axes[1], n_blocks, "(b) chained walk: one program per row, carry in a register",
+            walk_arrows, [(0.3, "one program")])
+plt.tight_layout()
+
+# %% [markdown]
+# ## The kernels
+#
+# `chained_scan_kernel` walks the blocks of one (row, segment) in scan order. The carry is the state entering the segment: the initial state for the first segment, or, when phases 1 and 2 ran, the end state of the previous segment. Blocks are aligned at $t = 0$ and the last one is padded with the identity $(1, 0)$; `DESCENDING` walks blocks from the end and scans each with `reverse=True`, which serves both `reverse=True` and the backward pass. The last state in scan order is pulled out of the block with a masked sum (`_last_in_scan_order`).
+
+# %%
+show_source(chained_scan_kernel)
+
+# %% [markdown]
+# Phase 1, `segment_totals_kernel`, walks a segment the same way but composes the blocks' total maps instead of storing states. Phase 2 needs no kernel of its own: the totals, a `(rows, segments)` array of maps, are a linear recurrence, so the chained kernel scans them (with $h_0$) into the segment end states.
+
+# %%
+show_source(segment_totals_kernel)
+
+# %% [markdown]
+# `plan` decides the segments: one per row when the rows alone give every SM several programs, otherwise as many as it takes.
+
+# %%
+show_source(plan)
+
+# %% [markdown]
+# ## Checking it
+#
+# We check the forward pass on a length that is neither a multiple of the block nor a power of two, forcing each path: the planned one, the chained walk with many blocks, and three phases with 1 and 3 blocks per segment (the last segment short).
+
+# %%
+rows, length = runtime.size(gpu=(64, 100_000), cpu=(3, 300))
+block = runtime.size(gpu=2048, cpu=32)
+a = uniform(rows, length, low=0.6, high=1.0)
+b = randn(rows, length)
+h0 = randn(rows)
+h = linear_scan_forward(a, b, h0)
+
+# %%
+ref = linear_scan_ref(a, b, h0)
+check("forward, planned path", h, ref, tolerance(torch.float32))
+for name, per_segment in [("chained walk", None), ("three phases, 1 block per segment", 1),
+                          ("three phases, 3 blocks per segment", 3)]:
+    check(f"forward, {name}", linear_scan_forward(a, b, h0, block=block, blocks_per_segment=per_segment or 10**9),
+          ref, tolerance(torch.float32))
+
+# %% [markdown]
+# ## The backward pass: the same kernels in adjoint mode
+#
+# Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_0 = a_0\lambda_0$. With `ADJOINT=True` the kernels load each decay one forward step later (the identity where that step falls outside the row), scan in the opposite direction, and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_0$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_0$, one number per row, is left to PyTorch.
+
+# %%
+show_source(linear_scan_backward)
+
+# %% [markdown]
+# All gradients against autograd through the float64 loop, in both directions and on the three-phase path, with a random upstream gradient:
+
+# %%
+def check_gradients(name, a, b, h0, reverse, **path):
+    h = linear_scan_forward(a, b, h0, reverse, **path)
+    grad_h = randn(*a.shape, dtype=torch.float64)
+    got = linear_scan_backward(a, h, h0, grad_h.to(a.dtype), reverse, **path)
+    leaves = [x.double().requires_grad_() for x in (a, b, h0)]
+    want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
+    for arg, g, w in zip(("a", "b", "h0"), got, want):
+        check(f"{name}: grad {arg}", g, w, tolerance(a.dtype))
+
+
+check_gradients("planned, forward direction", a, b, h0, reverse=False)
+check_gradients("planned, reverse direction", a, b, h0, reverse=True)
+check_gradients("three phases, reverse", a, b, h0, reverse=True, block=block, blocks_per_segment=2)
+
+# %% [markdown]
+# ## `linear_scan`: the public function
+#
+# `linear_scan(a, b, h0=None, reverse=False)` checks its inputs, flattens the leading dimensions into rows and wraps the two launchers in an autograd Function. It takes float32, float16 and bfloat16 (accumulating in float32) and any length. This is the scan every later chapter uses.
+
+# %%
+x_shape = runtime.size(gpu=(2, 96, 3001), cpu=(2, 3, 77))
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    a_d = uniform(*x_shape, low=0.6, high=1.0, dtype=dtype).requires_grad_()
+    b_d = randn(*x_shape, dtype=dtype).requires_grad_()
+    h0_d = randn(*x_shape[:-1]).requires_grad_()
+    name = str(dtype).removeprefix("torch.")
+    for reverse in (False, True):
+        h_d = linear_scan(a_d, b_d, h0_d, reverse=reverse)
+        check(f"linear_scan {name}, reverse={reverse}", h_d, linear_scan_ref(a_d, b_d, h0_d, reverse), tolerance(dtype))
+    grad_h = randn(*x_shape, dtype=torch.float64)
+    got = torch.autograd.grad(linear_scan(a_d, b_d, h0_d), (a_d, b_d, h0_d), grad_h.to(dtype))
+    leaves = [x.detach().double().requires_grad_() for x in (a_d, b_d, h0_d)]
+    want = torch.autograd.grad(linear_scan_ref(*leaves), leaves, grad_h)
+    for arg, g, w in zip(("a", "b", "h0"), got, want):
+        check(f"linear_scan {name}: grad {arg}", g, w, tolerance(dtype))
+
+# %% [markdown]
+# Bad input is refused before anything launches, with the argument named:
+
+# %%
+for bad in [dict(a=a, b=b[:, :-1]), dict(a=a, b=b.half()), dict(a=a, b=b, h0=h0[:-1])]:
+    try:
+        linear_scan(**bad)
+    except (TypeError, ValueError) as error:
+        print(f"{type(error).__name__}: {error}")
+
+# %% [markdown]
+# ## When each approach wins
+#
+# Forward pass, float32, $L = 2^{20}$ steps, for a growing number of rows. The chained walk reads the data once but runs each row's blocks one after another; three phases read $a$ and $b$ twice but split a row over many programs.
+
+# %% tags=["nbval-ignore-output"]
+length = runtime.size(gpu=1 << 20, cpu=512)
+segment_rows = []
+for n_rows in runtime.size(gpu=[1, 8, 64, 512, 2048], cpu=[1, 2]):
+    a_r, b_r = uniform(n_rows, length, low=0.6, high=1.0), randn(n_rows, length)
+    nbytes = 3 * a_r.numel() * a_r.element_size()
+    block_r, per_segment, segments = plan(n_rows, length)
+    candidates = [("chained walk", 10**9)] + ([("three phases", per_segment)] if segments > 1 else [])
+    for name, bps in candidates:
+        ms = median_ms(lambda: linear_scan_forward(a_r, b_r, blocks_per_segment=bps))
+        segment_rows.append(dict(rows=n_rows, approach=name, ms=ms, GBps=gbps(nbytes, ms)))
+print(f"device: {runtime.device_name()}")
+print_table(segment_rows)
+fig, ax = plt.subplots(figsize=(6.4, 3.8))
+for name, color in [("chained walk", COLORS["h"]), ("three phases", COLORS["carry"])]:
+    points = [(r["rows"], r["GBps"]) for r in segment_rows if r["approach"] == name]
+    if points:
+        ax.semilogx(*zip(*points), "o-", base=2, color=color, label=name)
+ax.set(xlabel="rows", ylabel="GB/s", title=f"forward, float32, L = {length}")
+ax.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## Speed against the peers and the memory floor
+#
+# Mamba-like width, `(8, 1536, T)` in float32 and bfloat16, forward and forward+backward, beside chapter 1's sequential kernel and, where installed, accelerated-scan's Triton scan (`accelerated_scan.scalar` in version 0.3.1). Its CUDA warp scan (`accelerated_scan.warp`) compiles a C++ extension and only takes power-of-two lengths from 32 to 65536; `benchmarks/bench_linear_scan.py` times it, with everything else, in one run (on bfloat16 inputs at `(8, 1536, 4096)` it stopped with an illegal memory access on an H200, so the script times that case last). The floor counts the bytes that must move: forward reads $a$, $b$ and writes $h$; backward reads $a$, $h$, $g$ and writes two gradients.
+
+# %% [markdown]
+# The stored run of the benchmark script (`python benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json` on the GPU box), with both accelerated-scan kernels; `ours_faster_by` is a peer's time over `linear_scan`'s. The cell after it times this machine.
+
+# %% tags=["nbval-ignore-output"]
+stored = pathlib.Path("data/linear_scan_bench.json")
+if stored.exists():
+    result = json.loads(stored.read_text())
+    print(f"stored run: {result['device']}, measured copy bandwidth {result['copy_GBps']:.0f} GB/s")
+    stored_rows = result["sections"].get("linear_scan", []) + result["sections"].get("warp_bfloat16", [])
+    print_table([{k: r.get(k, "") for k in ("impl", "dtype", "T", "pass_", "ms", "pct_floor", "ours_faster_by")}
+                 for r in stored_rows])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
+        for name in dict.fromkeys(r["impl"] for r in stored_rows):
+            for dtype, style in [("float32", "o-"), ("bfloat16", "s--")]:
+                points = sorted((r["T"], r["pct_floor"]) for r in stored_rows
+                                if r["impl"] == name and r["pass_"] == passes and r["dtype"] == dtype)
+                if points:
+                    ax.semilogx(*zip(*points), style, base=2, label=f"{name}, {dtype}")
+        ax.axhline(100, color="black", ls=":", label="memory floor")
+        ax.set(title=f"{passes} ({result['device']})", xlabel="sequence length T", ylabel="% of memory-floor speed")
+    axes[0].legend(fontsize="x-small")
+    plt.tight_layout()
+else:
+    print("no stored benchmark run (run benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json)")
+
+# %% tags=["nbval-ignore-output"]
+try:
+    peer_scan = importlib.import_module("accelerated_scan.scalar").scan
+except ImportError:
+    peer_scan = None
+    print("accelerated_scan is not installed here: timing the book's kernels only")
+shape_bc = runtime.size(gpu=(8, 1536), cpu=(1, 4))
+speed_rows = []
+for dtype in (torch.float32, torch.bfloat16):
+    for length_case in runtime.size(gpu=[4096, 65536, 100_000], cpu=[64, 100]):
+        shape = (*shape_bc, length_case)
+        a_s = uniform(*shape, low=0.6, high=1.0, dtype=dtype).requires_grad_()
+        b_s = randn(*shape, dtype=dtype).requires_grad_()
+        grad_h = randn(*shape, dtype=dtype)
+        elements, size_of = a_s.numel(), a_s.element_size()
+        impls = {"linear_scan": linear_scan}
+        if length_case <= 4096:
+            impls["sequential (ch. 1)"] = sequential_scan
+        if peer_scan is not None:
+            impls["accelerated_scan.scalar"] = peer_scan
+        for name, fn in impls.items():
+            with torch.no_grad():
+                ms = median_ms(lambda: fn(a_s, b_s))
+            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), T=length_case, impl=name, passes="fwd",
+                                   ms=ms, pct_of_floor=100 * memory_floor_ms(3 * elements * size_of) / ms))
+            ms = median_ms(lambda: torch.autograd.grad(fn(a_s, b_s), (a_s, b_s), grad_h))
+            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), T=length_case, impl=name, passes="fwd+bwd",
+                                   ms=ms, pct_of_floor=100 * memory_floor_ms(8 * elements * size_of) / ms))
+        del a_s, b_s, grad_h
+print(f"device: {runtime.device_name()}")
+print_table(speed_rows)
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
+    for name, color in [("linear_scan", COLORS["h"]), ("accelerated_scan.scalar", COLORS["x"]),
+                        ("sequential (ch. 1)", COLORS["decay"])]:
+        for dtype, style in [("float32", "o-"), ("bfloat16", "s--")]:
+            points = [(r["T"], r["pct_of_floor"]) for r in speed_rows
+                      if r["impl"] == name and r["passes"] == passes and r["dtype"] == dtype]
+            if points:
+                ax.semilogx(*zip(*points), style, base=2, color=color, label=f"{name}, {dtype}")
+    ax.axhline(100, color="black", ls=":", label="memory floor")
+    ax.set(title=f"{passes}, shape {shape_bc} x T", xlabel="sequence length T", ylabel="% of memory-floor speed")
+axes[0].legend(fontsize="x-small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# A row of any length is a chain of blocks, and a block needs one number from the past: its carry. Three phases compute the carries in parallel (read twice, scale to one long row); a chained walk carries them in a register (read once, needs many rows). One kernel family does both, forward and — in adjoint mode, over the pairs $(a_{t\pm1}, g_t)$ — backward, for float32 and 16-bit inputs, either direction and an initial state. That is `linear_scan`, which the remaining chapters use.
+#
+# Next, Mamba's selective scan: the decays and inputs are no longer given but computed on the fly from $\Delta$, $A$, $B$ and $x$, with a state of size $N$ per channel and an output contraction with $C$ — the same carries, with more work per element.
+#
+# **Exercises** (the tests in `tests/test_linear_scan.py` check the answers):
+#
+# 1. Show that the result cannot depend on how a row is cut into segments: any `blocks_per_segment` gives the same $h$ and gradients up to rounding. `test_every_path_forward_and_backward` runs one, three and all blocks per segment.
+# 2. Write the reverse scan with the forward one: `linear_scan(a, b, h0, reverse=True)` equals `linear_scan(a.flip(-1), b.flip(-1), h0).flip(-1)`. `test_reverse_is_the_flipped_forward_scan` checks it.

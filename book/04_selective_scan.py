@@ -1,0 +1,322 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The selective scan
+#
+# In this section you will learn:
+#
+# - how Mamba's selective SSM (S6) becomes one fused kernel: discretization on chip ($\bar A = e^{\Delta A}$, $\bar B u = \Delta B u$), $N$ states per channel kept in registers and never written to memory, $y = C h + D u$ and the $z$ gate in the same pass;
+# - how its backward pass is the adjoint recurrence run from the end, with the states recomputed chunk by chunk from a few stored boundary states;
+# - what fusing buys over materializing the discretized tensors, and how far the kernel is from the hardware floor.
+#
+# It builds on the first half of this chapter, [blocked scans with carries](04_blocked_carries.ipynb): a chunk is scanned with `tl.associative_scan` over pairs $(a, b)$, and a carry links the chunks.
+
+# %%
+import json
+import pathlib
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from mamba_annotated import runtime
+from mamba_annotated.bench import median_ms, print_table
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.scan import linear_scan
+from mamba_annotated.scan.api import selective_scan
+from mamba_annotated.scan.reference import selective_scan_ref
+from mamba_annotated.scan.selective import (BWD_BLOCK_L, FWD_BLOCK_L, selective_scan_bwd_kernel,
+                                            selective_scan_fwd_kernel)
+from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
+
+seed_everything(0)
+device = runtime.DEVICE
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## The selective SSM, one channel at a time
+#
+# Mamba's SSM layer {cite}`gu2023mamba` takes an input $u \in \mathbb{R}^{\text{dim} \times L}$ and, per token, a step size $\Delta_t$ (one per channel) and two vectors $B_t, C_t \in \mathbb{R}^N$ (shared by the channels of a group). Each channel $d$ has its own diagonal $A_d \in \mathbb{R}^N$ ($A < 0$). For channel $d$, state $n$ and step $t$:
+#
+# $$
+# \Delta_t = \operatorname{softplus}(\Delta^{\text{raw}}_t + b_d), \qquad
+# a_t = e^{\Delta_t A_{dn}}, \qquad x_t = \Delta_t\, B_{nt}\, u_t, \qquad
+# h_t = a_t\, h_{t-1} + x_t,
+# $$
+#
+# $$
+# y_t = \Big(\sum_n C_{nt}\, h_{nt} + D_d\, u_t\Big)\cdot \operatorname{silu}(z_t).
+# $$
+#
+# The bias $b$ (`delta_bias`), the softplus, $D$ and the gate $z$ are each optional; the layout is mamba_ssm's `selective_scan_fn`: `u`, `delta`, `z` are `(batch, dim, L)`, `A` is `(dim, N)`, `B`, `C` are `(batch, N, L)` or `(batch, groups, N, L)`, channel $d$ using group $d \,/\!/\, (\text{dim}/\text{groups})$.
+#
+# For each $(d, n)$ this is exactly the recurrence of the first half of the chapter, with $a_t$ and $x_t$ *computed* from $(\Delta, A, B, u)$ rather than given. The naive way follows that literally: materialize $a$ and $x$ as `(batch, dim, N, L)` tensors, scan them, contract with $C$. That moves $N$ times more bytes than the inputs and outputs ($N = 16$ in Mamba), and it is what the fused kernel avoids: it reads $u$, $\Delta$, $B$, $C$ once, forms $a_t$ and $x_t$ in registers, and writes only $y$.
+#
+# The float64 reference in `mamba_annotated/scan/reference.py` is the literal version, and the ground truth:
+
+# %%
+show_source(selective_scan_ref)
+
+# %% [markdown]
+# What "selective" means: the step size $\Delta_t$ depends on the token. A large $\Delta_t$ makes $a_t = e^{\Delta_t A}$ small (forget the past, take in $u_t$); a small one keeps $a_t$ near 1 (ignore $u_t$, remember). Below, one channel with four states sees a random input with a small $\Delta$ everywhere except at $t = 48$: that one large step wipes the state and loads the current input, which then fades as the small steps resume.
+
+# %%
+steps = 96
+u_demo = randn(1, 1, steps, dtype=torch.float64, device="cpu")
+delta_demo = torch.full((1, 1, steps), 0.05, dtype=torch.float64)
+delta_demo[..., 48] = 4.0
+A_demo = -torch.tensor([[0.5, 1.0, 2.0, 4.0]], dtype=torch.float64)
+B_demo = torch.ones(1, 4, steps, dtype=torch.float64)
+C_demo = torch.full((1, 4, steps), 0.25, dtype=torch.float64)
+y_demo, _ = selective_scan_ref(u_demo, delta_demo, A_demo, B_demo, C_demo, return_last_state=True)
+
+fig, (ax_in, ax_out) = plt.subplots(1, 2, figsize=(11, 3.2))
+ax_in.plot(u_demo[0, 0], color=COLORS["x"], label="input $u_t$")
+ax_in.plot(delta_demo[0, 0], color=COLORS["decay"], label=r"step size $\Delta_t$")
+ax_in.set(title="inputs", xlabel="time step $t$")
+ax_in.legend(fontsize="small")
+ax_out.plot(y_demo[0, 0], color=COLORS["y"], label="$y_t = C h_t$")
+ax_out.axvline(48, color=COLORS["decay"], ls=":", label=r"large $\Delta$: reset")
+ax_out.set(title="output of one channel", xlabel="time step $t$")
+ax_out.legend(fontsize="small")
+plt.tight_layout()
+
+# %% [markdown]
+# ## One program, one batch row, a block of channels
+#
+# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $u_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one program owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
+#
+# 1. loads `u`, `Δ` (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
+# 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $x = \Delta u B$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
+# 3. scans the pairs $(a, x)$ along time with `tl.associative_scan` and the first-order combine of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
+# 4. adds the carry: $h_t = \big(\prod_{s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of the first half;
+# 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D u$, times $\operatorname{silu}(z)$) and stores it;
+# 6. keeps the last column of $h$ as the next chunk's carry.
+#
+# `BLOCK_D` divides `dim / groups`, so a program reads a single group's `B` and `C`. $N$ is padded to a power of two with $A = 0$ and $B = C = 0$ on the padding, which keeps those states at zero. Steps past $L$ get $\Delta = 0$: $a = 1$, $x = 0$, so the last column of the last chunk is the state at step $L - 1$, which `return_last_state` returns.
+
+# %%
+def draw_tile_schedule(channels=2, dstate=3, chunks=3, chunk_len=4):
+    """Rows: (channel, state) pairs of one program; columns: time. Chunks are scanned in parallel
+    inside, linked by carries (red); each column's states contract with C into y (green)."""
+    rows = channels * dstate
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    for c in range(chunks):
+        x0 = c * (chunk_len + 1)
+        for r in range(rows):
+            for s in range(chunk_len):
+                ax.add_patch(Rectangle((x0 + s, r), 0.9, 0.9, color=COLORS["h"], alpha=0.25 + 0.15 * (r // dstate)))
+        ax.annotate("", xy=(x0 + chunk_len - 0.1, -0.4), xytext=(x0, -0.4),
+                    arrowprops=dict(arrowstyle="->", color=COLORS["h"]))
+        ax.text(x0 + chunk_len / 2, -1.0, f"chunk {c}: associative scan", ha="center", fontsize=8, color=COLORS["h"])
+        for s in range(chunk_len):
+            ax.add_patch(Rectangle((x0 + s, rows + 0.5), 0.9, 0.9, color=COLORS["y"], alpha=0.6))
+        if c + 1 < chunks:
+            for r in range(rows):
+                ax.add_patch(FancyArrowPatch((x0 + chunk_len - 0.1, r + 0.45), (x0 + chunk_len + 1, r + 0.45),
+                                             arrowstyle="->", color=COLORS["carry"], mutation_scale=8))
+    for ch in range(channels):
+        ax.text(-0.3, ch * dstate + dstate / 2, f"channel {ch}\n(N = {dstate} states)", ha="right", va="center", fontsize=8)
+    ax.text(-0.3, rows + 0.95, "y (sum over n of C h)", ha="right", va="center", fontsize=8, color=COLORS["y"])
+    ax.set_xlim(-4, chunks * (chunk_len + 1))
+    ax.set_ylim(-1.4, rows + 1.8)
+    ax.axis("off")
+    ax.set_title("one program: BLOCK_D channels x N states in registers, time in chunks, carries in red")
+
+
+draw_tile_schedule()
+
+# %% [markdown]
+# The forward kernel, from `mamba_annotated/scan/selective.py`:
+
+# %%
+show_source(selective_scan_fwd_kernel)
+
+# %% [markdown]
+# `selective_scan` validates its inputs, makes them contiguous and launches it. The next cell checks it against the float64 reference with every option on (bias, softplus, $D$, $z$) and the last state, on a length that is not a multiple of the chunk, in every input dtype (float32 accumulation inside; the output is rounded once to the input dtype):
+
+# %%
+def make_inputs(batch, dim, dstate, length, dtype=torch.float32, groups=None):
+    bc_shape = (batch, dstate, length) if groups is None else (batch, groups, dstate, length)
+    return dict(
+        u=randn(batch, dim, length, dtype=dtype),
+        delta=randn(batch, dim, length, dtype=dtype, scale=0.5),    # raw: softplus makes it a step size
+        A=-uniform(dim, dstate, low=0.2, high=2.0),
+        B=randn(*bc_shape, dtype=dtype),
+        C=randn(*bc_shape, dtype=dtype),
+        D=randn(dim),
+        z=randn(batch, dim, length, dtype=dtype),
+        delta_bias=randn(dim, scale=0.3),
+    )
+
+
+batch, dim, dstate = runtime.size(gpu=(4, 256, 16), cpu=(1, 4, 8))
+length = runtime.size(gpu=2000, cpu=3 * FWD_BLOCK_L + 5)
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    inputs = make_inputs(batch, dim, dstate, length, dtype)
+    y, last_state = selective_scan(**inputs, delta_softplus=True, return_last_state=True)
+    y_ref, last_ref = selective_scan_ref(**inputs, delta_softplus=True, return_last_state=True)
+    name = str(dtype).removeprefix("torch.")
+    check(f"y, {name}", y, y_ref, tolerance(dtype))
+    check(f"last state, {name}", last_state, last_ref, tolerance(dtype))
+
+# %% [markdown]
+# Edge cases: a single step, exactly one chunk, a state size that is not a power of two, and groups (here 3 groups of 2 channels, so each program holds 2 channels):
+
+# %%
+cases = {
+    "one step": make_inputs(2, 4, 4, 1),
+    "exactly one chunk": make_inputs(1, 4, 4, FWD_BLOCK_L),
+    "N = 5 (padded to 8)": make_inputs(1, 4, 5, 21),
+    "3 groups of 2 channels": make_inputs(2, 6, 4, 19, groups=3),
+}
+for name, inputs in cases.items():
+    check(name, selective_scan(**inputs, delta_softplus=True), selective_scan_ref(**inputs, delta_softplus=True),
+          tolerance(torch.float32))
+
+# %% [markdown]
+# ## The backward pass
+#
+# Let $g_t = \partial \mathcal{L} / \partial y_t$ (after the gate: $g_t \leftarrow g_t \operatorname{silu}(z_t)$). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + x_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
+#
+# $$
+# \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + \bar g_{\text{last}},
+# $$
+#
+# the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $\bar g_{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
+#
+# $$
+# \frac{\partial \mathcal{L}}{\partial x_t} = \lambda_t, \qquad
+# \frac{\partial \mathcal{L}}{\partial a_t}\, a_t = \lambda_t\, a_t h_{t-1} = \lambda_t\, (h_t - x_t),
+# $$
+#
+# and the chain rule through $x = \Delta u B$ and $a = e^{\Delta A}$ gives every input:
+#
+# $$
+# \partial u_t = \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \quad
+# \partial \Delta_t = u_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}(h_{nt} - x_{nt}), \quad
+# \partial A_n = \sum_{b, t} \Delta_t \lambda_{nt} (h_{nt} - x_{nt}),
+# $$
+#
+# $$
+# \partial B_{nt} = \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} u_{dt}, \quad
+# \partial C_{nt} = \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \quad
+# \partial D = \sum_{b,t} g_t u_t, \quad
+# \partial z_t = g^{\text{out}}_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
+# $$
+#
+# and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + b)$, summed over batch and time for `delta_bias`. The identity $a_t h_{t-1} = h_t - x_t$ saves computing $h_{t-1}$, which would need either a third exponential or a shifted scan.
+#
+# The backward kernel needs $h_t$, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 ($L/$`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
+
+# %%
+show_source(selective_scan_bwd_kernel)
+
+# %% [markdown]
+# Every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the interpreter, 32 on a GPU), and once more through the last state:
+
+# %%
+def check_gradients(label, inputs, dtype, use_last_state=False):
+    def run(scan, **kw):
+        y, last = scan(**kw, delta_softplus=True, return_last_state=True)
+        return torch.cat([y.flatten().double(), last.flatten().double()]) if use_last_state else y
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    out = run(selective_scan, **leaves)
+    grad_out = randn(*out.shape, dtype=torch.float64)
+    got = torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
+    ref_leaves = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    want = torch.autograd.grad(run(selective_scan_ref, **ref_leaves), list(ref_leaves.values()), grad_out)
+    for name, g, w in zip(leaves, got, want):
+        check(f"{label}: grad {name}", g, w, tolerance(dtype))
+
+
+grad_length = runtime.size(gpu=1000, cpu=2 * BWD_BLOCK_L + 3)
+check_gradients("float32", make_inputs(2, 4, 4, grad_length), torch.float32)
+check_gradients("bfloat16", make_inputs(1, 4, 4, grad_length, torch.bfloat16), torch.bfloat16)
+check_gradients("through the last state", make_inputs(1, 4, 4, grad_length), torch.float32, use_last_state=True)
+
+# %% [markdown]
+# ## Speed
+#
+# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $u$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per SM: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
+#
+# **The peers**, timed in one run by `benchmarks/bench_selective_scan.py`: mamba.py's parallel scan {cite}`repo_mambapy` (`mambapy.pscan.pscan` fed the materialized $e^{\Delta A}$ and $\Delta B u$ in its layout `(batch, L, dim, N)`, then the $C$ contraction, exactly as its `selective_scan` does) and mamba_ssm's PyTorch reference {cite}`repo_mamba` (a Python loop over time; its backward ran once, not repeated). The plot shows the stored run; the cell below it times this machine.
+
+# %% tags=["nbval-ignore-output"]
+stored = pathlib.Path("data/selective_scan_bench.json")
+if stored.exists():
+    result = json.loads(stored.read_text())
+    print(f"stored run: {result['device']}, batch {result['batch']}, dim {result['dim']}, N {result['dstate']}, "
+          f"L {result['length']}, {result['dtype']} inputs")
+    print_table([{k: r[k] for k in ("implementation", "passes", "ms", "pct_of_floor", "speedup_vs_mambapy")}
+                 for r in result["rows"]])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    colors = {"selective_scan (ours)": COLORS["y"], "mamba.py pscan": COLORS["x"],
+              "mamba_ssm selective_scan_ref": COLORS["decay"]}
+    for ax, passes in zip(axes, ("forward", "forward+backward")):
+        rows = [r for r in result["rows"] if r["passes"] == passes]
+        ax.bar([r["implementation"].replace(" ", "\n", 1) for r in rows], [r["ms"] for r in rows],
+               color=[colors[r["implementation"]] for r in rows])
+        ax.axhline(result["floors"][passes]["floor_ms"], color="black", ls="--", label="floor (exp units)")
+        ax.set_yscale("log")
+        ax.set(title=f"{passes} ({result['device']})", ylabel="median time (ms), log scale")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize="small")
+    plt.tight_layout()
+else:
+    print("no stored benchmark run (run benchmarks/bench_selective_scan.py --json book/data/selective_scan_bench.json)")
+
+# %% [markdown]
+# On the H200 the fused kernel is about 9× faster than mamba.py forward and 7.6× forward+backward, and far ahead of the PyTorch loop; the backward of mamba_ssm's loop is slowest, probably because autograd writes a full-size gradient of the `(batch, dim, L, N)` tensors for every time-step slice it reads. The kernel is still 20× (forward) and 38× (forward+backward) above the exponential floor: the 3-d tiles pay for layout conversions between the `(BLOCK_D, BLOCK_L)` loads and the `(BLOCK_D, N, BLOCK_L)` scan, for the scan's cross-thread steps, and for extracting the carry column with a reduction; mamba_ssm's CUDA kernel sidesteps most of this by giving each thread a run of time steps of one channel and looping over $n$, so no 3-d tile exists.
+#
+# The same comparison on this machine, at a size that fits it: the fused kernel beside the naive way built from this chapter's own pieces, materializing $a$ and $x$ as `(batch, dim, N, L)` float32 tensors and calling `linear_scan`:
+
+# %% tags=["nbval-ignore-output"]
+def materialized_selective_scan(u, delta, A, B, C, D):
+    """Discretize in PyTorch, scan with linear_scan, contract with C: N times the bytes of the fused kernel."""
+    a = torch.exp(delta.float()[:, :, None, :] * A[None, :, :, None])
+    x = (delta.float() * u.float())[:, :, None, :] * B.float()[:, None, :, :]
+    h = linear_scan(a, x)
+    return ((h * C.float()[:, None, :, :]).sum(2) + D[:, None] * u.float()).to(u.dtype)
+
+
+sizes = runtime.size(gpu=(8, 2048, 16, 4096), cpu=(1, 8, 16, 64))
+inputs = dict(u=randn(*sizes[:2], sizes[3], dtype=torch.bfloat16),
+              delta=uniform(*sizes[:2], sizes[3], low=0.01, high=0.2, dtype=torch.bfloat16),
+              A=-uniform(sizes[1], sizes[2], low=0.5, high=16.0),
+              B=randn(sizes[0], sizes[2], sizes[3], dtype=torch.bfloat16),
+              C=randn(sizes[0], sizes[2], sizes[3], dtype=torch.bfloat16),
+              D=randn(sizes[1]))
+grad_y = randn(*sizes[:2], sizes[3], dtype=torch.bfloat16)
+timing_rows = []
+for name, fn in [("selective_scan (fused)", selective_scan), ("materialized + linear_scan", materialized_selective_scan)]:
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    with torch.no_grad():
+        forward_ms = median_ms(lambda: fn(**leaves))
+    both_ms = median_ms(lambda: torch.autograd.grad(fn(**leaves), list(leaves.values()), grad_y))
+    timing_rows.append(dict(implementation=name, forward_ms=forward_ms, forward_backward_ms=both_ms))
+print(f"device: {runtime.device_name()}; batch, dim, N, L = {sizes}, bfloat16")
+print_table(timing_rows)
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# The selective scan is the first-order scan of the first half of this chapter with the inputs computed on chip: per chunk, the kernel forms $e^{\Delta A}$ and $\Delta B u$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $u, \Delta, A, B, C, D, z$ and the bias — checked against float64.
+#
+# The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that tensor cores cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \circ \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
+#
+# **Exercise** (checked by `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py`). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * u$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?

@@ -1,0 +1,141 @@
+"""Chapter 4's linear_scan against the float64 loop: every path (chained walk, three phases), any
+length, forward and gradients, every dtype, reverse, initial state, bad inputs."""
+import pytest
+import torch
+
+from mamba_annotated.scan import linear_scan
+from mamba_annotated.runtime import DEVICE, size
+from mamba_annotated.scan.blocked import linear_scan_backward, linear_scan_forward, plan
+from mamba_annotated.scan.reference import linear_scan_ref
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, gradients, randn,
+                                     tolerance, uniform)
+
+
+def make_inputs(shape, dtype, with_h0):
+    a = uniform(*shape, low=0.6, high=1.0, dtype=dtype)  # decays in (0.6, 1): state neither explodes nor vanishes
+    b = randn(*shape, dtype=dtype)
+    h0 = randn(*shape[:-1]) if with_h0 else None
+    return a, b, h0
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("length", [1, 7, 100, 1000])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_forward_and_gradients(dtype, length, reverse):
+    rows = size(gpu=333, cpu=3)
+    a, b, h0 = make_inputs((rows, length), dtype, with_h0=True)
+    tol = tolerance(dtype)
+    assert_close(linear_scan(a, b, h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+                           lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tol)
+
+
+# (block, blocks_per_segment): one block; a chained walk of many blocks; three phases with one,
+# two and three blocks per segment (the last segment short); phase 2 itself chaining blocks.
+PATHS = [(256, None), (16, 1000), (16, 1), (16, 2), (16, 3), (4, 1)]
+
+
+@pytest.mark.parametrize("block, blocks_per_segment", PATHS)
+@pytest.mark.parametrize("length", [1, 16, 97, 130])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_path_forward_and_backward(block, blocks_per_segment, length, reverse):
+    a, b, h0 = make_inputs((2, length), torch.float32, with_h0=True)
+    tol = tolerance(torch.float32)
+    h = linear_scan_forward(a, b, h0, reverse, block=block, blocks_per_segment=blocks_per_segment)
+    assert_close(h, linear_scan_ref(a, b, h0, reverse), tol, "h")
+    grad_h = randn(2, length, dtype=torch.float64)
+    got = linear_scan_backward(a, h, h0, grad_h.float(), reverse, block=block, blocks_per_segment=blocks_per_segment)
+    inputs = dict(a=a.double().requires_grad_(), b=b.double().requires_grad_(), h0=h0.double().requires_grad_())
+    want = gradients(lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, grad_h)
+    for name, value in zip(("a", "b", "h0"), got):
+        assert_close(value, want[name], tol, f"grad {name}")
+
+
+def test_plan_uses_one_segment_when_rows_fill_the_machine_and_several_when_not():
+    assert plan(rows=100_000, length=1 << 20, block=1024)[1:] == (1024, 1)
+    assert plan(rows=4, length=7)[0] == 8  # a short row gets a short block, not idle lanes
+    if DEVICE.type == "cuda":
+        block, per_segment, segments = plan(rows=1, length=1 << 20, block=1024)
+        assert segments > 1 and segments * per_segment >= 1024
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 3, 17), (70, 5)])
+def test_leading_dims_without_initial_state(shape):
+    a, b, _ = make_inputs(shape, torch.float32, with_h0=False)
+    assert_close(linear_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_())
+    assert_gradients_close(linear_scan, linear_scan_ref, inputs, tolerance(torch.float32))
+
+
+def test_noncontiguous_input_is_copied_not_misread():
+    a, b, _ = make_inputs((9, 40), torch.float32, with_h0=False)
+    a_t = a.t().contiguous().t()  # same values, transposed strides
+    assert not a_t.is_contiguous()
+    assert_close(linear_scan(a_t, b), linear_scan_ref(a, b), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_initial_state_of_another_dtype(reverse):
+    a, b, _ = make_inputs((6, 25), torch.bfloat16, with_h0=False)
+    h0 = randn(6, dtype=torch.float32, scale=3.0)
+    assert_close(linear_scan(a, b, h0, reverse), linear_scan_ref(a, b, h0, reverse), tolerance(torch.bfloat16))
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+                           lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tolerance(torch.bfloat16))
+
+
+def test_reverse_is_the_flipped_forward_scan():
+    # chapter 4, exercise 2
+    a, b, h0 = make_inputs((4, 90), torch.float32, with_h0=True)
+    assert_close(linear_scan(a, b, h0, reverse=True), linear_scan(a.flip(-1), b.flip(-1), h0).flip(-1),
+                 tolerance(torch.float32))
+
+
+def blocked_reference(a, b, h0, reverse, block=1024):
+    """float64 scan of long rows in O(L / block + block) Python steps: scan inside blocks, then
+    carry the block end states across blocks (the loop reference would take L steps)."""
+    if reverse:
+        return blocked_reference(a.flip(-1), b.flip(-1), h0, False, block).flip(-1)
+    rows, length = a.shape
+    pad = -length % block
+    a = torch.nn.functional.pad(a.double(), (0, pad), value=1.0).view(rows, -1, block)
+    b = torch.nn.functional.pad(b.double(), (0, pad), value=0.0).view(rows, -1, block)
+    local = linear_scan_ref(a, b)
+    decay = torch.cumprod(a, dim=-1)
+    ends = linear_scan_ref(decay[..., -1], local[..., -1], h0)
+    carry_in = torch.cat([h0.double()[:, None], ends[:, :-1]], dim=1)
+    return (local + decay * carry_in[..., None]).view(rows, -1)[:, :length]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="a million steps needs compiled kernels")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("rows, length", [(3, 1 << 20), (200, 100_000)])
+def test_long_rows_forward_and_backward(dtype, reverse, rows, length):
+    a, b, h0 = make_inputs((rows, length), dtype, with_h0=True)
+    tol = tolerance(dtype)
+    h = linear_scan_forward(a, b, h0, reverse)
+    assert_close(h, blocked_reference(a, b, h0, reverse), tol, "h")
+    # the adjoint is the reverse scan of (a one step later, g): check db and da = db * h_{t-1}
+    grad_h = randn(rows, length, dtype=dtype)
+    grad_a, grad_b, grad_h0 = linear_scan_backward(a, h, h0, grad_h, reverse)
+    shift = 1 if reverse else -1  # where "one forward step later" sits, as a roll of the time axis
+    a_later = torch.roll(a.double(), shift, dims=-1)
+    a_later[:, -1 if not reverse else 0] = 0.0
+    lam = blocked_reference(a_later, grad_h, torch.zeros(rows, device=a.device), not reverse)
+    h_ref = blocked_reference(a, b, h0, reverse)
+    h_earlier = torch.roll(h_ref, -shift, dims=-1)
+    h_earlier[:, 0 if not reverse else -1] = h0.double()
+    first = -1 if reverse else 0
+    assert_close(grad_b, lam, tol, "grad b")
+    assert_close(grad_a, lam * h_earlier, tol, "grad a")
+    assert_close(grad_h0, a.double()[:, first] * lam[:, first], tol, "grad h0")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")
+def test_wrong_device_is_refused():
+    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    with pytest.raises(ValueError, match="a is on cpu"):
+        linear_scan(a.cpu(), b.cpu())

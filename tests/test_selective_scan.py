@@ -1,0 +1,213 @@
+"""Chapter 4's selective scan against the float64 loop: forward, every gradient, options, bad inputs."""
+import pathlib
+import sys
+import types
+
+import pytest
+import torch
+
+from mamba_annotated.runtime import DEVICE, size
+from mamba_annotated.scan.api import selective_scan
+from mamba_annotated.scan.reference import selective_scan_ref
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, randn,
+                                     tolerance, uniform)
+
+ALL_OPTIONS = dict(D=True, z=True, delta_bias=True, delta_softplus=True)
+
+
+def make_inputs(batch, dim, dstate, length, dtype=torch.float32, groups=None, D=False, z=False,
+                delta_bias=False, delta_softplus=False):
+    """Random inputs in the ranges Mamba uses: A < 0 (decays), delta > 0 after softplus."""
+    bc_shape = (batch, dstate, length) if groups is None else (batch, groups, dstate, length)
+    inputs = dict(
+        u=randn(batch, dim, length, dtype=dtype),
+        # raw delta around 0 when softplus follows (as in Mamba), else already a step size
+        delta=(randn(batch, dim, length, dtype=dtype, scale=0.5) if delta_softplus
+               else uniform(batch, dim, length, low=0.02, high=0.6, dtype=dtype)),
+        A=-uniform(dim, dstate, low=0.2, high=2.0),
+        B=randn(*bc_shape, dtype=dtype),
+        C=randn(*bc_shape, dtype=dtype),
+        D=randn(dim) if D else None,
+        z=randn(batch, dim, length, dtype=dtype) if z else None,
+        delta_bias=randn(dim, scale=0.3) if delta_bias else None,
+    )
+    return inputs, dict(delta_softplus=delta_softplus)
+
+
+def check_forward_and_gradients(inputs, flags, tol, return_last_state=False):
+    ours = selective_scan(**inputs, **flags, return_last_state=return_last_state)
+    ref = selective_scan_ref(**inputs, **flags, return_last_state=return_last_state)
+    if return_last_state:
+        assert ours[1].dtype == torch.float32
+        assert_close(ours[1], ref[1], tol, "last state")
+        ours, ref = ours[0], ref[0]
+    assert ours.dtype == inputs["u"].dtype
+    assert_close(ours, ref, tol, "y")
+    leaves = {k: (v.requires_grad_() if v is not None else None) for k, v in inputs.items()}
+    assert_gradients_close(lambda **kw: selective_scan(**kw, **flags), lambda **kw: selective_scan_ref(**kw, **flags),
+                           leaves, tol)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("length", [1, 16, 41])
+def test_forward_and_gradients_with_every_option(dtype, length):
+    # 41 = two full chunks of 16 steps and a ragged one on CPU
+    inputs, flags = make_inputs(1, 4, 4, length, dtype, **ALL_OPTIONS)
+    check_forward_and_gradients(inputs, flags, tolerance(dtype), return_last_state=True)
+
+
+def test_plain_scan_no_options_longer_sequence():
+    inputs, flags = make_inputs(2, 4, 4, size(gpu=1000, cpu=130))
+    check_forward_and_gradients(inputs, flags, tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dim, groups, dstate", [(8, 2, 4), (6, 3, 5), (4, 1, 16)])
+def test_groups_and_state_sizes(dim, groups, dstate):
+    # (6, 3): two channels per group; dstate 5 is not a power of two; groups=1 is the 4-d form of B, C
+    inputs, flags = make_inputs(2, dim, dstate, 23, groups=groups, D=True, delta_bias=True)
+    check_forward_and_gradients(inputs, flags, tolerance(torch.float32), return_last_state=True)
+
+
+def test_gradient_through_the_last_state():
+    inputs, flags = make_inputs(1, 4, 4, 37, z=True, delta_softplus=True)
+
+    def y_and_last_state(scan):
+        def run(**kw):
+            y, last = scan(**kw, **flags, return_last_state=True)
+            return torch.cat([y.flatten(), last.flatten()])
+        return run
+
+    leaves = {k: (v.requires_grad_() if v is not None else None) for k, v in inputs.items()}
+    assert_gradients_close(y_and_last_state(selective_scan), y_and_last_state(selective_scan_ref), leaves,
+                           tolerance(torch.float32))
+
+
+def test_large_steps_and_strong_decay():
+    """delta up to 5 and A down to -8: a_t down to e^-40, where h_t - x_t must stay accurate."""
+    inputs, flags = make_inputs(1, 4, 4, 29, D=True)
+    inputs["delta"] = uniform(1, 4, 29, low=0.01, high=5.0)
+    inputs["A"] = -uniform(4, 4, low=0.05, high=8.0)
+    check_forward_and_gradients(inputs, flags, tolerance(torch.float32))
+
+
+def test_softplus_far_from_zero():
+    """Raw delta in (-30, 30): softplus returns its input past 20 and is nearly 0 far below."""
+    inputs, flags = make_inputs(1, 4, 4, 25, delta_softplus=True)
+    inputs["delta"] = uniform(1, 4, 25, low=-30.0, high=30.0)
+    inputs["A"] = -uniform(4, 4, low=0.01, high=0.1)  # keep exp(delta * A) away from 0 at delta = 30
+    check_forward_and_gradients(inputs, flags, tolerance(torch.float32))
+
+
+def test_inputs_of_mixed_dtypes():
+    """bfloat16 activations with float32 B, C (as when B, C come from a float32 projection)."""
+    inputs, flags = make_inputs(2, 4, 4, 21, torch.bfloat16, **ALL_OPTIONS)
+    inputs.update(B=inputs["B"].float(), C=inputs["C"].float())
+    check_forward_and_gradients(inputs, flags, tolerance(torch.bfloat16), return_last_state=True)
+
+
+def test_gradients_are_deterministic():
+    """dB and dC are per-program partial sums added in a fixed order: no atomics, same bits every run."""
+    inputs, flags = make_inputs(2, 8, 4, 33, groups=2, D=True)
+    leaves = {k: v.requires_grad_() for k, v in inputs.items() if v is not None}
+    grad_y = randn(2, 8, 33)
+    first, second = (torch.autograd.grad(selective_scan(**leaves, **flags), list(leaves.values()), grad_y)
+                     for _ in range(2))
+    for name, g1, g2 in zip(leaves, first, second):
+        assert torch.equal(g1, g2), f"grad {name} differs between two runs"
+
+
+def test_noncontiguous_inputs_are_copied_not_misread():
+    inputs, flags = make_inputs(2, 4, 4, 19, D=True)
+    strided = dict(inputs, u=inputs["u"].transpose(0, 1).contiguous().transpose(0, 1),
+                   B=inputs["B"].transpose(1, 2).contiguous().transpose(1, 2))
+    assert not strided["u"].is_contiguous() and not strided["B"].is_contiguous()
+    assert_close(selective_scan(**strided, **flags), selective_scan_ref(**inputs, **flags), tolerance(torch.float32))
+
+
+def test_exercise_time_invariant_scan_is_a_convolution():
+    """Chapter 4's exercise: with delta, B, C constant in time (S4D), y = K * u with K_k = sum_n C_n exp(k delta A_n) delta B_n."""
+    dim, dstate, length = 4, 4, 33
+    inputs, flags = make_inputs(1, dim, dstate, length)
+    step = uniform(dim, low=0.05, high=0.5)
+    B_const, C_const = randn(dstate), randn(dstate)
+    inputs.update(delta=step[None, :, None].expand(1, dim, length),
+                  B=B_const[None, :, None].expand(1, dstate, length),
+                  C=C_const[None, :, None].expand(1, dstate, length))
+    y = selective_scan(**inputs, **flags)
+
+    # the solution: the convolution kernel, then a causal convolution
+    k = torch.arange(length, dtype=torch.float64, device=DEVICE)
+    decay = torch.exp(k[None, None, :] * (step.double()[:, None] * inputs["A"].double())[:, :, None])
+    K = (C_const.double()[None, :, None] * decay * (step.double()[:, None] * B_const.double()[None, :])[:, :, None]).sum(1)
+    u = inputs["u"].double()[0]
+    y_conv = torch.stack([(K[:, : t + 1].flip(-1) * u[:, : t + 1]).sum(-1) for t in range(length)], dim=-1)
+    assert_close(y[0], y_conv, tolerance(torch.float32), "y as a convolution")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_large_gpu_problem(dtype):
+    inputs, flags = make_inputs(2, 96, 16, 2049, dtype, groups=3, **ALL_OPTIONS)
+    check_forward_and_gradients(inputs, flags, tolerance(dtype), return_last_state=True)
+
+
+def mamba_ssm_selective_scan_ref():
+    """mamba_ssm's own PyTorch reference, or None. Its module imports the CUDA extension
+    ``selective_scan_cuda`` at the top, which the pure-Python wheel lacks; the reference never
+    calls it, so an empty stand-in module lets the import through."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from peers import mamba_ssm_module
+
+    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+    module = mamba_ssm_module("mamba_ssm.ops.selective_scan_interface")
+    return getattr(module, "selective_scan_ref", None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="mamba_ssm runs on the GPU box only")
+def test_agrees_with_mamba_ssm_reference():
+    ref = mamba_ssm_selective_scan_ref()
+    if ref is None:
+        pytest.skip("mamba_ssm is not installed")
+    inputs, flags = make_inputs(2, 64, 16, 1000, groups=2, **ALL_OPTIONS)
+    ours, ours_last = selective_scan(**inputs, **flags, return_last_state=True)
+    theirs, theirs_last = ref(**inputs, **flags, return_last_state=True)
+    assert_close(ours, theirs, 1e-5, "y vs mamba_ssm")
+    assert_close(ours_last, theirs_last, 1e-5, "last state vs mamba_ssm")
+
+
+BAD_INPUTS = [
+    (lambda i: dict(i, u=i["u"].cpu().numpy()), TypeError, "u must be a torch.Tensor"),
+    (lambda i: dict(i, u=i["u"].double(), delta=i["delta"].double()), TypeError, "u must have dtype"),
+    (lambda i: dict(i, u=i["u"][0]), ValueError, "u must have 3 dimensions"),
+    (lambda i: dict(i, u=i["u"][..., :0], delta=i["delta"][..., :0]), ValueError, "at least one channel and one time step"),
+    (lambda i: dict(i, delta=i["delta"][..., :-1]), ValueError, "delta must have the shape of u"),
+    (lambda i: dict(i, delta=i["delta"].half()), TypeError, "delta must have the dtype of u"),
+    (lambda i: dict(i, A=i["A"][:-1]), ValueError, r"A must have shape \(dim, N\)"),
+    (lambda i: dict(i, A=i["A"].to(torch.complex64)), TypeError, "A must have dtype"),
+    (lambda i: dict(i, B=i["B"][..., :-1]), ValueError, "B must have shape"),
+    (lambda i: dict(i, B=i["B"][:, :-1]), ValueError, "B must have shape"),
+    (lambda i: dict(i, B=i["B"][None]), ValueError, "B must have shape"),
+    (lambda i: dict(i, B=i["B"][:, None].expand(2, 3, 4, 10)), ValueError, "groups .* must divide dim"),
+    (lambda i: dict(i, C=i["C"][:, None]), ValueError, "C must have the shape of B"),
+    (lambda i: dict(i, C=i["C"].int()), TypeError, "C must have dtype"),
+    (lambda i: dict(i, D=torch.ones(3, device=DEVICE)), ValueError, "D must have shape"),
+    (lambda i: dict(i, z=i["z"][..., 1:]), ValueError, "z must have the shape of u"),
+    (lambda i: dict(i, delta_bias=torch.ones(4, 1, device=DEVICE)), ValueError, "delta_bias must have shape"),
+    (lambda i: dict(i, delta_bias=torch.ones(4, dtype=torch.int64, device=DEVICE)), TypeError, "delta_bias must have dtype"),
+]
+
+
+@pytest.mark.parametrize("build, error, message", BAD_INPUTS)
+def test_bad_inputs_raise_clear_errors(build, error, message):
+    inputs, flags = make_inputs(2, 4, 4, 10, D=True, z=True, delta_bias=True)
+    with pytest.raises(error, match=message):
+        selective_scan(**build(inputs), **flags)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")
+def test_wrong_device_is_refused():
+    inputs, flags = make_inputs(2, 4, 4, 10)
+    with pytest.raises(ValueError, match="B is on cpu"):
+        selective_scan(**dict(inputs, B=inputs["B"].cpu()), **flags)
