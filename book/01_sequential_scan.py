@@ -31,9 +31,10 @@ from mamba_annotated import runtime, sequential_scan
 from mamba_annotated.bench import (copy_bandwidth_gbps, gbps, median_ms, memory_floor_ms, plot_series,
                                    print_table, progress)
 from mamba_annotated.figures import COLORS, show_source
-from mamba_annotated.scan.reference import discretize, linear_scan_ref, selective_scan_ref
-from mamba_annotated.scan.sequential import sequential_scan_bwd_kernel, sequential_scan_fwd_kernel
-from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
+from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
+from mamba_annotated.scan.sequential import (sequential_scan_backward, sequential_scan_bwd_kernel,
+                                             sequential_scan_forward, sequential_scan_fwd_kernel)
+from mamba_annotated.testing import check, check_scan_gradients, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
 device = runtime.DEVICE
@@ -191,22 +192,13 @@ for dtype in (torch.float16, torch.bfloat16):
 show_source(sequential_scan_bwd_kernel)
 
 # %% [markdown]
-# We check all three gradients against autograd through the float64 loop, with a random upstream gradient (never ones: they hide sign and index errors), in both directions and for 16-bit inputs.
+# We check all three gradients that the backward launcher returns against autograd through the float64 loop, with a random upstream gradient (never ones: they hide sign and index errors), in both directions and for 16-bit inputs. (The tests also check them through `sequential_scan`'s autograd Function.)
 
 # %%
-def check_gradients(name, a, b, h0, reverse, dtype):
-    a, b = a.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
-    h0 = h0.clone().requires_grad_()
-    grad_h = randn(*a.shape, dtype=torch.float64)
-    got = torch.autograd.grad(sequential_scan(a, b, h0, reverse=reverse), (a, b, h0), grad_h.to(dtype))
-    want = torch.autograd.grad(linear_scan_ref(a, b, h0, reverse=reverse), (a, b, h0), grad_h)
-    for arg, g, w in zip(("a", "b", "h0"), got, want):
-        check(f"{name}: grad {arg}", g, w, tolerance(dtype))
-
-
-check_gradients("forward direction", a, b, h0, reverse=False, dtype=torch.float32)
-check_gradients("reverse direction", a, b, h0, reverse=True, dtype=torch.float32)
-check_gradients("bfloat16 inputs", a, b, h0, reverse=False, dtype=torch.bfloat16)
+kernels = (sequential_scan_forward, sequential_scan_backward)
+check_scan_gradients("forward direction", *kernels, a, b, h0, reverse=False)
+check_scan_gradients("reverse direction", *kernels, a, b, h0, reverse=True)
+check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0, reverse=False)
 
 # %% [markdown]
 # ## What walking time costs
@@ -240,7 +232,7 @@ plot_series(rows, "length", "ms", "implementation", floor=floor, logy=True,
 #
 # We reduced Mamba's selective SSM to the scalar recurrence $h_t = a_t h_{t-1} + b_t$, wrote it as a Triton kernel that walks time in order with the state in registers, derived its gradient (the same recurrence backwards, with shifted decays), and checked forward and backward against float64. The kernel moves the minimum number of bytes, yet stays far from the memory floor, because time is a chain of dependent steps.
 #
-# Chapter 2 breaks that chain: the step $h \mapsto a h + b$ is an affine map, composing affine maps is associative, and an associative operator can be scanned in $O(\log L)$ depth.
+# [Chapter 2](02_associative_scan.ipynb) breaks that chain: the step $h \mapsto a h + b$ is an affine map, composing affine maps is associative, and an associative operator can be scanned in $O(\log L)$ depth.
 #
 # **Exercises** (the tests in `tests/test_sequential_scan.py` check both identities):
 #

@@ -35,7 +35,8 @@ from mamba_annotated.scan.associative import (combine_both_bracketings, tuple_sc
 from mamba_annotated.scan.combine import first_order_combine, first_order_combine_torch
 from mamba_annotated.scan.log_space import log_space_scan
 from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import assert_associative, check, randn, rel_error, seed_everything, tolerance, uniform
+from mamba_annotated.testing import (assert_associative, check, check_scan_gradients, randn, rel_error, seed_everything,
+                                     tolerance, uniform)
 
 seed_everything(0)
 
@@ -232,19 +233,10 @@ show_source(tuple_scan_bwd_kernel)
 # We check all three gradients against autograd through the float64 loop, with a random upstream gradient, in both directions:
 
 # %%
-def check_gradients(name, a, b, h0, reverse):
-    h = tuple_scan_forward(a, b, h0, reverse)
-    grad_h = randn(*a.shape, dtype=torch.float64)
-    got = tuple_scan_backward(a, h, h0, grad_h.to(a.dtype), reverse)
-    leaves = [x.double().requires_grad_() for x in (a, b, h0)]
-    want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
-    for arg, g, w in zip(("a", "b", "h0"), got, want):
-        check(f"{name}: grad {arg}", g, w, tolerance(a.dtype))
-
-
-check_gradients("forward direction", a, b, h0, reverse=False)
-check_gradients("reverse direction", a, b, h0, reverse=True)
-check_gradients("bfloat16 inputs", a.bfloat16(), b.bfloat16(), h0, reverse=False)
+kernels = (tuple_scan_forward, tuple_scan_backward)
+check_scan_gradients("forward direction", *kernels, a, b, h0, reverse=False)
+check_scan_gradients("reverse direction", *kernels, a, b, h0, reverse=True)
+check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0, reverse=False)
 
 # %% [markdown]
 # ## Numerics: the tuple scan against the log-space scan

@@ -38,7 +38,7 @@ from mamba_annotated.scan import linear_scan
 from mamba_annotated.scan.blocked import (chained_scan_kernel, linear_scan_backward, linear_scan_forward, plan,
                                           segment_totals_kernel)
 from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
+from mamba_annotated.testing import check, check_scan_gradients, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
 
@@ -142,19 +142,10 @@ show_source(linear_scan_backward)
 # All gradients against autograd through the float64 loop, in both directions and on the three-phase path, with a random upstream gradient:
 
 # %%
-def check_gradients(name, a, b, h0, reverse, **path):
-    h = linear_scan_forward(a, b, h0, reverse, **path)
-    grad_h = randn(*a.shape, dtype=torch.float64)
-    got = linear_scan_backward(a, h, h0, grad_h.to(a.dtype), reverse, **path)
-    leaves = [x.double().requires_grad_() for x in (a, b, h0)]
-    want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
-    for arg, g, w in zip(("a", "b", "h0"), got, want):
-        check(f"{name}: grad {arg}", g, w, tolerance(a.dtype))
-
-
-check_gradients("planned, forward direction", a, b, h0, reverse=False)
-check_gradients("planned, reverse direction", a, b, h0, reverse=True)
-check_gradients("three phases, reverse", a, b, h0, reverse=True, block=block, blocks_per_segment=2)
+kernels = (linear_scan_forward, linear_scan_backward)
+check_scan_gradients("planned, forward direction", *kernels, a, b, h0, reverse=False)
+check_scan_gradients("planned, reverse direction", *kernels, a, b, h0, reverse=True)
+check_scan_gradients("three phases, reverse", *kernels, a, b, h0, reverse=True, block=block, blocks_per_segment=2)
 
 # %% [markdown]
 # ## `linear_scan`: the public function
