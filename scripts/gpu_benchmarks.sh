@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Run the benchmark scripts on a GPU, each timing a kernel beside its peers in one run, and store
+# their results under book/data/ where the chapters' speed sections read them. Run this before
+# scripts/gpu_pipeline.sh so the executed notebooks show the fresh results.
+#   usage: bash scripts/gpu_benchmarks.sh [linear_scan selective_scan ssd attention]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+topics=("$@")
+[ ${#topics[@]} -gt 0 ] || topics=(linear_scan selective_scan ssd attention)
+mkdir -p book/data
+failed=0
+for topic in "${topics[@]}"; do
+  echo "=== benchmarks/bench_$topic.py ==="
+  python3 "benchmarks/bench_$topic.py" --json "book/data/${topic}_bench.json" || { echo "bench_$topic failed"; failed=1; }
+done
+exit $failed
