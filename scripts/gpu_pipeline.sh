@@ -12,9 +12,16 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu
 notebooks=("$@")
 [ ${#notebooks[@]} -gt 0 ] || notebooks=(book/[0-9][0-9]_*.ipynb)
 
-python3 -m pytest -q tests -p no:cacheprovider; tests=$?
+# With pytest-xdist, tests and the nbval re-run spread over processes (compiling kernels is CPU-bound;
+# nbval's timing cells are not compared). The notebooks themselves execute one at a time, so their
+# stored timings see a quiet GPU.
+tests_parallel=() nbval_parallel=()
+if python3 -c "import xdist" 2>/dev/null; then
+  tests_parallel=(-n 12) nbval_parallel=(-n 4 --dist loadfile)
+fi
+python3 -m pytest -q -p no:cacheprovider "${tests_parallel[@]}" tests; tests=$?
 python3 scripts/execute_notebooks.py "${notebooks[@]}"; executed=$?
-python3 -m pytest -q --nbval --nbval-current-env -p no:cacheprovider "${notebooks[@]}"; nbval=$?
+python3 -m pytest -q --nbval --nbval-current-env -p no:cacheprovider "${nbval_parallel[@]}" "${notebooks[@]}"; nbval=$?
 
 status() { [ "$1" -eq 0 ] && echo PASS || echo "FAIL ($1)"; }
 echo "=== GPU pipeline on $(python3 -c 'import torch; print(torch.cuda.get_device_name())') ==="
