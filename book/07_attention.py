@@ -37,7 +37,7 @@ from mamba_annotated.attention import attention, attention_variant
 from mamba_annotated.attention.backward import (_dkdv_program, _dkdv_query_blocks, _dq_key_blocks,
                                                 attention_bwd_fused_kernel, attention_bwd_preprocess_kernel,
                                                 backward_config)
-from mamba_annotated.attention.forward import _attend_key_blocks, attention_fwd_kernel, forward_config
+from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, check_flash_rule, naive_attention
 from mamba_annotated.bench import median_ms, print_table, progress, tflops
 from mamba_annotated.figures import COLORS, show_source
@@ -163,10 +163,7 @@ plt.tight_layout()
 #
 # ## The forward kernel
 #
-# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the loop body is a helper called twice: once without the causal mask for the tiles left of the diagonal, once with it for the tiles it crosses. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
-
-# %%
-show_source(_attend_key_blocks)
+# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in shared memory (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 registers with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
 
 # %%
 show_source(attention_fwd_kernel)

@@ -19,7 +19,9 @@ Kernels
     block i); "atomic" computes dQ inside the dK/dV loop and adds it into a float32 buffer with
     atomics, which saves recomputing S and dP but makes the order of the additions, and so the
     rounding of dQ, change from run to run.
-    Causal: tiles wholly above the diagonal are skipped, tiles wholly below it run without a mask.
+    Causal: tiles wholly above the diagonal are skipped; each loop tests per block whether the
+    diagonal crosses it, and only then applies the mask (one loop per kernel: Triton gives every
+    loop its own pipeline buffers in shared memory).
 
 Shapes: q, dq (batch, seqlen_q, heads, d), k, v, dk, dv (batch, seqlen_k, kv_heads, d), out and
 dout like q; any strides with the last one 1. lse (batch, heads, seqlen_q) float32.
@@ -93,13 +95,14 @@ def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, hi,
+def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, hi, mask_until,
                        offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale,
                        stride_qm, stride_dom, stride_dqm,
-                       CAUSAL_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+                       CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
                        ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add the query blocks [lo, hi) of one head to this key block's dk, dv (transposed tiles:
-    keys down, queries across). Pointers point at block lo and are returned advanced."""
+    keys down, queries across); causal, the blocks that start before mask_until are masked.
+    Pointers point at block lo."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         if EVEN_M and EVEN_D:
@@ -117,8 +120,9 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_
             delta = tl.load(delta_ptrs, mask=rows < seqlen_q, other=0.0)
         # keys past seqlen_k were loaded as zeros: their dk, dv rows are never stored
         p_t = tl.exp2(mma(k, tl.trans(q), PRECISION) * qk_scale - lse2[None, :])
-        if CAUSAL_MASK:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+        if CAUSAL:
+            if start_m < mask_until:  # a runtime test per block, the mask only on the diagonal
+                p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
         dv += mma(rne(p_t, PRECISION).to(do.dtype), do, PRECISION)
         dp_t = mma(v, tl.trans(do), PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -132,7 +136,7 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_
         do_ptrs += BLOCK_M * stride_dom
         lse2_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
-    return dk, dv, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs
+    return dk, dv
 
 
 @triton.jit
@@ -167,14 +171,15 @@ def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query blocks [lo, full) are crossed by the diagonal, [full, end) see every key of this block.
+    # Query blocks from lo on see some key of this block; those that start before mask_until hold
+    # a row that does not see all of them (the diagonal crosses the tile). One loop, not two: a
+    # second loop would get its own pipeline buffers in shared memory.
     if CAUSAL:
         lo = tl.maximum(0, start_n - causal_offset) // BLOCK_M * BLOCK_M
-        full = tl.cdiv(tl.maximum(0, start_n + BLOCK_N - 1 - causal_offset), BLOCK_M) * BLOCK_M
-        full = tl.minimum(tl.maximum(full, lo), tl.cdiv(seqlen_q, BLOCK_M) * BLOCK_M)
+        mask_until = start_n + BLOCK_N - 1 - causal_offset
     else:
         lo = 0
-        full = 0
+        mask_until = 0
     for g in range(group):
         head = kv_head * group + g
         row_tile = lo.to(tl.int64) + tl.arange(0, BLOCK_M)[:, None]
@@ -183,16 +188,11 @@ def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2
         dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
         lse2_ptrs = lse2_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
         delta_ptrs = delta_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
-        if CAUSAL:
-            dk, dv, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs = _dkdv_query_blocks(
-                dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, full, offs_m, offs_n, offs_d,
-                seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale, stride_qm, stride_dom, stride_dqm,
-                CAUSAL_MASK=True, EVEN_M=EVEN_M, EVEN_D=EVEN_D, ATOMIC_DQ=ATOMIC_DQ, PRECISION=PRECISION,
-                BLOCK_M=BLOCK_M)
-        dk, dv, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, full, seqlen_q, offs_m, offs_n, offs_d,
-            seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale, stride_qm, stride_dom, stride_dqm,
-            CAUSAL_MASK=False, EVEN_M=EVEN_M, EVEN_D=EVEN_D, ATOMIC_DQ=ATOMIC_DQ, PRECISION=PRECISION,
+        dk, dv = _dkdv_query_blocks(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, seqlen_q, mask_until,
+            offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale,
+            stride_qm, stride_dom, stride_dqm,
+            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_D=EVEN_D, ATOMIC_DQ=ATOMIC_DQ, PRECISION=PRECISION,
             BLOCK_M=BLOCK_M)
 
     dk_ptrs = (dk_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh + start_n.to(tl.int64) * stride_dkn
@@ -209,12 +209,13 @@ def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2
 
 
 @triton.jit
-def _dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, offs_m, offs_n, offs_d,
+def _dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d,
                    seqlen_k, head_dim, causal_offset, qk_scale, stride_kn, stride_vn,
-                   CAUSAL_MASK: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                   CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add the key blocks [lo, hi) to this query block's dq. Pointers point at block lo."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """Add the key blocks [0, hi) to this query block's dq; causal, the blocks that reach past
+    mask_from are masked. Pointers point at block 0."""
+    for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         if EVEN_N and EVEN_D:
             k = tl.load(k_ptrs)
@@ -224,14 +225,15 @@ def _dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, offs_m, offs_
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         p = tl.exp2(mma(q, tl.trans(k), PRECISION) * qk_scale - lse2[:, None])
-        if CAUSAL_MASK:
-            p = tl.where(cols[None, :] <= offs_m[:, None] + causal_offset, p, 0.0)
+        if CAUSAL:
+            if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only on the diagonal
+                p = tl.where(cols[None, :] <= offs_m[:, None] + causal_offset, p, 0.0)
         dp = mma(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         dq += mma(rne(ds, PRECISION).to(k.dtype), k, PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
-    return dq, k_ptrs, v_ptrs
+    return dq
 
 
 @triton.jit
@@ -264,24 +266,19 @@ def _dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_pt
     delta = tl.load(delta_ptr + row_ptrs, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:  # the same split as the forward pass
+    if CAUSAL:  # the same bounds as the forward pass
         hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset))
-        full = tl.maximum(0, tl.minimum(hi, start_m + causal_offset + 1)) // BLOCK_N * BLOCK_N
+        mask_from = start_m + causal_offset + 1
     else:
         hi = seqlen_k
-        full = seqlen_k
+        mask_from = seqlen_k
     key_tile = offs_n[:, None]
     k_ptrs = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh + key_tile * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + key_tile * stride_vn + offs_d[None, :]
-    dq, k_ptrs, v_ptrs = _dq_key_blocks(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, 0, full, offs_m, offs_n, offs_d, seqlen_k, head_dim,
+    dq = _dq_key_blocks(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d, seqlen_k, head_dim,
         causal_offset, qk_scale, stride_kn, stride_vn,
-        CAUSAL_MASK=False, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
-    if CAUSAL:
-        dq, k_ptrs, v_ptrs = _dq_key_blocks(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, full, hi, offs_m, offs_n, offs_d, seqlen_k, head_dim,
-            causal_offset, qk_scale, stride_kn, stride_vn,
-            CAUSAL_MASK=True, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+        CAUSAL=CAUSAL, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
 
     dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
     dq = dq * softmax_scale
