@@ -5,10 +5,10 @@ import torch
 
 from mamba_annotated.scan import linear_scan
 from mamba_annotated.runtime import DEVICE, size
-from mamba_annotated.scan.blocked import linear_scan_backward, linear_scan_forward, plan
+from mamba_annotated.scan.blocked import adjoint_combine, linear_scan_backward, linear_scan_forward, plan
 from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, gradients, randn,
-                                     tolerance, uniform)
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_associative, assert_close, assert_gradients_close,
+                                     gradients, randn, tolerance, uniform)
 
 
 def make_inputs(shape, dtype, with_h0):
@@ -50,6 +50,24 @@ def test_every_path_forward_and_backward(block, blocks_per_segment, length, reve
     want = gradients(lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, grad_h)
     for name, value in zip(("a", "b", "h0"), got):
         assert_close(value, want[name], tol, f"grad {name}")
+
+
+def test_adjoint_combine_is_associative():
+    # the interpreter folds scans left to right, so only this catches a wrong regrouping on CPU
+    def sample():
+        return (uniform(5, low=0.5, high=1.5, dtype=torch.float64), uniform(5, low=0.5, high=1.5, dtype=torch.float64),
+                randn(5, dtype=torch.float64))
+    assert_associative(lambda x, y: adjoint_combine.fn(*x, *y), sample, tol=1e-12)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradients_with_zero_decays(reverse):
+    # a decay of exactly 0 cuts the row: the backward must not divide by a (as lam = mu / a would)
+    a, b, h0 = make_inputs((3, 50), torch.float32, with_h0=True)
+    a[:, ::7] = 0.0
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+                           lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tolerance(torch.float32))
 
 
 def test_plan_uses_one_segment_when_rows_fill_the_machine_and_several_when_not():

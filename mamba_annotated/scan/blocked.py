@@ -16,9 +16,15 @@ Algorithm
       kernel re-scans each segment with the previous segment's end state as carry_in. a, b are
       read twice, but a single long row now runs on many SMs at once.
 
-    The backward pass is the same machinery in ADJOINT mode: the scan runs the other way over the
-    pairs (a_{t+s}, g_t) (s = +1 forward, -1 reverse), giving lam_t = db_t, and the last phase also
-    writes da_t = lam_t * h_{t-s} (h0 at the boundary).
+    The backward pass is the same machinery in ADJOINT mode: the scan runs the other way for
+    lam_t = g_t + a_{t+s} lam_{t+s} (s = +1 forward, -1 reverse), giving lam_t = db_t, and the last
+    phase also writes da_t = lam_t * h_{t-s} (h0 at the boundary). The decay a_{t+s} belongs to the
+    step beyond t. Rather than load a one step off (a misaligned load, which is not vectorised), the
+    scan runs over triples (a_t, 1, g_t) with ``adjoint_combine``: a run applies its own first decay
+    only when it is joined to the run before it, and the carry between blocks and segments is
+    mu = a * lam of the step beyond. (H200, (12288, T) bfloat16: the backward ran 8% faster than
+    with the shifted load of a; moving a and h one step through shared memory with tl.gather
+    instead ran 30% slower.)
 
 Shapes: a, b, h, grad_h (rows, L) contiguous; h0 (rows,); totals and segment end states
 (rows, num_segments) float32. Offsets are 64-bit: rows * L may pass 2^31.
@@ -44,26 +50,44 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _block_pairs(a_ptr, b_ptr, row_start, t, length, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
-    """The (decay, input) pairs at positions t; the identity (1, 0) where t is past the end.
-
-    ADJOINT reads the decay one forward step later: the adjoint scan runs DESCENDING when the
-    forward pass ran ascending, so that step is t + 1 (t - 1 otherwise).
-    """
+def _block_pairs(a_ptr, b_ptr, row_start, t, length):
+    """The (decay, input) pairs at positions t; the identity (1, 0) where t is past the end."""
     inside = t < length
-    if ADJOINT:
-        t_decay = t + 1 if DESCENDING else t - 1
-        decay = tl.load(a_ptr + row_start + t_decay, mask=inside & (t_decay >= 0) & (t_decay < length), other=1.0)
-    else:
-        decay = tl.load(a_ptr + row_start + t, mask=inside, other=1.0)
+    decay = tl.load(a_ptr + row_start + t, mask=inside, other=1.0)
     x = tl.load(b_ptr + row_start + t, mask=inside, other=0.0)
     return decay.to(tl.float32), x.to(tl.float32)
+
+
+@triton.jit
+def adjoint_combine(alpha_left, prod_left, sum_left, alpha_right, prod_right, sum_right):
+    """The adjoint recurrence lam_t = g_t + a_{t+1} lam_{t+1} without a decay shifted by one step.
+
+    A run of steps whose nearest step to the result is s (the right operand comes later in scan
+    order) is (alpha = a_s, prod = the decays of the run's other steps, sum), meaning
+    lam_s = sum + prod * mu, with mu = a * lam of the step just beyond the run. A single step is
+    (a_t, 1, g_t); a_t is applied only when the run is joined to the one before it.
+    """
+    return alpha_right, prod_right * alpha_left * prod_left, sum_right + prod_right * alpha_left * sum_left
 
 
 @triton.jit
 def _last_in_scan_order(values, idx, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
     last = 0 if DESCENDING else BLOCK - 1
     return tl.sum(tl.where(idx == last, values, 0.0), axis=0)
+
+
+@triton.jit
+def _scan_block(decay, x, carry, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
+    """(states, block map (A, B) up to each position) for one block and the carry entering it.
+
+    ADJOINT scans (a, 1, g) triples with ``adjoint_combine``: the carry is then mu = a * lam of the
+    step beyond the block, and the map acts on mu, so a is read where it lies (aligned loads)."""
+    if ADJOINT:
+        ones = tl.full(decay.shape, 1.0, tl.float32)
+        _, prod, local = tl.associative_scan((decay, ones, x), 0, adjoint_combine, reverse=DESCENDING)
+        return local + prod * carry, decay * prod, decay * local
+    decay_cum, local = tl.associative_scan((decay, x), 0, first_order_combine, reverse=DESCENDING)
+    return local + decay_cum * carry, decay_cum, local
 
 
 @triton.jit
@@ -99,9 +123,8 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
         else:
             block = first_block + j
         t = block * BLOCK + idx
-        decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length, ADJOINT, DESCENDING)
-        decay_cum, local = tl.associative_scan((decay, x), 0, first_order_combine, reverse=DESCENDING)
-        state = local + decay_cum * carry
+        decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length)
+        state, _, _ = _scan_block(decay, x, carry, ADJOINT, DESCENDING)
         inside = t < length
         tl.store(out_ptr + row_start + t, state.to(out_ptr.dtype.element_ty), mask=inside)
         if ADJOINT:
@@ -111,7 +134,10 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
             h_earlier = tl.load(h_ptr + row_start + t_earlier, mask=has_earlier, other=0.0).to(tl.float32)
             h_earlier = tl.where(has_earlier, h_earlier, h0)
             tl.store(grad_a_ptr + row_start + t, (state * h_earlier).to(grad_a_ptr.dtype.element_ty), mask=inside)
-        carry = _last_in_scan_order(state, idx, DESCENDING, BLOCK)
+        if ADJOINT:  # the next block's carry is mu = a * lam of this block's last step in scan order
+            carry = _last_in_scan_order(decay * state, idx, DESCENDING, BLOCK)
+        else:
+            carry = _last_in_scan_order(state, idx, DESCENDING, BLOCK)
 
 
 @triton.jit
@@ -130,11 +156,10 @@ def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_
             block = first_block + n_blocks - 1 - j
         else:
             block = first_block + j
-        t = block * BLOCK + idx
-        decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length, ADJOINT, DESCENDING)
-        decay_cum, local = tl.associative_scan((decay, x), 0, first_order_combine, reverse=DESCENDING)
-        block_a = _last_in_scan_order(decay_cum, idx, DESCENDING, BLOCK)
-        block_b = _last_in_scan_order(local, idx, DESCENDING, BLOCK)
+        decay, x = _block_pairs(a_ptr, b_ptr, row_start, block * BLOCK + idx, length)
+        _, map_a, map_b = _scan_block(decay, x, 0.0, ADJOINT, DESCENDING)
+        block_a = _last_in_scan_order(map_a, idx, DESCENDING, BLOCK)
+        block_b = _last_in_scan_order(map_b, idx, DESCENDING, BLOCK)
         total_a, total_b = first_order_combine(total_a, total_b, block_a, block_b)
     out = row.to(tl.int64) * num_segments + segment
     tl.store(totals_a_ptr + out, total_a)
