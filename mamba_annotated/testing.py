@@ -73,6 +73,18 @@ def uniform(*shape, low: float, high: float, dtype=torch.float32, device=DEVICE)
     return (torch.rand(*shape, device=device) * (high - low) + low).to(dtype)
 
 
+def random_scan_inputs(shape, dtype=torch.float32, with_h0=True):
+    """Fresh (a, b, h0) for a first-order scan along the last dim of ``shape``.
+
+    Decays in (0.6, 1), so the state neither explodes nor vanishes over thousands of steps;
+    normal inputs; a float32 initial state of shape[:-1] (or None).
+    """
+    a = uniform(*shape, low=0.6, high=1.0, dtype=dtype)
+    b = randn(*shape, dtype=dtype)
+    h0 = randn(*shape[:-1]) if with_h0 else None
+    return a, b, h0
+
+
 def gradients(fn, inputs: dict, grad_out: torch.Tensor) -> dict:
     """d<fn(**inputs), grad_out>/d input for every input that requires grad."""
     leaves = {k: v.detach().clone().requires_grad_(v.requires_grad) for k, v in inputs.items() if v is not None}

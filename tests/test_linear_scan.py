@@ -8,14 +8,7 @@ from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.blocked import adjoint_combine, linear_scan_backward, linear_scan_forward, plan
 from mamba_annotated.scan.reference import linear_scan_ref
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_associative, assert_close, assert_gradients_close,
-                                     gradients, randn, tolerance, uniform)
-
-
-def make_inputs(shape, dtype, with_h0):
-    a = uniform(*shape, low=0.6, high=1.0, dtype=dtype)  # decays in (0.6, 1): state neither explodes nor vanishes
-    b = randn(*shape, dtype=dtype)
-    h0 = randn(*shape[:-1]) if with_h0 else None
-    return a, b, h0
+                                     gradients, random_scan_inputs, randn, tolerance, uniform)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -23,7 +16,7 @@ def make_inputs(shape, dtype, with_h0):
 @pytest.mark.parametrize("reverse", [False, True])
 def test_forward_and_gradients(dtype, length, reverse):
     rows = size(gpu=333, cpu=3)
-    a, b, h0 = make_inputs((rows, length), dtype, with_h0=True)
+    a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)
     assert_close(linear_scan(a, b, h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
@@ -40,7 +33,7 @@ PATHS = [(256, None), (16, 1000), (16, 1), (16, 2), (16, 3), (4, 1)]
 @pytest.mark.parametrize("length", [1, 16, 97, 130])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_every_path_forward_and_backward(block, blocks_per_segment, length, reverse):
-    a, b, h0 = make_inputs((2, length), torch.float32, with_h0=True)
+    a, b, h0 = random_scan_inputs((2, length), torch.float32, with_h0=True)
     tol = tolerance(torch.float32)
     h = linear_scan_forward(a, b, h0, reverse, block=block, blocks_per_segment=blocks_per_segment)
     assert_close(h, linear_scan_ref(a, b, h0, reverse), tol, "h")
@@ -63,7 +56,7 @@ def test_adjoint_combine_is_associative():
 @pytest.mark.parametrize("reverse", [False, True])
 def test_gradients_with_zero_decays(reverse):
     # a decay of exactly 0 cuts the row: the backward must not divide by a (as lam = mu / a would)
-    a, b, h0 = make_inputs((3, 50), torch.float32, with_h0=True)
+    a, b, h0 = random_scan_inputs((3, 50), torch.float32, with_h0=True)
     a[:, ::7] = 0.0
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
     assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
@@ -80,14 +73,14 @@ def test_plan_uses_one_segment_when_rows_fill_the_machine_and_several_when_not()
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3, 17), (70, 5)])
 def test_leading_dims_without_initial_state(shape):
-    a, b, _ = make_inputs(shape, torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs(shape, torch.float32, with_h0=False)
     assert_close(linear_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_())
     assert_gradients_close(linear_scan, linear_scan_ref, inputs, tolerance(torch.float32))
 
 
 def test_noncontiguous_input_is_copied_not_misread():
-    a, b, _ = make_inputs((9, 40), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((9, 40), torch.float32, with_h0=False)
     a_t = a.t().contiguous().t()  # same values, transposed strides
     assert not a_t.is_contiguous()
     assert_close(linear_scan(a_t, b), linear_scan_ref(a, b), tolerance(torch.float32))
@@ -95,7 +88,7 @@ def test_noncontiguous_input_is_copied_not_misread():
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_initial_state_of_another_dtype(reverse):
-    a, b, _ = make_inputs((6, 25), torch.bfloat16, with_h0=False)
+    a, b, _ = random_scan_inputs((6, 25), torch.bfloat16, with_h0=False)
     h0 = randn(6, dtype=torch.float32, scale=3.0)
     assert_close(linear_scan(a, b, h0, reverse), linear_scan_ref(a, b, h0, reverse), tolerance(torch.bfloat16))
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
@@ -105,7 +98,7 @@ def test_initial_state_of_another_dtype(reverse):
 
 def test_reverse_is_the_flipped_forward_scan():
     # chapter 4, exercise 2
-    a, b, h0 = make_inputs((4, 90), torch.float32, with_h0=True)
+    a, b, h0 = random_scan_inputs((4, 90), torch.float32, with_h0=True)
     assert_close(linear_scan(a, b, h0, reverse=True), linear_scan(a.flip(-1), b.flip(-1), h0).flip(-1),
                  tolerance(torch.float32))
 
@@ -132,7 +125,7 @@ def blocked_reference(a, b, h0, reverse, block=1024):
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("rows, length", [(3, 1 << 20), (200, 100_000)])
 def test_long_rows_forward_and_backward(dtype, reverse, rows, length):
-    a, b, h0 = make_inputs((rows, length), dtype, with_h0=True)
+    a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)
     h = linear_scan_forward(a, b, h0, reverse)
     assert_close(h, blocked_reference(a, b, h0, reverse), tol, "h")
@@ -154,6 +147,6 @@ def test_long_rows_forward_and_backward(dtype, reverse, rows, length):
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")
 def test_wrong_device_is_refused():
-    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(ValueError, match="a is on cpu"):
         linear_scan(a.cpu(), b.cpu())

@@ -6,15 +6,8 @@ from mamba_annotated import linear_scan, sequential_scan
 from mamba_annotated import runtime
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, randn,
-                                     tolerance, uniform)
-
-
-def make_inputs(shape, dtype, with_h0):
-    a = uniform(*shape, low=0.6, high=1.0, dtype=dtype)  # decays in (0.6, 1): state neither explodes nor vanishes
-    b = randn(*shape, dtype=dtype)
-    h0 = randn(*shape[:-1]) if with_h0 else None
-    return a, b, h0
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, random_scan_inputs, randn,
+                                     tolerance)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -24,7 +17,7 @@ def test_forward_and_gradients(dtype, length, reverse):
     if runtime.INTERPRETED and length > 1000 and dtype != torch.float32:
         pytest.skip("4096 steps in 16-bit run on the GPU only: the interpreter takes ~30 s each")
     channels = size(gpu=333, cpu=19)  # not a multiple of the channel block
-    a, b, h0 = make_inputs((channels, length), dtype, with_h0=True)
+    a, b, h0 = random_scan_inputs((channels, length), dtype, with_h0=True)
     tol = tolerance(dtype)
     assert_close(sequential_scan(a, b, h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
@@ -34,21 +27,21 @@ def test_forward_and_gradients(dtype, length, reverse):
 
 @pytest.mark.parametrize("shape", [(1, 1), (2, 3, 17), (70, 5)])
 def test_leading_dims_without_initial_state(shape):
-    a, b, _ = make_inputs(shape, torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs(shape, torch.float32, with_h0=False)
     assert_close(sequential_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_())
     assert_gradients_close(sequential_scan, linear_scan_ref, inputs, tolerance(torch.float32))
 
 
 def test_noncontiguous_input_is_copied_not_misread():
-    a, b, _ = make_inputs((9, 40), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((9, 40), torch.float32, with_h0=False)
     a_t, b_t = a.t().contiguous().t(), b[:, ::1]  # same values, a has transposed strides
     assert not a_t.is_contiguous()
     assert_close(sequential_scan(a_t, b_t), linear_scan_ref(a, b), tolerance(torch.float32))
 
 
 def test_initial_state_of_another_dtype():
-    a, b, _ = make_inputs((6, 25), torch.bfloat16, with_h0=False)
+    a, b, _ = random_scan_inputs((6, 25), torch.bfloat16, with_h0=False)
     h0 = randn(6, dtype=torch.float32)
     assert_close(sequential_scan(a, b, h0), linear_scan_ref(a, b, h0), tolerance(torch.bfloat16))
 
@@ -56,7 +49,7 @@ def test_initial_state_of_another_dtype():
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
 def test_large_gpu_problem():
-    a, b, h0 = make_inputs((8, 1536, 8192), torch.float32, with_h0=True)
+    a, b, h0 = random_scan_inputs((8, 1536, 8192), torch.float32, with_h0=True)
     assert_close(sequential_scan(a, b, h0), linear_scan_ref(a, b, h0), tolerance(torch.float32))
 
 
@@ -76,26 +69,26 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
 @pytest.mark.parametrize("build, error, message", BAD_INPUTS)
 def test_bad_inputs_raise_clear_errors(scan, build, error, message):
-    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(error, match=message):
         scan(**build(a, b))
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a second device type")
 def test_wrong_device_is_refused():
-    a, b, _ = make_inputs((3, 10), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(ValueError, match="a is on cpu"):
         sequential_scan(a.cpu(), b.cpu())
 
 
 def test_exercise_initial_state_folds_into_first_input():
-    a, b, h0 = make_inputs((11, 30), torch.float32, with_h0=True)
+    a, b, h0 = random_scan_inputs((11, 30), torch.float32, with_h0=True)
     b_folded = b.clone()
     b_folded[:, 0] += a[:, 0] * h0
     assert_close(sequential_scan(a, b, h0), sequential_scan(a, b_folded), tolerance(torch.float32))
 
 
 def test_exercise_reverse_is_flipped_forward():
-    a, b, _ = make_inputs((11, 30), torch.float32, with_h0=False)
+    a, b, _ = random_scan_inputs((11, 30), torch.float32, with_h0=False)
     flipped = sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)
     assert_close(sequential_scan(a, b, reverse=True), flipped, tolerance(torch.float32))
