@@ -275,10 +275,10 @@ plt.tight_layout()
 # The claim as a check: at the longest length, the log-space error is more than ten times the tuple scan's, which stays within the float32 bound.
 
 # %%
-assert errors["tuple scan (Triton, float32)"][-1] < tolerance(torch.float32)
-print("tuple scan within 1e-05 at every length:", all(e < tolerance(torch.float32) for e in errors["tuple scan (Triton, float32)"]))
-print("log-space error > 10x tuple-scan error at the longest length:",
-      errors["log-space scan (PyTorch, float32)"][-1] > 10 * errors["tuple scan (Triton, float32)"][-1])
+assert all(e < tolerance(torch.float32) for e in errors["tuple scan (Triton, float32)"])
+print("tuple scan within 1e-05 at every length: True")
+assert errors["log-space scan (PyTorch, float32)"][-1] > 10 * errors["tuple scan (Triton, float32)"][-1]
+print("log-space error > 10x tuple-scan error at the longest length: True")
 
 # %% [markdown]
 # ## Speed: a tree instead of a chain

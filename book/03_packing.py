@@ -107,7 +107,8 @@ h_packed = packed_scan_forward(a, b)
 
 # %%
 check("packed float32 vs float64", h_packed, linear_scan_ref(a, b), tolerance(torch.float32))
-print("packed float32 == tuple scan, bit for bit:", torch.equal(h_packed, tuple_scan_forward(a, b)))
+assert torch.equal(h_packed, tuple_scan_forward(a, b))
+print("packed float32 == tuple scan, bit for bit: True")
 
 # %% [markdown]
 # ## 16-bit words: the scan now accumulates in 16 bits
@@ -137,8 +138,10 @@ for dtype in (torch.bfloat16, torch.float16):
     loop_error = rel_error(sixteen_bit_loop(a16, b16), ref)
     tuple_error = rel_error(tuple_scan_forward(a16, b16), ref)
     name = str(dtype).removeprefix("torch.")
-    print(f"{name}: packed error <= 2 x error of 16-bit accumulation in PyTorch: {packed_error <= 2 * loop_error + 1e-3}")
-    print(f"{name}: tuple scan (float32 accumulation) more accurate than packed: {tuple_error < packed_error}")
+    assert packed_error <= 2 * loop_error + 1e-3, (name, packed_error, loop_error)
+    print(f"{name}: packed error <= 2 x error of 16-bit accumulation in PyTorch: True")
+    assert tuple_error < packed_error, (name, tuple_error, packed_error)
+    print(f"{name}: tuple scan (float32 accumulation) more accurate than packed: True")
 
 # %% [markdown]
 # How the gap grows with the length (bfloat16 inputs, float64 reference):

@@ -4,11 +4,16 @@ import math
 
 import pytest
 import torch
+import triton
 
-from mamba_annotated.runtime import DEVICE, size
+from mamba_annotated.runtime import DEVICE
 from mamba_annotated.ssd import ssd_chunk_scan
+from mamba_annotated.ssd.chunk_scan import chunk_scan_kernel
+from mamba_annotated.ssd.chunk_scan_bwd import (chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel,
+                                                chunk_scan_bwd_dx_kernel)
+from mamba_annotated.ssd.chunk_state import chunk_state_kernel
 from mamba_annotated.ssd.reference import ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref
-from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, randn,
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, randn, rel_error,
                                      tolerance, uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
@@ -45,11 +50,19 @@ def grad_tol(name, dtype):
     return tolerance(dtype) * (5 if dtype != torch.float32 else 10) if name in ("A", "dt_bias", "D") else tolerance(dtype)
 
 
-def check_all_gradients(fn, ref_fn, inputs, dtype):
+def check_all_gradients(fn, ref_fn, inputs, dtype, peer_fn=None):
+    """Every gradient within grad_tol of float64. With 16-bit inputs, the reductions dA and
+    d dt_bias cancel so strongly that their error depends on the inputs (2e-2 to 3e-1 was seen for
+    one case across seeds; 2e-5 with the same inputs run through float32 kernels); there the rule
+    is DESIGN.md's other one: at most twice the error of the peer's same computation at the same
+    dtype (``peer_fn``, mamba_ssm's kernels), where the peer is installed."""
     differentiable = {k: (v.requires_grad_() if k in ALL_GRADS else v) for k, v in inputs.items()}
-    strict = assert_gradients_close(fn, ref_fn, differentiable, tol=1.0)  # errors of every gradient
-    for name, err in strict.items():
-        assert err < grad_tol(name, dtype), f"grad {name}: relative error {err:.3e}"
+    errors = assert_gradients_close(fn, ref_fn, differentiable, tol=1.0)  # errors of every gradient
+    peer_errors = (assert_gradients_close(peer_fn, ref_fn, differentiable, tol=1.0)
+                   if peer_fn is not None and dtype != torch.float32 else {})
+    for name, err in errors.items():
+        bound = 2 * peer_errors[name] if name in ("A", "dt_bias") and name in peer_errors else grad_tol(name, dtype)
+        assert err < max(bound, grad_tol(name, dtype)), f"grad {name}: relative error {err:.3e}, bound {bound:.3e}"
 
 
 def test_three_references_agree():
@@ -105,6 +118,39 @@ def test_chunk_of_several_blocks_groups_and_scalar_D():
     inputs = make_inputs(length=45, heads=4, groups=1, D_shape="head", seq_idx=True)
     kw = dict(dt_softplus=True)
     check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=32, **kw),
+                        lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
+
+
+TUNED_KERNELS = (chunk_scan_kernel, chunk_state_kernel, chunk_scan_bwd_dx_kernel, chunk_scan_bwd_dcb_kernel,
+                 chunk_scan_bwd_dbc_kernel)
+
+
+def tune_small_then_wide(monkeypatch, wide):
+    """Every autotuned SSD kernel, in the interpreter too, tunes between all blocks 16 wide and all
+    blocks ``wide``; a fake timer ranks the last configuration tried fastest. So each result comes
+    from a ``wide`` run that follows trial runs of the 16-wide one on the same buffers, as on a GPU."""
+    timings = iter(range(10**6, 0, -1))
+
+    def run_once_and_rank(kernel_call, quantiles):
+        kernel_call()
+        return [next(timings)] * len(quantiles)
+
+    for kernel in TUNED_KERNELS:
+        blocks = kernel.configs[0].kwargs
+        monkeypatch.setattr(kernel, "configs", [triton.Config({k: width for k in blocks}, num_warps=4, num_stages=2)
+                                                for width in (16, wide)])
+        monkeypatch.setattr(kernel, "cache", {})
+        monkeypatch.setitem(kernel.__dict__, "do_bench", run_once_and_rank)  # shadows the cached property
+
+
+@pytest.mark.parametrize("D_shape", ["channel", "head"])
+def test_gradients_whatever_the_tuner_tried_first(monkeypatch, D_shape):
+    """Chunk 64 in one 64-row block, after trial runs with 16-row blocks: a partial result laid out
+    by the tuned block size (dD's per-block sums once were) keeps stale slots from the trials."""
+    tune_small_then_wide(monkeypatch, wide=64)
+    inputs = make_inputs(batch=1, length=64 + 37, heads=2, groups=1, D_shape=D_shape, seq_idx=True)
+    kw = dict(dt_softplus=True)
+    check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=64, **kw),
                         lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
 
 
@@ -195,19 +241,28 @@ def test_real_sizes_against_reference(chunk, headdim, dstate, groups, dtype):
     inputs = make_inputs(batch=2, length=3 * chunk + 37, heads=8, headdim=headdim, groups=groups,
                          dstate=dstate, dtype=dtype, seq_idx=True)
     kw = dict(dt_softplus=True, dt_limit=(0.01, 2.0))
+    peer = mamba_ssm_combined()
+    peer_fn = None if peer is None else (
+        lambda **a: _y_and_final(peer.mamba_chunk_scan_combined(**a, chunk_size=chunk, return_final_states=True, **kw)))
     check_all_gradients(lambda **a: _y_and_final(ssd_chunk_scan(**a, chunk_size=chunk, return_final_states=True, **kw)),
                         lambda **a: _y_and_final(ssd_quadratic_ref(**a, return_final_states=True, **kw)),
-                        inputs, dtype)
+                        inputs, dtype, peer_fn)
+
+
+def mamba_ssm_combined():
+    """mamba_ssm's Triton SSD module where the peer is installed (the GPU box's wheels), else None."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from peers import mamba_ssm_module
+    return mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
 
 
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_against_mamba_ssm(dtype):
-    import sys, pathlib
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    from peers import mamba_ssm_module
-    module = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+    module = mamba_ssm_combined()
     if module is None:
         pytest.skip("mamba_ssm not installed")
     inputs = make_inputs(batch=2, length=1000, heads=8, headdim=64, groups=2, dstate=64, dtype=dtype)
@@ -218,7 +273,6 @@ def test_against_mamba_ssm(dtype):
     # ours is at least as close to float64 as the peer (within a factor for rounding noise)
     for mine, peer, want in ((out, peer_out, ref), ((final, peer_final, ref_final))):
         assert_close(mine, want, tolerance(dtype))
-        from mamba_annotated.testing import rel_error
         assert rel_error(mine, want) <= 2 * rel_error(peer, want) + 1e-6
 
 

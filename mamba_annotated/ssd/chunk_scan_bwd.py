@@ -6,7 +6,7 @@ the state entering the chunk (both from :mod:`.state_passing`).
 
 dx kernel, for each position s (rows) and all of headdim:
     G_s   = exp(a_last - a_s) [s in the last sequence] * dS B_s  +  sum_{t >= s} CB[t, s] L[t, s] dy_t
-    dx_s  = dt_s G_s + D dy_s;   d dt_s (direct) = x_s . G_s;   dD += dy_s * x_s (partial sums)
+    dx_s  = dt_s G_s + D dy_s;   d dt_s (direct) = x_s . G_s;   dD += dy_s * x_s (partial sums, one per 16 rows)
 dCB kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share B and C,
 so their gradients add up):
     dCB[t, s] = sum_h L[t, s] dt_s (dy_t . x_s)            (the gradient of C_t . B_s)
@@ -116,8 +116,11 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
             dx += dys * D[None, :]
         else:
             dx += dys * tl.load(D_ptr + h).to(tl.float32)
-        part = (pid.to(tl.int64) * (CHUNK // 16) + pid_m) * headdim  # row blocks are >= 16 rows
-        tl.store(dD_part_ptr + part + p, tl.sum(dys * xs, axis=0), mask=p_ok)
+        # one partial sum per 16 rows of the chunk, whatever BLOCK_M is: every configuration writes
+        # every slot, so none keeps a stale value from the autotuner's trial runs of another one
+        sums = tl.sum(tl.reshape(dys * xs, (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+        slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+        tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -274,10 +277,10 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx):
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
     dx = outputs.empty(x.shape, x.dtype, x.device)
     ddt = outputs.empty(dA_cumsum.shape, torch.float32, x.device)
-    # dD: one partial row per (chunk, head, row block), summed here; BLOCK_M is tuned, so room
-    # for the most blocks (16 rows each) is zeroed and the unused rows add nothing
-    dD_part = torch.zeros((batch * n_chunks * heads, chunk_size // 16, headdim), dtype=torch.float32,
-                          device=x.device) if D is not None else None
+    # dD: one partial row per (chunk, head, 16 rows), summed here (a layout that does not depend
+    # on the tuned BLOCK_M, so each run writes all of it)
+    dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
+                            x.device) if D is not None else None
     grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
     chunk_scan_bwd_dx_kernel[grid](
         CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,

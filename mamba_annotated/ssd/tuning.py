@@ -5,6 +5,9 @@ nothing), so it gets ``cpu_config``: 16-wide blocks, the smallest that ``tl.dot`
 GPU. Configurations whose row or column blocks exceed the chunk are dropped before tuning.
 ``MAMBA_ANNOTATED_AUTOTUNE=0`` keeps only the first GPU configuration and the 16-wide one (quick
 test runs: tuning compiles every configuration for every new problem shape).
+The tuner's trial runs write the real output buffers, so a result must not depend on which
+configurations ran before: atomic accumulators go in ``reset_to_zero``, and partial results use a
+layout that every configuration writes in full (tests/test_ssd.py tunes in the interpreter too).
 """
 import os
 
