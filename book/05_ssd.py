@@ -102,7 +102,7 @@ check("quadratic form = recurrent form (final state)", h_quadratic, h_recurrent,
 dt_heat = process_dt(inputs["dt"][:1, :, :1], inputs["dt_bias"][:1], True)
 M = ssd_matrix(dt_heat, inputs["A"][:1], inputs["B"][:1, :, :1], inputs["C"][:1, :, :1])[0, 0]
 fig, ax = plt.subplots(figsize=(4.2, 3.6))
-image = ax.imshow(M.abs().log10().clamp(min=-4), cmap="Greens")
+image = ax.imshow(M.abs().log10().clamp(min=-4).cpu(), cmap="Greens")
 fig.colorbar(image, ax=ax, label="log10 |M[t, s]|")
 ax.set(title="M of one head: y = M x", xlabel="s (input position)", ylabel="t (output position)");
 
@@ -182,7 +182,7 @@ show_source(chunk_cb_kernel)
 
 # %%
 CB = chunk_cb(inputs["C"], inputs["B"], chunk)
-lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+lower = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
 check("chunk_cb (lower triangle)", CB[..., lower], steps["CB"][..., lower], tolerance(torch.float32))
 
 # %% [markdown]

@@ -75,9 +75,10 @@ for ax, causal in zip(axes, (False, True)):
     q_, k_ = q[0, :, 0], k[0, :, 0]
     scores = (q_ @ k_.T) / math.sqrt(head_dim)
     if causal:
-        scores = scores.masked_fill(torch.arange(seqlen_k)[None] > torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q,
+        scores = scores.masked_fill(torch.arange(seqlen_k, device=device)[None]
+                                    > torch.arange(seqlen_q, device=device)[:, None] + seqlen_k - seqlen_q,
                                     float("-inf"))
-    ax.imshow(torch.softmax(scores, -1), cmap="Greens")
+    ax.imshow(torch.softmax(scores, -1).cpu(), cmap="Greens")
     ax.set(title=f"P, {'causal (bottom-right)' if causal else 'full'}", xlabel="key j", ylabel="query i")
 plt.tight_layout()
 out_ref, lse_ref = attention_ref(q, k, v, causal=True)
@@ -99,8 +100,8 @@ print("out", tuple(out_ref.shape), "lse", tuple(lse_ref.shape))
 # %%
 def online_softmax_attention(q, k, v, block):
     """q (Nq, d), k, v (Nk, d), scale folded into q: one sweep over key blocks."""
-    m = torch.full((q.shape[0],), float("-inf"), dtype=q.dtype)
-    l = torch.zeros(q.shape[0], dtype=q.dtype)
+    m = torch.full((q.shape[0],), float("-inf"), dtype=q.dtype, device=q.device)
+    l = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
     acc = torch.zeros_like(q)
     for start in range(0, k.shape[0], block):
         s = q @ k[start:start + block].T
