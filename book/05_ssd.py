@@ -104,7 +104,8 @@ M = ssd_matrix(dt_heat, inputs["A"][:1], inputs["B"][:1, :, :1], inputs["C"][:1,
 fig, ax = plt.subplots(figsize=(4.2, 3.6))
 image = ax.imshow(M.abs().log10().clamp(min=-4).cpu(), cmap="Greens")
 fig.colorbar(image, ax=ax, label="log10 |M[t, s]|")
-ax.set(title="M of one head: y = M x", xlabel="s (input position)", ylabel="t (output position)");
+ax.set(title="M of one head: y = M x", xlabel="s (input position)", ylabel="t (output position)")
+plt.tight_layout()
 
 # %% [markdown]
 # ## The chunk decomposition
@@ -136,7 +137,8 @@ for k in range(1, n_chunks):
     ax.axhline(k * Q - 0.5, color="white", lw=1.5)
     ax.axvline(k * Q - 0.5, color="white", lw=1.5)
 ax.set(title="diagonal blocks: quadratic (green)\noff-diagonal: through the states (red)",
-       xlabel="s", ylabel="t");
+       xlabel="s", ylabel="t")
+plt.tight_layout()
 
 # %% [markdown]
 # The float64 chunked reference does exactly these five steps in PyTorch (`ssd_chunked_ref` in `mamba_annotated/ssd/reference.py`). It agrees with the quadratic form for any chunk size, including lengths that are not a multiple of the chunk (the last chunk is padded with $\Delta = 0$, which changes nothing).
