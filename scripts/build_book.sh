@@ -8,8 +8,13 @@ rm -rf _build/html
 jupyter-book build . -W -n --keep-going
 python - <<'PY'
 import pathlib, sys, yaml
+def files(entries):  # chapters and their sections, at any depth
+    for entry in entries:
+        yield entry["file"]
+        yield from files(entry.get("sections", []))
+
 toc = yaml.safe_load(open("_toc.yml"))
-pages = [toc["root"]] + [c["file"] for part in toc["parts"] for c in part["chapters"]]
+pages = [toc["root"]] + [page for part in toc["parts"] for page in files(part["chapters"])]
 missing = [p for p in pages if not pathlib.Path("_build/html", p + ".html").is_file()]
 if not pathlib.Path("_build/html/index.html").is_file():
     missing.append("index")
