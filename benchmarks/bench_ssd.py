@@ -22,6 +22,7 @@ from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.ssd.backward import ssd_backward  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
 from mamba_annotated.ssd.chunk_scan import chunk_scan  # noqa: E402
+from mamba_annotated.ssd import chunk_scan as chunk_scan_module, chunk_scan_bwd  # noqa: E402
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc, chunk_scan_bwd_dx  # noqa: E402
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing  # noqa: E402
@@ -32,6 +33,8 @@ SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (1, 65536, 32, 64, 128),
 ]
 CHUNK = 256
+TUNED = (chunk_scan_module.chunk_scan_kernel, chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
+         chunk_scan_bwd.chunk_scan_bwd_dcb_kernel, chunk_scan_bwd.chunk_scan_bwd_dbc_kernel)
 
 
 def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, groups=1):
@@ -130,9 +133,9 @@ def breakdown(inp, dy):
     dA, dt_out = chunk_cumsum(dt, A, bias, True, lim, CHUNK)
     CB = chunk_cb(C, B, CHUNK)
     S = chunk_state(x, B, dA, dt_out, None, True)
-    H, final = state_passing(S, dA, None, L, None, out_dtype=x.dtype)
     dH = chunk_state(dy, C, dA, dt_out, None, False)
-    dS, _, d_last = state_passing(dH, dA, None, L, None, reverse=True, forward_states=(H, final))
+    dS, _ = state_passing(dH, dA, None, L, None, reverse=True)
+    H, _, _ = state_passing(S, dA, None, L, None, grad_states=dS, out_dtype=x.dtype)
     _, ddt, _ = chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None)
     _, _, d_a = chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None)
     stages = {
@@ -142,7 +145,9 @@ def breakdown(inp, dy):
         "fwd state_passing": lambda: state_passing(S, dA, None, L, None, out_dtype=x.dtype),
         "fwd chunk_scan": lambda: chunk_scan(CB, x, None, C, H, dA, dt_out, D, None),
         "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, None, False),
-        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True, forward_states=(H, final)),
+        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True),
+        "bwd state_passing (forward, d a_last)": lambda: state_passing(S, dA, None, L, None, grad_states=dS,
+                                                                       out_dtype=x.dtype),
         "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None),
         "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None),
         "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "kernel"),
@@ -174,8 +179,11 @@ def main():
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
+    tuned = {k.fn.__name__: str(getattr(k, "best_config", None)) for k in TUNED}
+    print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(dict(device=device_name(), rows=all_rows, stages=all_stages), indent=1))
+        args.json.write_text(json.dumps(dict(device=device_name(), rows=all_rows, stages=all_stages, configs=tuned),
+                                        indent=1))
 
 
 if __name__ == "__main__":

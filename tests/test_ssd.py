@@ -243,9 +243,6 @@ def test_real_sizes_against_reference(chunk, headdim, dstate, groups, dtype):
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.xfail(strict=True, reason="known defect: with bfloat16 inputs our dA (and d dt_bias) error against float64 "
-                   "is 4-10x mamba_ssm's (0.06-0.08 vs 0.008-0.014 on an H200): 16-bit intermediates in the "
-                   "backward lose digits that the strongly cancelling sum over positions amplifies")
 @pytest.mark.parametrize("chunk, headdim, dstate, groups", [(64, 64, 64, 2), (256, 64, 256, 1)])
 def test_bfloat16_decay_gradients_within_twice_the_peer_error(chunk, headdim, dstate, groups):
     """DESIGN.md's rule for 16-bit: at most twice the error of the same computation by the peer."""

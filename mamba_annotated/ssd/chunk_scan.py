@@ -21,7 +21,6 @@ groups, Q, Q) float32; H_in (batch, chunks, heads, headdim, dstate) float32 or x
 Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
 average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
 """
-import torch
 import triton
 import triton.language as tl
 
@@ -34,7 +33,9 @@ from .tuning import autotune, config
            config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64),
            config(BLOCK_M=128, BLOCK_P=64, BLOCK_N=64, num_warps=8, num_stages=2),
            config(BLOCK_M=128, BLOCK_P=64, BLOCK_N=32, num_warps=4),
-           config(BLOCK_M=64, BLOCK_P=32, BLOCK_N=64)],
+           config(BLOCK_M=64, BLOCK_P=32, BLOCK_N=64),
+           config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, num_stages=4),
+           config(BLOCK_M=128, BLOCK_P=64, BLOCK_N=64, num_warps=8, num_stages=3)],
           config(BLOCK_M=16, BLOCK_P=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK", "HAS_Z"])
 @triton.jit
 def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,

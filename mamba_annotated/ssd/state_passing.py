@@ -6,9 +6,14 @@ Algorithm
     Backward: the same recurrence walked from the last chunk down, on gradients:
               G_chunks = d final_states (or 0);  emit dS_c = G_{c+1};  G_c = gamma_c * G_{c+1} + dH_c,
               where dH_c is what chunk c's outputs send to the state entering it. G_0 is
-              d initial_states. It also returns d a_last(c) = <dS_c, H_{c+1}> (summed per block of
-              the state; the caller adds the blocks), because dH_{c+1}/d a_last(c) = gamma_c H_c and
-              dH_{c+1}/dS_c = 1 together give <G_{c+1}, gamma_c H_c + S_c>.
+              d initial_states.
+    d a_last(c): H_{c+1} = gamma_c H_c + S_c holds a_last(c) twice. Through gamma_c it is
+              <dS_c, gamma_c H_c>, which the forward walk computes when given dS (the backward
+              pass runs the reversed walk first) from its float32 carry. Through S_c (each term
+              decayed by exp(a_last - a_s)) the dB kernel adds it, from the same per-position
+              terms it subtracts at each s: computing <dS_c, S_c> here instead would pair two
+              roundings of one large sum, and their difference reaches every step of the chunk
+              through the reverse cumulative sum of d a (bfloat16 dA had 4-10x mamba_ssm's error).
     With seq_idx, gamma_c = 0 when chunk c ends in another sequence than the one the carried state
     belongs to (the sequence of the previous chunk's last position, or of position 0 for c = 0):
     no state crosses a sequence boundary.
@@ -30,7 +35,7 @@ from .. import outputs
 
 @triton.jit
 def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitted_ptr, final_ptr,
-                         other_ptr, other_final_ptr, d_decay_ptr,
+                         grad_states_ptr, d_decay_ptr,
                          length, heads, n_chunks, state_size, stride_seq_b, stride_seq_l,
                          REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                          HAS_D_DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
@@ -51,34 +56,32 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
             c = i
         chunk = ((b * n_chunks + c) * heads + h).to(tl.int64) * state_size
         tl.store(emitted_ptr + chunk + e, H.to(emitted_ptr.dtype.element_ty), mask=mask)
-        if HAS_D_DECAY:
-            # <dS_c, H_{c+1}>, with H_{c+1} the forward state entering chunk c+1 (or the final one)
-            next_chunk = ((b * n_chunks + c + 1) * heads + h).to(tl.int64) * state_size
-            if c + 1 < n_chunks:
-                H_next = tl.load(other_ptr + next_chunk + e, mask=mask, other=0.0).to(tl.float32)
-            else:
-                H_next = tl.load(other_final_ptr + bh + e, mask=mask, other=0.0).to(tl.float32)
-            tl.store(d_decay_ptr + (pid_bh * tl.num_programs(1) + pid_e).to(tl.int64) * n_chunks + c,
-                     tl.sum(H * H_next, axis=0))
         gamma = tl.exp(tl.load(dA_cumsum_ptr + (pid_bh.to(tl.int64) * n_chunks + c) * CHUNK + CHUNK - 1))
         if HAS_SEQ_IDX:
             seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
             seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
             gamma = tl.where(seq_end == seq_carry, gamma, 0.0)
-        H = gamma * H + tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
+        H = gamma * H
+        if HAS_D_DECAY:  # <dS_c, gamma_c H_c>, summed over this program's block of the state
+            dS = tl.load(grad_states_ptr + chunk + e, mask=mask, other=0.0).to(tl.float32)
+            tl.store(d_decay_ptr + (pid_bh * tl.num_programs(1) + pid_e).to(tl.int64) * n_chunks + c,
+                     tl.sum(H * dS, axis=0))
+        H += tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
     tl.store(final_ptr + bh + e, H, mask=mask)
 
 
-def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, forward_states=None,
+def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, grad_states=None,
                   out_dtype=torch.float32):
     """Run the carry over chunks. states (batch, chunks, heads, headdim, dstate) float32.
 
     The emitted states are stored in ``out_dtype`` (the forward pass stores them in the inputs'
     16-bit dtype, as the chunk-scan kernel rounds them to it anyway; the carry stays float32).
 
-    Forward (``reverse=False``): returns (H_in per chunk, final state). Backward (``reverse=True``,
-    states = dH per chunk, initial = d final_states or None, forward_states = (H_in, final)):
-    returns (dS per chunk, d initial_states, d a_last (batch, heads, chunks)).
+    Forward (``reverse=False``): returns (H_in per chunk, final state), and with ``grad_states``
+    (dS per chunk, from the reversed walk) also the carry's share of d a_last,
+    <dS_c, gamma_c H_c> (batch, heads, chunks) float32.
+    Backward (``reverse=True``, states = dH per chunk, initial = d final_states or None):
+    returns (dS per chunk, d initial_states).
     """
     batch, n_chunks, heads, headdim, dstate = states.shape
     state_size = headdim * dstate
@@ -87,12 +90,11 @@ def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, fo
     emitted = outputs.empty(states.shape, out_dtype, states.device)
     final = outputs.empty((batch, heads, headdim, dstate), torch.float32, states.device)
     d_decay = (outputs.empty((batch, heads, n_blocks, n_chunks), torch.float32, states.device)
-               if forward_states is not None else None)
-    other, other_final = forward_states if forward_states is not None else (states, states)
+               if grad_states is not None else None)
     state_passing_kernel[(batch * heads, n_blocks)](
         states, dA_cumsum, seq_idx if seq_idx is not None else dA_cumsum,
         initial if initial is not None else states, emitted, final,
-        other, other_final, d_decay if d_decay is not None else final,
+        grad_states if grad_states is not None else states, d_decay if d_decay is not None else final,
         length, heads, n_chunks, state_size,
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         REVERSE=reverse, HAS_INIT=initial is not None, HAS_SEQ_IDX=seq_idx is not None,
