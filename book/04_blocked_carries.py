@@ -35,8 +35,8 @@ from mamba_annotated import runtime, sequential_scan
 from mamba_annotated.bench import gbps, median_ms, memory_floor_ms, print_table
 from mamba_annotated.figures import COLORS, show_source
 from mamba_annotated.scan import linear_scan
-from mamba_annotated.scan.blocked import (_scan_block, adjoint_combine, chained_scan_kernel, linear_scan_backward,
-                                          linear_scan_forward, plan, segment_totals_kernel)
+from mamba_annotated.scan.blocked import (_scan_block, _scan_rows_descending, adjoint_combine, chained_scan_kernel,
+                                          linear_scan_backward, linear_scan_forward, plan, segment_totals_kernel)
 from mamba_annotated.scan.reference import linear_scan_ref
 from mamba_annotated.testing import check, check_scan_gradients, randn, seed_everything, tolerance, uniform
 
@@ -92,7 +92,7 @@ plt.tight_layout()
 # %% [markdown]
 # ## The kernels
 #
-# `chained_scan_kernel` walks the blocks of one (row, segment) in scan order. The carry is the state entering the segment: the initial state for the first segment, or, when phases 1 and 2 ran, the end state of the previous segment. Blocks are aligned at $t = 0$ and the last one is padded with the identity $(1, 0)$; `DESCENDING` walks blocks from the end and scans each with `reverse=True`, which serves both `reverse=True` and the backward pass. The last state in scan order is pulled out of the block with a masked sum (`_last_in_scan_order`).
+# `chained_scan_kernel` walks the blocks of one (row, segment) in scan order. The carry is the state entering the segment: the initial state for the first segment, or, when phases 1 and 2 ran, the end state of the previous segment. Blocks are aligned at $t = 0$ and the last one is padded with the identity $(1, 0)$; `DESCENDING` walks blocks from the end, which serves both `reverse=True` and the backward pass; it scans each block as a tile of rows rather than with `tl.associative_scan(..., reverse=True)`, for a reason the speed section below measures. The last state in scan order is pulled out of the block with a masked sum (`_last_in_scan_order`).
 
 # %%
 show_source(chained_scan_kernel)
@@ -291,7 +291,16 @@ axes[0].legend(fontsize="x-small")
 plt.tight_layout()
 
 # %% [markdown]
-# **Where the backward pass loses.** In float32 the forward and the forward+backward passes stay within a few percent of the floor; in bfloat16 the forward does too, but forward+backward stops near 70%. The bytes are not the problem: on the H200, a kernel with the backward's exact loads and stores (including the load of $h$ one step off) but no scan ran at 95% of the floor in bfloat16, and the real backward at 58%. The cost is the *reverse* scan. `tl.associative_scan(..., reverse=True)` reverses the order of its elements across lanes and warps, and that shows even in the forward pass: `linear_scan(reverse=True)` reached 44% of the floor where the ascending scan reached 97%. Half-precision halves the bytes per step but not this work, which is why only 16-bit inputs expose it. Doubling the backward's block to 2048 steps (fewer carries per row) is what helped: float32 at $T = 100\,000$ went from 89.4% to 90.6% of the floor in the backward kernel, bfloat16 from 58.5% to 60.4%. What did not help: an ascending scan over loads taken in reversed order (56%), one row of 8 steps per thread with a scan across rows (43%), two rows per program (59%) and software-pipelining the loop over blocks (57%).
+# ### Scanning backwards without `reverse=True`
+#
+# The backward pass of the forward recurrence, and `reverse=True`, scan from the end of the block. The first version used `tl.associative_scan(..., reverse=True)`, and in bfloat16 its forward+backward stopped near 70% of the floor. The bytes were not the problem: on the H200 a kernel with the backward's exact loads and stores (the load of $h$ one step off included) but no scan ran at 95% of the floor, the real backward at 58%. The reverse scan was: even the forward pass fell from 97% to 44% of its floor with `reverse=True`. Triton implements a reverse scan by reversing the values across the lanes of a warp with shuffles, and it does so even along an axis that one thread holds entirely; compiled for `sm_90` (Triton 3.9), one block of the backward had 139 shuffles against 43 for the ascending scan. Half precision halves the bytes per step but not this work, which is why only 16-bit inputs showed it.
+#
+# So a descending block is a **tile of rows**: row $r$ holds $K$ consecutive steps, 16 bytes, one vector load for one thread. Each thread scans its own row from the end in registers: `tl.flip`, an ascending scan, `tl.flip` back, none of which moves data between threads. The carry entering row $r$ is the composition of the maps of rows $r+1, r+2, \dots$ applied to the block's carry: one scan over rows, one value per thread. That scan needs, in row $r$, the map of row $r+1$ (an *exclusive* scan); rather than move that value one thread over, each thread loads the next row again, from cache mostly, and reduces it itself.
+#
+# On the H200 the bfloat16 backward went from 61% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways). What did not help, measured on the way: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` along the rows (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
+
+# %%
+show_source(_scan_rows_descending)
 
 # %% [markdown]
 # ## What we have, and what comes next

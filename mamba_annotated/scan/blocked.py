@@ -26,6 +26,19 @@ Algorithm
     with the shifted load of a; moving a and h one step through shared memory with tl.gather
     instead ran 30% slower.)
 
+    Descending scans (reverse=True, and the backward of the forward direction) do not use
+    ``tl.associative_scan(..., reverse=True)``: Triton implements it by reversing the values across
+    the lanes of a warp with shuffles, even along an axis that one thread holds (compiled for sm_90:
+    139 shuffles per block of the backward against 43 ascending), and that capped the bfloat16
+    backward at 58-61% of the memory floor on an H200 while a kernel with its loads and stores but
+    no scan reached 95%. Instead the block is a tile of rows of ROW consecutive steps (one 16-byte
+    vector per thread): each thread scans its row from the end in registers (``tl.flip``, an
+    ascending scan, ``tl.flip`` back: no shuffles), and the carry entering row r is the composition
+    of the maps of the rows after it, one scan over rows of one value per thread. Row r gets the
+    map of row r+1 by loading row r+1 again (from cache, mostly) rather than by moving a value
+    between threads. Result on the H200: the bfloat16 backward from 61% to 94% of its floor, the
+    reverse=True forward from 44% to 96%.
+
 Shapes: a, b, h, grad_h (rows, L) contiguous; h0 (rows,); totals and segment end states
 (rows, num_segments) float32. Offsets are 64-bit: rows * L may pass 2^31.
 
@@ -47,23 +60,24 @@ from .combine import first_order_combine
 # keep the interpreter quick.
 BLOCK = size(gpu=1024, cpu=64)
 NUM_WARPS = 4
-# The backward pass takes twice the block. Its cost is the reverse scan, not memory: on an H200
-# ((12288, T) rows, a kernel with the same loads and stores but no scan reached 95% of the floor
-# in bfloat16, against 58% with it; and the forward pass itself drops from 97% to 44% of its
-# floor with reverse=True). Larger blocks halve the per-block carry work: float32 at T=100000 went
-# from 89.4% to 90.6% of the floor, bfloat16 at T=65536 from 58.5% to 60.4%. What did not help
-# there: reversed-index loads with an ascending scan (56%), one row of 8 steps per thread with a
-# scan over rows (43%), two rows per program (59%), software pipelining of the block loop (57%).
+# The backward pass takes twice the block (fewer carries per row): on an H200 with row tiles, the
+# bfloat16 backward at (12288, 65536) ran at 94.5% of its floor with 2048 steps and 4 warps against
+# 93.8% with 1024 (float32 at T=100000: 93.1% and 93.7%); 8 warps or 4096 steps lost 15-20 points.
 BACKWARD_BLOCK = size(gpu=2048, cpu=64)
+
+
+@triton.jit
+def _pairs_where(a_ptr, b_ptr, row_start, t, valid):
+    """The (decay, input) pairs at positions t where ``valid``, the identity (1, 0) elsewhere."""
+    decay = tl.load(a_ptr + row_start + t, mask=valid, other=1.0)
+    x = tl.load(b_ptr + row_start + t, mask=valid, other=0.0)
+    return decay.to(tl.float32), x.to(tl.float32)
 
 
 @triton.jit
 def _block_pairs(a_ptr, b_ptr, row_start, t, length):
     """The (decay, input) pairs at positions t; the identity (1, 0) where t is past the end."""
-    inside = t < length
-    decay = tl.load(a_ptr + row_start + t, mask=inside, other=1.0)
-    x = tl.load(b_ptr + row_start + t, mask=inside, other=0.0)
-    return decay.to(tl.float32), x.to(tl.float32)
+    return _pairs_where(a_ptr, b_ptr, row_start, t, t < length)
 
 
 @triton.jit
@@ -79,34 +93,108 @@ def adjoint_combine(alpha_left, prod_left, sum_left, alpha_right, prod_right, su
 
 
 @triton.jit
-def _last_in_scan_order(values, idx, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
-    last = 0 if DESCENDING else BLOCK - 1
-    return tl.sum(tl.where(idx == last, values, 0.0), axis=0)
+def _positions(block, BLOCK: tl.constexpr, ROW: tl.constexpr, DESCENDING: tl.constexpr):
+    """The block's positions: a [BLOCK] vector ascending; descending, a [BLOCK // ROW, ROW] tile of
+    rows of ROW consecutive steps (16 bytes, one thread's vector load), the layout that
+    :func:`_scan_rows_descending` needs."""
+    if DESCENDING:
+        t = block * BLOCK + tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
+    else:
+        t = block * BLOCK + tl.arange(0, BLOCK)
+    return t
 
 
 @triton.jit
-def _scan_block(decay, x, carry, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
-    """(states, block map (A, B) up to each position) for one block and the carry entering it.
+def _last_in_scan_order(values, t, block_start, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
+    if DESCENDING:  # the block's first step, in the (rows, ROW) tile
+        last = tl.sum(tl.sum(tl.where(t == block_start, values, 0.0), axis=1), axis=0)
+    else:
+        last = tl.sum(tl.where(t == block_start + BLOCK - 1, values, 0.0), axis=0)
+    return last
+
+
+@triton.jit
+def _row_suffixes(decay, x, ADJOINT: tl.constexpr):
+    """Each row of the tile scanned from its end (axis 1, in one thread's registers): the map of
+    steps k..ROW-1 at each k, (decay product, local state) for ADJOINT=False, (prod, local) on mu
+    for ADJOINT. Flipped, scanned ascending and flipped back: reverse=True would exchange values
+    across lanes even along an axis that one thread holds."""
+    if ADJOINT:
+        ones = tl.full(decay.shape, 1.0, tl.float32)
+        _, mult, local = tl.associative_scan((tl.flip(decay, 1), ones, tl.flip(x, 1)), 1, adjoint_combine)
+    else:
+        mult, local = tl.associative_scan((tl.flip(decay, 1), tl.flip(x, 1)), 1, first_order_combine)
+    return tl.flip(mult, 1), tl.flip(local, 1)
+
+
+@triton.jit
+def _row_maps(decay, mult, local, ADJOINT: tl.constexpr):
+    """The map of each whole row on the carry beyond it (its value at the row's first step)."""
+    first = tl.arange(0, decay.shape[1])[None, :] == 0
+    if ADJOINT:  # on mu: the row's own first decay joins it
+        mult = decay * mult
+        local = decay * local
+    return tl.sum(tl.where(first, mult, 0.0), axis=1), tl.sum(tl.where(first, local, 0.0), axis=1)
+
+
+@triton.jit
+def _scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT: tl.constexpr):
+    """A descending scan of a (rows, ROW) tile without one reverse=True scan across lanes.
+
+    Each thread scans its own row in registers; the carry entering row r is then the composition
+    of the maps of rows r+1, r+2, ... applied to the block's carry: one scan over rows, of one
+    value per thread. Each row's successor map comes from the successor's own data, loaded again
+    (from cache, mostly), so no value has to move one row over between threads.
+    """
+    mult, local = _row_suffixes(decay, x, ADJOINT)
+    rows = tl.arange(0, t.shape[0])[:, None]
+    t_next = t + t.shape[1]  # the last row's successor is past the block: the identity
+    decay_next, x_next = _pairs_where(a_ptr, b_ptr, row_start, t_next,
+                                      (t_next < length) & (rows < t.shape[0] - 1))
+    mult_next, local_next = _row_suffixes(decay_next, x_next, ADJOINT)
+    map_a, map_b = _row_maps(decay_next, mult_next, local_next, ADJOINT)
+    after_a, after_b = tl.associative_scan((map_a, map_b), 0, first_order_combine, reverse=True)
+    carry_in = after_b + after_a * carry  # entering each row: one value per row
+    state = local + mult * carry_in[:, None]
+    # each position's map on the block's carry (the segment totals need it; the compiler drops
+    # it where unused), on mu for ADJOINT, as the carry between blocks
+    map_a = mult * after_a[:, None]
+    map_b = local + mult * after_b[:, None]
+    if ADJOINT:
+        map_a = decay * map_a
+        map_b = decay * map_b
+    return state, map_a, map_b
+
+
+@triton.jit
+def _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
+    """(decays, states, block map (A, B) up to each position) for the block at positions t and the
+    carry entering it.
 
     ADJOINT scans (a, 1, g) triples with ``adjoint_combine``: the carry is then mu = a * lam of the
     step beyond the block, and the map acts on mu, so a is read where it lies (aligned loads)."""
-    if ADJOINT:
+    decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length)
+    if DESCENDING:
+        state, map_a, map_b = _scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT)
+    elif ADJOINT:
         ones = tl.full(decay.shape, 1.0, tl.float32)
-        _, prod, local = tl.associative_scan((decay, ones, x), 0, adjoint_combine, reverse=DESCENDING)
-        return local + prod * carry, decay * prod, decay * local
-    decay_cum, local = tl.associative_scan((decay, x), 0, first_order_combine, reverse=DESCENDING)
-    return local + decay_cum * carry, decay_cum, local
+        _, prod, local = tl.associative_scan((decay, ones, x), 0, adjoint_combine)
+        state, map_a, map_b = local + prod * carry, decay * prod, decay * local
+    else:
+        decay_cum, local = tl.associative_scan((decay, x), 0, first_order_combine)
+        state, map_a, map_b = local + decay_cum * carry, decay_cum, local
+    return decay, state, map_a, map_b
 
 
 @triton.jit
 def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr, grad_a_ptr,
                         length, num_segments, blocks_per_segment,
                         HAS_INIT: tl.constexpr, FROM_ENDS: tl.constexpr, ADJOINT: tl.constexpr,
-                        HAS_H0: tl.constexpr, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_H0: tl.constexpr, DESCENDING: tl.constexpr, BLOCK: tl.constexpr,
+                        ROW: tl.constexpr):
     row = tl.program_id(0)
     segment = tl.program_id(1)
     row_start = row.to(tl.int64) * length
-    idx = tl.arange(0, BLOCK)
 
     # carry_in: the state entering this segment (init for the first segment in scan order)
     carry = tl.zeros([], dtype=tl.float32)
@@ -117,11 +205,8 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
         has_previous = (previous >= 0) & (previous < num_segments)
         end = tl.load(ends_ptr + row.to(tl.int64) * num_segments + previous, mask=has_previous, other=0.0)
         carry = tl.where(has_previous, end, carry)
-    if ADJOINT:
-        if HAS_H0:
-            h0 = tl.load(h0_ptr + row).to(tl.float32)
-        else:
-            h0 = 0.0
+    if HAS_H0:
+        h0 = tl.load(h0_ptr + row).to(tl.float32)
 
     first_block = segment * blocks_per_segment
     n_blocks = tl.minimum(blocks_per_segment, tl.cdiv(length, BLOCK) - first_block)
@@ -130,31 +215,35 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
             block = first_block + n_blocks - 1 - j
         else:
             block = first_block + j
-        t = block * BLOCK + idx
-        decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length)
-        state, _, _ = _scan_block(decay, x, carry, ADJOINT, DESCENDING)
+        t = _positions(block, BLOCK, ROW, DESCENDING)
+        decay, state, _, _ = _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT, DESCENDING)
         inside = t < length
         tl.store(out_ptr + row_start + t, state.to(out_ptr.dtype.element_ty), mask=inside)
         if ADJOINT:
             # da_t = lam_t * h_{t-s}: the forward state one forward step earlier, h0 before the start
-            t_earlier = t + 1 if not DESCENDING else t - 1
-            has_earlier = (t_earlier >= 0) & (t_earlier < length)
+            if DESCENDING:
+                t_earlier = t - 1
+                has_earlier = (t_earlier >= 0) & inside
+            else:
+                t_earlier = t + 1
+                has_earlier = t_earlier < length
             h_earlier = tl.load(h_ptr + row_start + t_earlier, mask=has_earlier, other=0.0).to(tl.float32)
-            h_earlier = tl.where(has_earlier, h_earlier, h0)
+            if HAS_H0:
+                h_earlier = tl.where(has_earlier, h_earlier, h0)
             tl.store(grad_a_ptr + row_start + t, (state * h_earlier).to(grad_a_ptr.dtype.element_ty), mask=inside)
         if ADJOINT:  # the next block's carry is mu = a * lam of this block's last step in scan order
-            carry = _last_in_scan_order(decay * state, idx, DESCENDING, BLOCK)
+            carry = _last_in_scan_order(decay * state, t, block * BLOCK, DESCENDING, BLOCK)
         else:
-            carry = _last_in_scan_order(state, idx, DESCENDING, BLOCK)
+            carry = _last_in_scan_order(state, t, block * BLOCK, DESCENDING, BLOCK)
 
 
 @triton.jit
 def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_segments, blocks_per_segment,
-                          ADJOINT: tl.constexpr, DESCENDING: tl.constexpr, BLOCK: tl.constexpr):
+                          ADJOINT: tl.constexpr, DESCENDING: tl.constexpr, BLOCK: tl.constexpr,
+                          ROW: tl.constexpr):
     row = tl.program_id(0)
     segment = tl.program_id(1)
     row_start = row.to(tl.int64) * length
-    idx = tl.arange(0, BLOCK)
     total_a = tl.full([], 1.0, dtype=tl.float32)  # the identity map
     total_b = tl.zeros([], dtype=tl.float32)
     first_block = segment * blocks_per_segment
@@ -164,10 +253,10 @@ def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_
             block = first_block + n_blocks - 1 - j
         else:
             block = first_block + j
-        decay, x = _block_pairs(a_ptr, b_ptr, row_start, block * BLOCK + idx, length)
-        _, map_a, map_b = _scan_block(decay, x, 0.0, ADJOINT, DESCENDING)
-        block_a = _last_in_scan_order(map_a, idx, DESCENDING, BLOCK)
-        block_b = _last_in_scan_order(map_b, idx, DESCENDING, BLOCK)
+        t = _positions(block, BLOCK, ROW, DESCENDING)
+        _, _, map_a, map_b = _scan_block(a_ptr, b_ptr, row_start, t, length, 0.0, ADJOINT, DESCENDING)
+        block_a = _last_in_scan_order(map_a, t, block * BLOCK, DESCENDING, BLOCK)
+        block_b = _last_in_scan_order(map_b, t, block * BLOCK, DESCENDING, BLOCK)
         total_a, total_b = first_order_combine(total_a, total_b, block_a, block_b)
     out = row.to(tl.int64) * num_segments + segment
     tl.store(totals_a_ptr + out, total_a)
@@ -197,13 +286,14 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
     rows, length = a.shape
     block, blocks_per_segment, num_segments = plan(rows, length, block, blocks_per_segment,
                                                    max_block=BACKWARD_BLOCK if adjoint else BLOCK)
+    row = min(16 // a.element_size(), block)  # descending tiles: one 16-byte vector per row
     ends = None
     if num_segments > 1:
         totals_a = outputs.empty((rows, num_segments), torch.float32, a.device)
         totals_b = outputs.empty((rows, num_segments), torch.float32, a.device)
         segment_totals_kernel[(rows, num_segments)](  # phase 1
             a, b, totals_a, totals_b, length, num_segments, blocks_per_segment,
-            ADJOINT=adjoint, DESCENDING=descending, BLOCK=block, num_warps=NUM_WARPS)
+            ADJOINT=adjoint, DESCENDING=descending, BLOCK=block, ROW=row, num_warps=NUM_WARPS)
         # phase 2: the totals are a (rows, num_segments) recurrence of their own; one segment each
         totals_block = min(block, triton.next_power_of_2(num_segments))
         ends = _scan(totals_a, totals_b, init, outputs.empty(totals_a.shape, torch.float32, a.device),
@@ -215,7 +305,7 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
         h if h is not None else dummy, h0 if h0 is not None else dummy, grad_a if grad_a is not None else dummy,
         length, num_segments, blocks_per_segment,
         HAS_INIT=init is not None, FROM_ENDS=ends is not None, ADJOINT=adjoint, HAS_H0=h0 is not None,
-        DESCENDING=descending, BLOCK=block, num_warps=NUM_WARPS)
+        DESCENDING=descending, BLOCK=block, ROW=row, num_warps=NUM_WARPS)
     return out
 
 
