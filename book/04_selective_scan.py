@@ -236,7 +236,7 @@ def check_gradients(label, inputs, dtype, use_last_state=False):
         return torch.cat([y.flatten().double(), last.flatten().double()]) if use_last_state else y
     leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
     out = run(selective_scan, **leaves)
-    grad_out = randn(*out.shape, dtype=torch.float64)
+    grad_out = randn(*out.shape, dtype=out.dtype).double()  # the same upstream values for both
     got = torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
     ref_leaves = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
     want = torch.autograd.grad(run(selective_scan_ref, **ref_leaves), list(ref_leaves.values()), grad_out)

@@ -99,14 +99,17 @@ def assert_gradients_close(fn, ref_fn, inputs: dict, tol: float, seed: int = 0) 
     """Compare every gradient of ``fn`` with ``ref_fn`` run on float64 copies of the inputs.
 
     ``inputs`` maps argument names to tensors; those with ``requires_grad`` are differentiated.
-    A random upstream gradient (never ones, which hides sign and index errors) is drawn once and
-    fed to both. Returns the relative error of each gradient.
+    A random upstream gradient (never ones, which hides sign and index errors) is drawn once,
+    rounded to the output's dtype (what ``fn`` receives) and fed to both: the reference then
+    differentiates at the same upstream values, so a 16-bit check measures the kernel's rounding,
+    not that of the upstream gradient (which a sum of terms of both signs can amplify tenfold).
+    Returns the relative error of each gradient.
     """
     with torch.no_grad():
         out = fn(**{k: v for k, v in inputs.items() if v is not None})
         out = out[0] if isinstance(out, tuple) else out
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.dtype).double()
     got = gradients(fn, inputs, grad_out.to(out.device))
     ref_inputs = {
         k: (v.detach().to(dtype=torch.float64).requires_grad_(v.requires_grad) if v is not None else None)
@@ -141,7 +144,8 @@ def check_scan_gradients(name, forward, backward, a, b, h0, reverse, **launcher_
     from .scan.reference import linear_scan_ref
 
     h = forward(a, b, h0, reverse, **launcher_args)
-    grad_h = torch.randn(a.shape, dtype=torch.float64, device=a.device)
+    # rounded to a's dtype, as the kernel receives it, so that both sides see the same values
+    grad_h = torch.randn(a.shape, dtype=torch.float64, device=a.device).to(a.dtype).double()
     got = backward(a, h, h0, grad_h.to(a.dtype), reverse, **launcher_args)
     leaves = [x.double().requires_grad_() for x in (a, b, h0)]
     want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
