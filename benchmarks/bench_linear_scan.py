@@ -174,13 +174,10 @@ def tuning_section():
     shape = (BATCH * CHANNELS, size(gpu=65536, cpu=128))
     a, b = make(shape, torch.float32)
     nbytes = 3 * a.numel() * a.element_size()
-    default_warps = blocked.NUM_WARPS
-    for block in size(gpu=[512, 1024, 2048, 4096], cpu=[32]):
-        for warps in size(gpu=[2, 4, 8], cpu=[4]):
-            blocked.NUM_WARPS = warps
-            ms = bench.median_ms(lambda: blocked.linear_scan_forward(a, b, block=block))
+    for block in size(gpu=[1024, 2048, 4096, 8192], cpu=[32]):
+        for warps in size(gpu=[4, 8, 16], cpu=[4]):
+            ms = bench.median_ms(lambda: blocked.linear_scan_forward(a, b, block=block, num_warps=warps))
             rows.append(row("tuning", f"BLOCK={block} warps={warps}", shape, torch.float32, "fwd", ms, nbytes))
-    blocked.NUM_WARPS = default_warps
     return rows
 
 

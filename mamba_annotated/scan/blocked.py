@@ -54,16 +54,29 @@ from .. import outputs
 from ..runtime import DEVICE, size
 from .combine import first_order_combine
 
-# 1024 steps x 4 warps: 8 elements per thread, few registers, many rows in flight per SM. On an
-# H200 (float32, 12288 x 65536, forward) every BLOCK from 512 to 4096 with 2-8 warps reached 96-98%
-# of the copy floor (512 x 8 warps: 72%); this one measured best among them. On CPU small blocks
-# keep the interpreter quick.
-BLOCK = size(gpu=1024, cpu=64)
-NUM_WARPS = 4
-# The backward pass takes twice the block (fewer carries per row): on an H200 with row tiles, the
-# bfloat16 backward at (12288, 65536) ran at 94.5% of its floor with 2048 steps and 4 warps against
-# 93.8% with 1024 (float32 at T=100000: 93.1% and 93.7%); 8 warps or 4096 steps lost 15-20 points.
-BACKWARD_BLOCK = size(gpu=2048, cpu=64)
+# (largest block, warps) of each kind of scan, measured on an H200 at (12288, T) for T = 4096,
+# 65536 and 100000 beside accelerated_scan.scalar (its Triton scan: 2048 steps, 4 warps):
+# * ascending, float32: 8192 steps x 8 warps ran at 98.6-99.7% of the copy floor; 1024 x 4 lost
+#   0.5-2 points, which at T = 100000 left it 1% behind the peer; 4096 x 16 lost 3.
+# * ascending, 16-bit: 4096 x 4 ran at 92.8-98.7%, 8192 x 8 at 91.7-95.6%, 4096 x 8 at 89.7-92.9%.
+# * descending (reverse=True) tiles: 1024 x 4 was best in both dtypes (94-96%); larger tiles lost
+#   4-40 points.
+# * the backward: 2048 x 4 with row tiles (bfloat16 at T = 65536: 94.5% against 93.8% with 1024;
+#   8 warps or 4096 steps lost 15-20 points).
+# On CPU small blocks keep the interpreter quick.
+ASCENDING_FLOAT32 = size(gpu=(8192, 8), cpu=(64, 4))
+ASCENDING_16BIT = size(gpu=(4096, 4), cpu=(64, 4))
+DESCENDING = size(gpu=(1024, 4), cpu=(64, 4))
+BACKWARD = size(gpu=(2048, 4), cpu=(64, 4))
+
+
+def launch_shape(element_size, adjoint, descending):
+    """(largest block, warps) for a scan of elements of this size, as measured above."""
+    if adjoint:
+        return BACKWARD
+    if descending:
+        return DESCENDING
+    return ASCENDING_FLOAT32 if element_size == 4 else ASCENDING_16BIT
 
 
 @triton.jit
@@ -90,6 +103,23 @@ def adjoint_combine(alpha_left, prod_left, sum_left, alpha_right, prod_right, su
     (a_t, 1, g_t); a_t is applied only when the run is joined to the one before it.
     """
     return alpha_right, prod_right * alpha_left * prod_left, sum_right + prod_right * alpha_left * sum_left
+
+
+@triton.jit
+def _segment_blocks(segment, blocks_per_segment, length, BLOCK: tl.constexpr):
+    """(first block, number of blocks) of a segment; the last segment of a row may be short."""
+    first_block = segment * blocks_per_segment
+    return first_block, tl.minimum(blocks_per_segment, tl.cdiv(length, BLOCK) - first_block)
+
+
+@triton.jit
+def _block_in_scan_order(first_block, n_blocks, j, DESCENDING: tl.constexpr):
+    """The segment's j-th block in scan order: from its end when DESCENDING."""
+    if DESCENDING:
+        block = first_block + n_blocks - 1 - j
+    else:
+        block = first_block + j
+    return block
 
 
 @triton.jit
@@ -208,13 +238,9 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
     if HAS_H0:
         h0 = tl.load(h0_ptr + row).to(tl.float32)
 
-    first_block = segment * blocks_per_segment
-    n_blocks = tl.minimum(blocks_per_segment, tl.cdiv(length, BLOCK) - first_block)
+    first_block, n_blocks = _segment_blocks(segment, blocks_per_segment, length, BLOCK)
     for j in range(n_blocks):
-        if DESCENDING:
-            block = first_block + n_blocks - 1 - j
-        else:
-            block = first_block + j
+        block = _block_in_scan_order(first_block, n_blocks, j, DESCENDING)
         t = _positions(block, BLOCK, ROW, DESCENDING)
         decay, state, _, _ = _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT, DESCENDING)
         inside = t < length
@@ -246,13 +272,9 @@ def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_
     row_start = row.to(tl.int64) * length
     total_a = tl.full([], 1.0, dtype=tl.float32)  # the identity map
     total_b = tl.zeros([], dtype=tl.float32)
-    first_block = segment * blocks_per_segment
-    n_blocks = tl.minimum(blocks_per_segment, tl.cdiv(length, BLOCK) - first_block)
+    first_block, n_blocks = _segment_blocks(segment, blocks_per_segment, length, BLOCK)
     for j in range(n_blocks):
-        if DESCENDING:
-            block = first_block + n_blocks - 1 - j
-        else:
-            block = first_block + j
+        block = _block_in_scan_order(first_block, n_blocks, j, DESCENDING)
         t = _positions(block, BLOCK, ROW, DESCENDING)
         _, _, map_a, map_b = _scan_block(a_ptr, b_ptr, row_start, t, length, 0.0, ADJOINT, DESCENDING)
         block_a = _last_in_scan_order(map_a, t, block * BLOCK, DESCENDING, BLOCK)
@@ -270,7 +292,7 @@ def _target_programs():
     return 8 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
 
 
-def plan(rows, length, block=None, blocks_per_segment=None, max_block=BLOCK):
+def plan(rows, length, block=None, blocks_per_segment=None, max_block=ASCENDING_FLOAT32[0]):
     """(block, blocks_per_segment, num_segments): one segment per row unless rows are too few."""
     block = block or min(max_block, triton.next_power_of_2(length))  # short rows: no idle lanes
     n_blocks = triton.cdiv(length, block)
@@ -281,11 +303,12 @@ def plan(rows, length, block=None, blocks_per_segment=None, max_block=BLOCK):
 
 
 def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
-          block=None, blocks_per_segment=None):
+          block=None, blocks_per_segment=None, num_warps=None):
     """Scan rows of (a, b) into ``out`` in the given direction, in one or three phases."""
     rows, length = a.shape
-    block, blocks_per_segment, num_segments = plan(rows, length, block, blocks_per_segment,
-                                                   max_block=BACKWARD_BLOCK if adjoint else BLOCK)
+    max_block, default_warps = launch_shape(a.element_size(), adjoint, descending)
+    num_warps = num_warps or default_warps
+    block, blocks_per_segment, num_segments = plan(rows, length, block, blocks_per_segment, max_block)
     row = min(16 // a.element_size(), block)  # descending tiles: one 16-byte vector per row
     ends = None
     if num_segments > 1:
@@ -293,7 +316,7 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
         totals_b = outputs.empty((rows, num_segments), torch.float32, a.device)
         segment_totals_kernel[(rows, num_segments)](  # phase 1
             a, b, totals_a, totals_b, length, num_segments, blocks_per_segment,
-            ADJOINT=adjoint, DESCENDING=descending, BLOCK=block, ROW=row, num_warps=NUM_WARPS)
+            ADJOINT=adjoint, DESCENDING=descending, BLOCK=block, ROW=row, num_warps=num_warps)
         # phase 2: the totals are a (rows, num_segments) recurrence of their own; one segment each
         totals_block = min(block, triton.next_power_of_2(num_segments))
         ends = _scan(totals_a, totals_b, init, outputs.empty(totals_a.shape, torch.float32, a.device),
@@ -305,16 +328,18 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
         h if h is not None else dummy, h0 if h0 is not None else dummy, grad_a if grad_a is not None else dummy,
         length, num_segments, blocks_per_segment,
         HAS_INIT=init is not None, FROM_ENDS=ends is not None, ADJOINT=adjoint, HAS_H0=h0 is not None,
-        DESCENDING=descending, BLOCK=block, ROW=row, num_warps=NUM_WARPS)
+        DESCENDING=descending, BLOCK=block, ROW=row, num_warps=num_warps)
     return out
 
 
-def linear_scan_forward(a, b, h0=None, reverse=False, block=None, blocks_per_segment=None):
+def linear_scan_forward(a, b, h0=None, reverse=False, block=None, blocks_per_segment=None, num_warps=None):
     """a, b: (rows, L) contiguous, same dtype, any L; h0: (rows,) or None. Returns h like a.
 
-    ``block`` and ``blocks_per_segment`` override the plan (tests use them to reach every path)."""
+    ``block``, ``blocks_per_segment`` and ``num_warps`` override the plan (tests use them to reach
+    every path, the benchmark to compare launch shapes)."""
     h = outputs.empty(a.shape, a.dtype, a.device)
-    return _scan(a, b, h0, h, adjoint=False, descending=reverse, block=block, blocks_per_segment=blocks_per_segment)
+    return _scan(a, b, h0, h, adjoint=False, descending=reverse, block=block, blocks_per_segment=blocks_per_segment,
+                 num_warps=num_warps)
 
 
 def linear_scan_backward(a, h, h0, grad_h, reverse=False, block=None, blocks_per_segment=None):
