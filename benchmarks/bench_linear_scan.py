@@ -10,7 +10,9 @@ what it measured):
   packing      chapter 3: the packed-word scan against the tuple scan, one block per row.
   segments     chapter 4: the chained walk (one segment per row) against three phases, by rows.
   tuning       BLOCK x num_warps for the chained walk (float32, forward).
-  warp_bfloat16  accelerated_scan.warp on bfloat16 inputs, last: it crashed the CUDA context once.
+  warp_bfloat16  accelerated_scan.warp on bfloat16 inputs. Not in the default run: on an H200 it hit
+               an illegal memory access at T = 4096 (one run) and T = 65536 (another), which poisons
+               the CUDA context and fails the script; ask for it by name to reproduce.
 
 Usage: python benchmarks/bench_linear_scan.py [--json out.json] [--sections linear_scan,packing]
 """
@@ -71,7 +73,7 @@ def warp_supports(length):
 def peer_impls(dtype):
     """accelerated-scan's two scans. Its CUDA warp scan hit an illegal memory access with bfloat16
     at (8, 1536, 4096) on an H200, which poisons the CUDA context; it is timed on 16-bit inputs
-    only in the last section (warp_bfloat16), where a crash loses nothing else."""
+    only in the warp_bfloat16 section, which runs when asked for by name."""
     impls = {}
     scalar = peer("accelerated_scan.scalar")
     if scalar is not None:
@@ -188,7 +190,7 @@ SECTIONS = {"linear_scan": linear_scan_section, "packing": packing_section,
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sections", default="linear_scan,packing,segments,tuning,warp_bfloat16")
+    parser.add_argument("--sections", default="linear_scan,packing,segments,tuning")
     args = parser.parse_args()
     results = {"device": device_name(), "copy_GBps": bench.copy_bandwidth_gbps(), "sections": {}}
     print(f"device: {results['device']}  measured copy bandwidth: {results['copy_GBps']:.0f} GB/s", flush=True)
