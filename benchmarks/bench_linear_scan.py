@@ -71,9 +71,9 @@ def warp_supports(length):
 
 
 def peer_impls(dtype):
-    """accelerated-scan's two scans. Its CUDA warp scan hit an illegal memory access with bfloat16
-    at (8, 1536, 4096) on an H200, which poisons the CUDA context; it is timed on 16-bit inputs
-    only in the warp_bfloat16 section, which runs when asked for by name."""
+    """accelerated-scan's two scans. Its CUDA warp scan hits illegal memory accesses with bfloat16
+    on an H200 (see the module docstring), which poison the CUDA context; it is timed on 16-bit
+    inputs only in the warp_bfloat16 section, which runs when asked for by name."""
     impls = {}
     scalar = peer("accelerated_scan.scalar")
     if scalar is not None:
