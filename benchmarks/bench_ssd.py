@@ -20,6 +20,7 @@ from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.ssd.backward import ssd_backward  # noqa: E402
+from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
 from mamba_annotated.ssd.chunk_scan import chunk_scan  # noqa: E402
 from mamba_annotated.ssd import chunk_scan as chunk_scan_module, chunk_scan_bwd  # noqa: E402
@@ -130,12 +131,11 @@ def breakdown(inp, dy):
     """Median time of each kernel of the forward and backward pass, on the same inputs."""
     x, dt, A, B, C, D, bias = (inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
     L, lim = x.shape[1], (0.0, float("inf"))
-    dA, dt_out = chunk_cumsum(dt, A, bias, True, lim, CHUNK)
-    CB = chunk_cb(C, B, CHUNK)
+    saved = ssd_forward(x, dt, A, B, C, CHUNK, D, None, bias, True, lim, None, None).saved
+    dA, dt_out, CB, H = saved.tensors()
     S = chunk_state(x, B, dA, dt_out, None, True)
     dH = chunk_state(dy, C, dA, dt_out, None, False)
-    dS, _ = state_passing(dH, dA, None, L, None, reverse=True)
-    H, _, _ = state_passing(S, dA, None, L, None, grad_states=dS, out_dtype=x.dtype)
+    dS, _ = state_passing(dH, dA, None, L, None, reverse=True, out_dtype=x.dtype)
     _, ddt, _ = chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None)
     _, _, d_a = chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None)
     stages = {
@@ -145,17 +145,15 @@ def breakdown(inp, dy):
         "fwd state_passing": lambda: state_passing(S, dA, None, L, None, out_dtype=x.dtype),
         "fwd chunk_scan": lambda: chunk_scan(CB, x, None, C, H, dA, dt_out, D, None),
         "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, None, False),
-        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True),
-        "bwd state_passing (forward, d a_last)": lambda: state_passing(S, dA, None, L, None, grad_states=dS,
-                                                                       out_dtype=x.dtype),
+        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True, out_dtype=x.dtype),
         "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None),
         "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None),
         "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "kernel"),
         "bwd dt (flip rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "flip"),
-        "whole bwd, in-kernel rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, CHUNK, D, bias, True, lim,
-                                                                None, None, "kernel"),
-        "whole bwd, flip rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, CHUNK, D, bias, True, lim,
-                                                           None, None, "flip"),
+        "whole bwd, in-kernel rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, D, bias, True, lim,
+                                                                None, None, saved, "kernel"),
+        "whole bwd, flip rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, D, bias, True, lim,
+                                                           None, None, saved, "flip"),
     }
     return [dict(stage=k, ms=bench.median_ms(f)) for k, f in stages.items()]
 

@@ -5,7 +5,7 @@ import torch
 
 from ..validation import check_same, check_tensor
 from .backward import ssd_backward
-from .forward import ssd_forward
+from .forward import Saved, ssd_forward
 
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 MAX_HEADDIM = 128  # the backward kernels hold a whole row of headdim in registers
@@ -63,16 +63,17 @@ class SSDChunkScan(torch.autograd.Function):
         seq_idx = seq_idx.contiguous() if seq_idx is not None else None
         result = ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
                              initial_states, seq_idx)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, result.y)
-        ctx.options = (chunk_size, dt_softplus, dt_limit)
+        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, result.y,
+                              *result.saved.tensors())
+        ctx.options = (dt_softplus, dt_limit)
         if return_final_states:
             return result.out, result.final_states
         return result.out
 
     @staticmethod
     def backward(ctx, d_out, d_final=None):
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y = ctx.saved_tensors
-        chunk_size, dt_softplus, dt_limit = ctx.options
+        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y, *saved = ctx.saved_tensors
+        dt_softplus, dt_limit = ctx.options
         d_out = d_out.contiguous()
         d_z = None
         if z is not None:
@@ -83,8 +84,8 @@ class SSDChunkScan(torch.autograd.Function):
         else:
             dy = d_out
         d_final = d_final.contiguous() if d_final is not None else None
-        grads = ssd_backward(dy, d_final, x, dt, A, B, C, chunk_size, D, dt_bias, dt_softplus, dt_limit,
-                             initial_states, seq_idx)
+        grads = ssd_backward(dy, d_final, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit,
+                             initial_states, seq_idx, Saved(*saved))
         return (grads["x"], grads["dt"], grads["A"], grads["B"], grads["C"], grads["D"], d_z,
                 grads["dt_bias"], grads["initial_states"], None, None, None, None, None)
 

@@ -7,13 +7,6 @@ Algorithm
               G_chunks = d final_states (or 0);  emit dS_c = G_{c+1};  G_c = gamma_c * G_{c+1} + dH_c,
               where dH_c is what chunk c's outputs send to the state entering it. G_0 is
               d initial_states.
-    d a_last(c): H_{c+1} = gamma_c H_c + S_c holds a_last(c) twice. Through gamma_c it is
-              <dS_c, gamma_c H_c>, which the forward walk computes when given dS (the backward
-              pass runs the reversed walk first) from its float32 carry. Through S_c (each term
-              decayed by exp(a_last - a_s)) the dB kernel adds it, from the same per-position
-              terms it subtracts at each s: computing <dS_c, S_c> here instead would pair two
-              roundings of one large sum, and their difference reaches every step of the chunk
-              through the reverse cumulative sum of d a (bfloat16 dA had 4-10x mamba_ssm's error).
     With seq_idx, gamma_c = 0 when chunk c ends in another sequence than the one the carried state
     belongs to (the sequence of the previous chunk's last position, or of position 0 for c = 0):
     no state crosses a sequence boundary.
@@ -21,10 +14,10 @@ Algorithm
 Parallelism: one program per (batch, head, BLOCK elements of the headdim x dstate state); the loop
 over chunks is sequential, which is cheap because there are only L / Q chunks.
 
-Shapes: states (batch, chunks, heads, headdim*dstate) float32, emitted the same in float32 or
-a 16-bit dtype; initial_states and the
-final state (batch, heads, headdim*dstate). Bytes moved: each state read once and written once,
-4 * headdim * dstate bytes per chunk and head, twice.
+Shapes: states (batch, chunks, heads, headdim*dstate) float32, emitted in float32 or the inputs'
+16-bit dtype; initial_states and the final state (batch, heads, headdim*dstate). Bytes moved: each
+state read once (4 * headdim * dstate bytes per chunk and head) and written once (2 or 4 bytes
+per element).
 """
 import torch
 import triton
@@ -35,10 +28,9 @@ from .. import outputs
 
 @triton.jit
 def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitted_ptr, final_ptr,
-                         grad_states_ptr, d_decay_ptr,
                          length, heads, n_chunks, state_size, stride_seq_b, stride_seq_l,
                          REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                         HAS_D_DECAY: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     pid_bh, pid_e = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // heads, pid_bh % heads
     e = pid_e * BLOCK + tl.arange(0, BLOCK)
@@ -61,45 +53,32 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
             seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
             seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
             gamma = tl.where(seq_end == seq_carry, gamma, 0.0)
-        H = gamma * H
-        if HAS_D_DECAY:  # <dS_c, gamma_c H_c>, summed over this program's block of the state
-            dS = tl.load(grad_states_ptr + chunk + e, mask=mask, other=0.0).to(tl.float32)
-            tl.store(d_decay_ptr + (pid_bh * tl.num_programs(1) + pid_e).to(tl.int64) * n_chunks + c,
-                     tl.sum(H * dS, axis=0))
-        H += tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
+        H = gamma * H + tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
     tl.store(final_ptr + bh + e, H, mask=mask)
 
 
-def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, grad_states=None,
-                  out_dtype=torch.float32):
+def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, out_dtype=torch.float32):
     """Run the carry over chunks. states (batch, chunks, heads, headdim, dstate) float32.
 
-    The emitted states are stored in ``out_dtype`` (the forward pass stores them in the inputs'
-    16-bit dtype, as the chunk-scan kernel rounds them to it anyway; the carry stays float32).
+    The emitted states are stored in ``out_dtype``: the inputs' 16-bit dtype where the kernels that
+    read them round them to it anyway (the chunk scan's H_c, the backward's dS_c); the carry
+    stays float32.
 
-    Forward (``reverse=False``): returns (H_in per chunk, final state), and with ``grad_states``
-    (dS per chunk, from the reversed walk) also the carry's share of d a_last,
-    <dS_c, gamma_c H_c> (batch, heads, chunks) float32.
+    Forward (``reverse=False``): returns (H_in per chunk, final state).
     Backward (``reverse=True``, states = dH per chunk, initial = d final_states or None):
     returns (dS per chunk, d initial_states).
     """
     batch, n_chunks, heads, headdim, dstate = states.shape
     state_size = headdim * dstate
     block = 256  # many programs: each walks every chunk in turn, so latency, not bandwidth, binds
-    n_blocks = triton.cdiv(state_size, block)
     emitted = outputs.empty(states.shape, out_dtype, states.device)
     final = outputs.empty((batch, heads, headdim, dstate), torch.float32, states.device)
-    d_decay = (outputs.empty((batch, heads, n_blocks, n_chunks), torch.float32, states.device)
-               if grad_states is not None else None)
-    state_passing_kernel[(batch * heads, n_blocks)](
+    state_passing_kernel[(batch * heads, triton.cdiv(state_size, block))](
         states, dA_cumsum, seq_idx if seq_idx is not None else dA_cumsum,
         initial if initial is not None else states, emitted, final,
-        grad_states if grad_states is not None else states, d_decay if d_decay is not None else final,
         length, heads, n_chunks, state_size,
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         REVERSE=reverse, HAS_INIT=initial is not None, HAS_SEQ_IDX=seq_idx is not None,
-        HAS_D_DECAY=d_decay is not None, CHUNK=dA_cumsum.shape[-1], BLOCK=block, num_warps=4,
+        CHUNK=dA_cumsum.shape[-1], BLOCK=block, num_warps=4,
     )
-    if d_decay is None:
-        return emitted, final
-    return emitted, final, d_decay.sum(dim=2)
+    return emitted, final
