@@ -268,12 +268,13 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         # (their sum, not <dS, S_c>: the two then cancel exactly in the reverse cumsum of d a)
         to_end_terms = tl.sum(Br * dB_h, axis=1)
         tl.atomic_add(da_ptr + chunk_base + m, tl.sum(Cr * dC_h, axis=1) - to_end_terms, sem="relaxed")
-        # and the carry's <dS_c, gamma_c H_c>, once per dstate block (gamma_c = 0 where the chunk
-        # ends in another sequence than the carried state's)
-        carry = tl.exp(a_last) * tl.sum(H.to(tl.float32) * dS.to(tl.float32))
-        if HAS_SEQ_IDX:
-            carry = tl.where(seq_last == seq_carry, carry, 0.0)
-        carry = tl.where(pid_m == 0, carry, 0.0)
+        # and the carry's <dS_c, gamma_c H_c>, once per dstate block: by the programs of the first
+        # rows (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
+        carry = a_last * 0.0
+        if pid_m == 0:
+            carry = tl.exp(a_last) * tl.sum(H.to(tl.float32) * dS.to(tl.float32))
+            if HAS_SEQ_IDX:
+                carry = tl.where(seq_last == seq_carry, carry, 0.0)
         tl.atomic_add(da_ptr + chunk_base + CHUNK - 1, tl.sum(to_end_terms, axis=0) + carry, sem="relaxed")
         dC += dC_h
         dB += dB_h
