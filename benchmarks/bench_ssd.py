@@ -59,7 +59,9 @@ def flops(batch, length, heads, headdim, dstate, groups=1, Q=CHUNK):
     state = 2 * Q * P * N                     # one (Q x P) x (Q x N) product per chunk and head
     diag_p, diag_n = Q * Q * P, Q * Q * N     # causal half of a (Q x Q) x (Q x P|N) product
     fwd = batch * chunks * (heads * (2 * state + diag_p) + groups * diag_n)
-    # backward: recompute CB and chunk states; dH; dx (state + diag); dC, dB (state, dy.x, diag each)
+    # backward as mamba_ssm runs it, one count for both implementations' TFLOP/s: recompute CB and the
+    # chunk states (ours keeps them from the forward pass: about 7% of the fwd+bwd count at the bar
+    # shapes, by which its fwd+bwd rate is overstated); dH; dx (state + diag); dC, dB (state, dy.x, diag each)
     bwd = batch * chunks * (heads * (state + state + state + diag_p + 2 * (state + diag_p + diag_n))
                             + groups * diag_n)
     return fwd, fwd + bwd
