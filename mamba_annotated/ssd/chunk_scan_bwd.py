@@ -46,16 +46,20 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from .chunk_state import dot_precision, mm
+from .chunk_scan import LOG2E
+from .chunk_state import check_row_blocks, dot_precision, mm
 from .tuning import autotune, config
 
 
-@autotune([config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8, num_stages=2),
-           config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4),
-           config(BLOCK_M=128, BLOCK_K=32, BLOCK_N=64, num_warps=8),
-           config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
-           config(BLOCK_M=128, BLOCK_K=32, BLOCK_N=32, num_warps=8, num_stages=2)],
-          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK"])
+# Row blocks of at most SCAN_ROWS (the tuner picked 64 rows, steps of 32, on an H200): the loop
+# below reads whole CB tiles and needs every entry finite (see chunk_scan's diagonal loop).
+DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8, num_stages=2),
+              config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4), config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64)]
+DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
+check_row_blocks(DX_CONFIGS + [DX_CPU_CONFIG], "chunk_scan_bwd_dx")
+
+
+@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
                              dx_ptr, ddt_ptr, dD_part_ptr,
@@ -101,21 +105,24 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         acc += mm(Bs, dST.to(Bs.dtype), PRECISION)
     acc *= to_end[:, None]
 
-    # through the diagonal block: sum over t >= s, starting at the diagonal
+    # through the diagonal block: sum over t >= s, starting at the diagonal. The loop body is the
+    # chunk scan's, transposed, and as lean: t past the chunk's end needs no test, because dy is
+    # zero there and every CB, a and dt slot of the padded chunk is finite.
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    a2_s = a_s * LOG2E
     for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         CBT = tl.load(CB_base + k[None, :] * CHUNK + m[:, None])            # CB[t, s], (s, t) tile
-        a_t = tl.load(dA_cumsum_ptr + chunk_base + k)
-        keep = (k[None, :] >= m[:, None]) & (t[None, :] < chunk_end)
+        a2_t = tl.load(dA_cumsum_ptr + chunk_base + k) * LOG2E
+        keep = k[None, :] >= m[:, None]
         if HAS_SEQ_IDX:
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
             keep &= seq_s[:, None] == seq_t[None, :]
-        decay = tl.exp(tl.where(keep, a_t[None, :] - a_s[:, None], float("-inf")))
+        decay = tl.exp2(tl.where(keep, a2_t[None, :] - a2_s[:, None], float("-inf")))
         dyt = tl.load(dy_ptr + x_base + t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                       mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        acc += mm((tl.where(keep, CBT, 0.0) * decay).to(dyt.dtype), dyt, PRECISION)
+        acc += mm((CBT * decay).to(dyt.dtype), dyt, PRECISION)
 
     offs = x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
     mask = row_ok[:, None] & p_ok[None, :]

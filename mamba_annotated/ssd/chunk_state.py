@@ -15,7 +15,9 @@ Algorithm
 
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
 heads, chunks, Q) float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
-groups, Q, Q) float32, only the blocks on or below the diagonal are written (nothing reads the rest).
+groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
+are written, all that the chunk scan reads (its row blocks are no taller; it needs every entry it
+reads finite, the ones above the diagonal included).
 
 Bytes moved: chunk_state reads u and v once per (head, p-block) and writes headdim*dstate float32
 per chunk and head: with Q = 256 that is 2x smaller than u. chunk_cb reads B and C once per
@@ -55,15 +57,15 @@ def mm(a, b, PRECISION: tl.constexpr):
 @triton.jit
 def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
                     stride_b, stride_l, stride_g, stride_n,
-                    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SCAN_ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
     b = pid // (groups * n_chunks)
     pid_m, pid_k = tl.program_id(1), tl.program_id(2)
-    if pid_k * BLOCK_K >= (pid_m + 1) * BLOCK_M:
-        return  # above the diagonal: causal, never read
+    if pid_k * BLOCK_K >= tl.cdiv((pid_m + 1) * BLOCK_M, SCAN_ROWS) * SCAN_ROWS:
+        return  # right of the diagonal block of SCAN_ROWS rows that holds these rows: never read
     t = c * CHUNK + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     s = c * CHUNK + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     base = b.to(tl.int64) * stride_b + g * stride_g
@@ -82,9 +84,10 @@ def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
 
 
 # The whole dstate (up to 128) in one tile, 4 warps: on an H200 (bfloat16, chunk 256, dstate 128)
-# 0.140 ms against 0.154 for the best of the others (TO_END), 0.128 against 0.143 with 2 stages
-# (FROM_START).
-@autotune([config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64),
+# steps of 32 with 4 stages took 0.118 ms (TO_END) and 0.107 (FROM_START), against 0.122 and 0.116
+# for steps of 64, 0.151 and 0.156 with 8 warps, 0.165 and 0.146 with half of dstate per tile.
+@autotune([config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=32, num_stages=4),
+           config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64),
            config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64, num_stages=2),
            config(BLOCK_P=64, BLOCK_N=64, BLOCK_K=64),
            config(BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=4),
@@ -137,11 +140,23 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
                      mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
         vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
                      mask=in_seq[:, None] & (n[None, :] < dstate), other=0.0)
-        vw = (vt.to(tl.float32) * w[:, None]).to(uT.dtype)
-        acc += mm(uT, vw, PRECISION)
+        # the weight scales u, the dot's first operand, which it reads from registers; scaled v
+        # would go back to shared memory first (0.139 -> 0.118 ms TO_END, 0.128 -> 0.107
+        # FROM_START on an H200 at (4, 4096, 80, 64, 128), bfloat16, chunk 256)
+        uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
+        acc += mm(uw, vt, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
     tl.store(out_ptr + out + p[:, None] * dstate + n[None, :], acc,
              mask=(p[:, None] < headdim) & (n[None, :] < dstate))
+
+
+SCAN_ROWS = 64  # the tallest row block of the kernels that read CB tiles whole (chunk scan, dx)
+
+
+def check_row_blocks(configs, kernel):
+    """Every row block (BLOCK_M) of ``kernel`` divides SCAN_ROWS, so it reads only CB that is written."""
+    if any(SCAN_ROWS % c.kwargs["BLOCK_M"] for c in configs):
+        raise AssertionError(f"{kernel}: row blocks must divide SCAN_ROWS = {SCAN_ROWS}")
 
 
 def _block(dim, cap):
@@ -156,7 +171,7 @@ def chunk_cb(C, B, chunk_size):
     block = 16 if INTERPRETED else min(64, chunk_size)
     block_n = _block(dstate, 16 if INTERPRETED else 64)
     grid = (batch * n_chunks * groups, chunk_size // block, chunk_size // block)
-    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(),
+    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(), SCAN_ROWS=SCAN_ROWS,
                           CHUNK=chunk_size, BLOCK_M=block, BLOCK_K=block, BLOCK_N=block_n,
                           PRECISION=dot_precision(C.dtype), num_warps=4)
     return CB
