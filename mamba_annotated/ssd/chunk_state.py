@@ -16,8 +16,8 @@ Algorithm
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
 heads, chunks, Q) float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
 groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
-are written, all that the chunk scan reads (its row blocks are no taller; it needs every entry it
-reads finite, the ones above the diagonal included).
+are written, all that the chunk scan and the dx kernel read (their row blocks are no taller; they
+need every entry they read finite, the ones above the diagonal included).
 
 Bytes moved: chunk_state reads u and v once per (head, p-block) and writes headdim*dstate float32
 per chunk and head: with Q = 256 that is 2x smaller than u. chunk_cb reads B and C once per
