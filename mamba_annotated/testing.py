@@ -50,6 +50,45 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     print(f"{name}: rel err < {tol:.0e}: True")
 
 
+# The floor added to "k x the same computation's error": where the same computation in the
+# kernel's dtype happens to be exact, a kernel may still differ by float32 accumulation order.
+SAME_COMPUTATION_FLOOR = {torch.float32: 1e-6, torch.float16: 1e-5, torch.bfloat16: 1e-5}
+
+
+def same_computation_error(out, same, ref, floor):
+    """The rule "at most k x the error of the same computation": returns (error, its reference).
+
+    error = rel_error(out, ref) and reference = rel_error(same, ref) + floor, where ``same`` is
+    the same result computed in plain PyTorch (or by the peer) in the kernel's dtype. Infinities
+    (e.g. the log-sum-exp of a row that sees nothing) must sit where ``ref`` has them and are left
+    out of both errors. Where ``ref`` is exactly zero no relative error exists: the error is then
+    the RMS of ``out`` and the reference is the floor alone.
+    """
+    infinite = torch.isinf(ref).cpu()
+    if not torch.equal(torch.isinf(out).cpu(), infinite) or not torch.equal(out.cpu()[infinite], ref.cpu()[infinite]):
+        return float("inf"), 0.0
+    out, same, ref = (torch.where(infinite, 0.0, t.detach().cpu().double()) for t in (out, same, ref))
+    if not ref.any():
+        return out.square().mean().sqrt().item(), floor
+    return rel_error(out, ref), rel_error(same, ref) + floor
+
+
+def assert_within_same_computation(name, out, same, ref, dtype, factor: float = 2.0) -> float:
+    """Raise AssertionError unless ``out`` is within ``factor`` x the error of ``same`` (plus the
+    floor of ``dtype``) against the float64 ``ref``; return the error."""
+    error, reference = same_computation_error(out, same, ref, SAME_COMPUTATION_FLOOR[dtype])
+    if not error <= factor * reference:
+        raise AssertionError(f"{name}: error {error:.3e} above {factor:g} x the same computation's in "
+                             f"{dtype} ({reference:.3e})")
+    return error
+
+
+def check_within_same_computation(name, out, same, ref, dtype, factor: float = 2.0) -> None:
+    """Notebook form of :func:`assert_within_same_computation`: prints one deterministic line."""
+    assert_within_same_computation(name, out, same, ref, dtype, factor)
+    print(f"{name}: error <= {factor:g} x PyTorch's in {str(dtype).removeprefix('torch.')}: True")
+
+
 @contextlib.contextmanager
 def poisoned_outputs():
     """Inside this block every kernel output starts as NaN (see :mod:`mamba_annotated.outputs`)."""

@@ -1,0 +1,82 @@
+"""Every public op as a ``torch.library`` custom op, with one forward, one backward, one autograd rule.
+
+``torch.compile(fullgraph=True)`` cannot trace into a Triton launch from plain Python, so each op is
+registered as a pair of custom ops, ``mamba_annotated::NAME`` and ``mamba_annotated::NAME_backward``,
+each with a fake (meta) function that gives its outputs' shapes, and the forward op's autograd
+formula calls the backward op. ``torch.library.opcheck`` tests the pair (tests/test_drop_in.py).
+
+Going through the dispatcher costs host time on every call (about four times an
+``autograd.Function``'s, measured by ``benchmarks/bench_host_cost.py``), which a model with dozens of
+layers pays at every step. So eager calls take an ``autograd.Function`` that runs the very same
+forward, ``save`` and ``grads`` functions, and only a call that torch.compile is tracing goes
+through the custom op. Both paths run the same kernels; tests/test_drop_in.py compares them.
+
+Each op is described by five functions:
+
+    forward(*inputs) -> tuple of tensors        runs the kernels; its annotations give the schema
+    fake_forward(*inputs) -> tuple of tensors   empty tensors of the outputs' shapes and dtypes
+    backward(*args) -> tuple of tensors         runs the backward kernels (annotated likewise)
+    fake_backward(*args) -> tuple of tensors
+    save(ctx, inputs, outputs)                  keeps on ctx what ``grads`` needs
+    grads(ctx, backward, *output_grads)         the inputs' gradients, calling ``backward``, which
+                                                is the backward op or the plain function
+
+Custom ops return tensors only, so an absent optional gradient travels as an empty tensor
+(:func:`absent`) and becomes ``None`` again in ``grads``.
+"""
+import torch
+from torch.autograd.function import once_differentiable
+
+NAMESPACE = "mamba_annotated"
+
+
+def absent(like: torch.Tensor) -> torch.Tensor:
+    """The stand-in a custom op returns for a tensor it has not got (an optional input's gradient)."""
+    return like.new_empty(0)
+
+
+def present(t):
+    """``t``, or None where it is the stand-in of :func:`absent` (or None already)."""
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+def define_op(name, forward, fake_forward, backward, fake_backward, save, grads):
+    """Register ``mamba_annotated::name`` and ``name_backward``; return ``apply(*inputs)``, which
+    runs the op (eagerly through an ``autograd.Function``, or as the custom op under torch.compile).
+    ``apply.op`` and ``apply.backward_op`` are the registered ops."""
+    forward_op = torch.library.custom_op(f"{NAMESPACE}::{name}", forward, mutates_args=())
+    forward_op.register_fake(fake_forward)
+    backward_op = torch.library.custom_op(f"{NAMESPACE}::{name}_backward", backward, mutates_args=())
+    backward_op.register_fake(fake_backward)
+    forward_op.register_autograd(lambda ctx, *output_grads: grads(ctx, backward_op, *output_grads),
+                                 setup_context=save)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            outputs = forward(*inputs)
+            save(ctx, inputs, outputs)
+            return outputs
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, *output_grads):
+            return grads(ctx, backward, *output_grads)
+
+    Eager.__name__ = Eager.__qualname__ = "".join(part.title() for part in name.split("_"))
+
+    def apply(*inputs):
+        if torch.compiler.is_compiling():
+            return forward_op(*inputs)
+        return Eager.apply(*inputs)
+
+    apply.op, apply.backward_op = forward_op, backward_op
+    return apply
+
+
+def traced_or_captured() -> bool:
+    """True while torch.compile traces or a CUDA graph captures: checks that read a tensor's
+    values (and so synchronise with the device) are skipped then."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,87 @@
+"""The ``@triton.jit`` helpers every topic shares: one copy, one behaviour.
+
+* The dot precision policy. Every op multiplies float32 tiles the way PyTorch multiplies float32
+  matrices: exactly ("ieee") while ``torch.get_float32_matmul_precision()`` is "highest" (PyTorch's
+  default), on TF32 tensor cores once the caller allows it ("high" or "medium",
+  ``torch.backends.cuda.matmul.allow_tf32 = True``). 16-bit tiles always use the tensor cores with
+  float32 accumulation. Triton 3.9's interpreter gets bfloat16 dots wrong, so there 16-bit tiles
+  are widened to float32 first ("widen"): the products of 16-bit numbers are exact in float32, so
+  the result is the one a GPU computes.
+* exp2/log2 constants: kernels take exponentials base 2 (``exp2`` is one instruction; ``tl.exp``
+  multiplies its argument by log2(e) first), with the factor folded into a scale computed once.
+* ``softplus``, accurate to float32 rounding over the whole range (the step sizes of Mamba-1 and
+  Mamba-2 go through it).
+* ``block_size``: the power-of-two tile that covers a dimension, within bounds.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .runtime import INTERPRETED
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = 0.6931471805599453    # ln(2): log(x) = log2(x) * LN2
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How :func:`mm` multiplies tiles of ``dtype`` under the policy above (read at each launch)."""
+    if dtype == torch.float32:
+        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    return "widen" if INTERPRETED else "tf32"  # "tf32" is ignored for 16-bit operands
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr):
+    """``tl.dot(a, b)`` with float32 accumulation, as :func:`dot_precision` chose."""
+    if PRECISION == "widen":
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def round_for_cast(x, PRECISION: tl.constexpr):
+    """``x``, ready for a cast to a 16-bit dtype. Under "widen" (the interpreter) it is first
+    rounded to bfloat16's nearest even on the bits: the interpreter's float32 -> bfloat16 cast
+    truncates where a GPU rounds to nearest even. Elsewhere it is ``x`` itself."""
+    if PRECISION == "widen":
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        out = bits.to(tl.float32, bitcast=True)
+    else:
+        out = x
+    return out
+
+
+@triton.jit
+def log1p(u):
+    """log(1 + u) for u >= 0, to float32 rounding: log(w) * u / (w - 1) with w = 1 + u rounded
+    cancels the rounding of w (Goldberg's method); where w rounds to 1, log(1 + u) = u.
+    ``libdevice.log1p`` would do, but the interpreter has no libdevice."""
+    w = 1.0 + u
+    rounded_away = w != 1.0
+    return tl.where(rounded_away, tl.log(w) * (u / tl.where(rounded_away, w - 1.0, 1.0)), u)
+
+
+@triton.jit
+def softplus(x):
+    """log(1 + e^x) = max(x, 0) + log1p(e^-|x|), accurate to float32 rounding for every x.
+
+    The naive ``log(1 + exp(x))`` loses the low digits of 1 + e^x: at x = -9 it is 6e-3 off,
+    relative. Past x = 20 the correction is below float32 rounding of x, as torch assumes."""
+    return tl.maximum(x, 0.0) + log1p(tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def sigmoid(x):
+    """d softplus / dx = 1 / (1 + e^-x), to float32 rounding for every x; e^-|x| never overflows."""
+    e = tl.exp(-tl.abs(x))
+    return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+def block_size(dim: int, smallest: int = 16, largest: int | None = None) -> int:
+    """The power of two that covers ``dim`` (``tl.arange`` and ``tl.dot`` need one), clamped to
+    [smallest, largest]."""
+    block = max(smallest, triton.next_power_of_2(dim))
+    return min(block, largest) if largest is not None else block
