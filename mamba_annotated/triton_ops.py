@@ -9,6 +9,7 @@
   the result is the one a GPU computes.
 * exp2/log2 constants: kernels take exponentials base 2 (``exp2`` is one instruction; ``tl.exp``
   multiplies its argument by log2(e) first), with the factor folded into a scale computed once.
+  They are constexpr: in a kernel ``x * LOG2E``, on the host ``x * LOG2E.value``.
 * ``softplus``, accurate to float32 rounding over the whole range (the step sizes of Mamba-1 and
   Mamba-2 go through it).
 * ``block_size``: the power-of-two tile that covers a dimension, within bounds.
@@ -19,8 +20,10 @@ import triton.language as tl
 
 from .runtime import INTERPRETED
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
-LN2 = 0.6931471805599453    # ln(2): log(x) = log2(x) * LN2
+# Kernels may read only constexpr globals (a plain float imported into another module fails to
+# compile on a GPU, though the interpreter accepts it); host code takes ``.value``.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)    # ln(2): log(x) = log2(x) * LN2
 
 
 def dot_precision(dtype: torch.dtype) -> str:
