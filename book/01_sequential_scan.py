@@ -31,10 +31,10 @@ from mamba_annotated import runtime, sequential_scan
 from mamba_annotated.bench import (copy_bandwidth_gbps, gbps, median_ms, memory_floor_ms, plot_series,
                                    print_table, progress)
 from mamba_annotated.figures import COLORS, show_source
-from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
+from mamba_annotated.scan.reference import check_scan_gradients, linear_scan_ref, selective_scan_ref
 from mamba_annotated.scan.sequential import (sequential_scan_backward, sequential_scan_bwd_kernel,
                                              sequential_scan_forward, sequential_scan_fwd_kernel)
-from mamba_annotated.testing import check, check_scan_gradients, randn, seed_everything, tolerance, uniform
+from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
 device = runtime.DEVICE
@@ -144,14 +144,14 @@ draw_sequential_schedule()
 show_source(sequential_scan_fwd_kernel)
 
 # %% [markdown]
-# The public function `sequential_scan(a, b, h0=None, reverse=False)` flattens the leading dimensions into channels, checks its arguments, and launches one program per 32 channels. We run it and, in the next cell, check it against the float64 loop on fresh random inputs: decays in $(0.6, 1)$, inputs normal, a random initial state, a channel count that is not a multiple of the block.
+# The public function `sequential_scan(a, b, *, h0=None, reverse=False)` flattens the leading dimensions into channels, checks its arguments, and launches one program per 32 channels. We run it and, in the next cell, check it against the float64 loop on fresh random inputs: decays in $(0.6, 1)$, inputs normal, a random initial state, a channel count that is not a multiple of the block.
 
 # %%
 channels, length = runtime.size(gpu=(4 * 1536, 2048), cpu=(37, 100))
 a = uniform(channels, length, low=0.6, high=1.0)
 b = randn(channels, length)
 h0 = randn(channels)
-h = sequential_scan(a, b, h0)
+h = sequential_scan(a, b, h0=h0)
 
 # %%
 check("forward, float32", h, linear_scan_ref(a, b, h0), tolerance(torch.float32))
@@ -236,5 +236,5 @@ plot_series(rows, "length", "ms", "implementation", floor=floor, logy=True,
 #
 # **Exercises** (the tests in `tests/test_sequential_scan.py` check both identities):
 #
-# 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_0$.
+# 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0=h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_0$.
 # 2. Show that the reverse scan is the forward scan of the time-flipped inputs, flipped back: `sequential_scan(a, b, reverse=True)` equals `sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)`.

@@ -34,9 +34,8 @@ from mamba_annotated.scan.associative import (combine_both_bracketings, tuple_sc
                                               tuple_scan_forward, tuple_scan_fwd_kernel)
 from mamba_annotated.scan.combine import first_order_combine, first_order_combine_torch
 from mamba_annotated.scan.log_space import log_space_scan
-from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import (assert_associative, check, check_scan_gradients, randn, rel_error, seed_everything,
-                                     tolerance, uniform)
+from mamba_annotated.scan.reference import check_scan_gradients, linear_scan_ref
+from mamba_annotated.testing import assert_associative, check, randn, rel_error, seed_everything, tolerance, uniform
 
 seed_everything(0)
 

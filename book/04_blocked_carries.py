@@ -35,10 +35,10 @@ from mamba_annotated import runtime, sequential_scan
 from mamba_annotated.bench import gbps, median_ms, memory_floor_ms, print_table
 from mamba_annotated.figures import COLORS, show_source
 from mamba_annotated.scan import linear_scan
-from mamba_annotated.scan.blocked import (_scan_block, _scan_rows_descending, adjoint_combine, chained_scan_kernel,
+from mamba_annotated.scan.blocked import (scan_block, scan_rows_descending, adjoint_combine, chained_scan_kernel,
                                           linear_scan_backward, linear_scan_forward, plan, segment_totals_kernel)
-from mamba_annotated.scan.reference import linear_scan_ref
-from mamba_annotated.testing import check, check_scan_gradients, randn, seed_everything, tolerance, uniform
+from mamba_annotated.scan.reference import check_scan_gradients, linear_scan_ref
+from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
 
@@ -141,7 +141,7 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 show_source(adjoint_combine)
 
 # %%
-show_source(_scan_block)
+show_source(scan_block)
 
 # %%
 show_source(linear_scan_backward)
@@ -158,7 +158,7 @@ check_scan_gradients("three phases, reverse", *kernels, a, b, h0, reverse=True, 
 # %% [markdown]
 # ## `linear_scan`: the public function
 #
-# `linear_scan(a, b, h0=None, reverse=False)` checks its inputs, flattens the leading dimensions into rows and wraps the two launchers in an autograd Function. It takes float32, float16 and bfloat16 (accumulating in float32) and any length. This is the scan every later chapter uses.
+# `linear_scan(a, b, *, h0=None, reverse=False)` checks its inputs, flattens the leading dimensions into rows and runs the two launchers as one differentiable op (registered with `torch.library`, so `torch.compile` traces it). It takes float32, float16 and bfloat16 (accumulating in float32) and any length. This is the scan every later chapter uses.
 
 # %%
 x_shape = runtime.size(gpu=(2, 96, 3001), cpu=(2, 3, 77))
@@ -168,10 +168,10 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
     h0_d = randn(*x_shape[:-1]).requires_grad_()
     name = str(dtype).removeprefix("torch.")
     for reverse in (False, True):
-        h_d = linear_scan(a_d, b_d, h0_d, reverse=reverse)
+        h_d = linear_scan(a_d, b_d, h0=h0_d, reverse=reverse)
         check(f"linear_scan {name}, reverse={reverse}", h_d, linear_scan_ref(a_d, b_d, h0_d, reverse), tolerance(dtype))
     grad_h = randn(*x_shape, dtype=torch.float64)
-    got = torch.autograd.grad(linear_scan(a_d, b_d, h0_d), (a_d, b_d, h0_d), grad_h.to(dtype))
+    got = torch.autograd.grad(linear_scan(a_d, b_d, h0=h0_d), (a_d, b_d, h0_d), grad_h.to(dtype))
     leaves = [x.detach().double().requires_grad_() for x in (a_d, b_d, h0_d)]
     want = torch.autograd.grad(linear_scan_ref(*leaves), leaves, grad_h)
     for arg, g, w in zip(("a", "b", "h0"), got, want):
@@ -299,8 +299,19 @@ plt.tight_layout()
 #
 # On the H200 the bfloat16 backward went from 61% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways). What did not help, measured on the way: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` along the rows (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
 
+# %% [markdown]
+# ```{admonition} Performance notes: launch shapes
+# :class: dropdown
+# The (largest block, warps) of each kind of scan in `scan/blocked.py` come from a sweep on an H200 at (12288, T) for T = 4096, 65536 and 100000, beside `accelerated_scan.scalar` (its Triton scan uses blocks of 2048 steps and 4 warps):
+#
+# - ascending, float32: 8192 steps × 8 warps ran at 98.6–99.7% of the copy floor; 1024 × 4 lost 0.5–2 points, which at T = 100000 left it 1% behind the peer; 4096 × 16 lost 3;
+# - ascending, 16-bit: 4096 × 4 ran at 92.8–98.7%, 8192 × 8 at 91.7–95.6%, 4096 × 8 at 89.7–92.9%;
+# - descending (`reverse=True`) row tiles: 1024 × 4 was best in both dtypes (94–96%); larger tiles lost 4–40 points;
+# - the backward: 2048 × 4 with row tiles (bfloat16 at T = 65536: 94.5% against 93.8% with 1024); 8 warps or 4096 steps lost 15–20 points.
+# ```
+
 # %%
-show_source(_scan_rows_descending)
+show_source(scan_rows_descending)
 
 # %% [markdown]
 # ## What we have, and what comes next
@@ -312,4 +323,4 @@ show_source(_scan_rows_descending)
 # **Exercises** (the tests in `tests/test_linear_scan.py` check the answers):
 #
 # 1. Show that the result cannot depend on how a row is cut into segments: any `blocks_per_segment` gives the same $h$ and gradients up to rounding. `test_every_path_forward_and_backward` runs one, three and all blocks per segment.
-# 2. Write the reverse scan with the forward one: `linear_scan(a, b, h0, reverse=True)` equals `linear_scan(a.flip(-1), b.flip(-1), h0).flip(-1)`. `test_reverse_is_the_flipped_forward_scan` checks it.
+# 2. Write the reverse scan with the forward one: `linear_scan(a, b, h0=h0, reverse=True)` equals `linear_scan(a.flip(-1), b.flip(-1), h0=h0).flip(-1)`. `test_reverse_is_the_flipped_forward_scan` checks it.

@@ -21,8 +21,8 @@ Each op is described by five functions:
     grads(ctx, backward, *output_grads)         the inputs' gradients, calling ``backward``, which
                                                 is the backward op or the plain function
 
-Custom ops return tensors only, so an absent optional gradient travels as an empty tensor
-(:func:`absent`) and becomes ``None`` again in ``grads``.
+Custom ops return tensors only, so the gradient of an optional input that was None travels as an
+empty tensor (:func:`absent`), and ``grads`` returns None for it.
 """
 import torch
 from torch.autograd.function import once_differentiable
@@ -33,11 +33,6 @@ NAMESPACE = "mamba_annotated"
 def absent(like: torch.Tensor) -> torch.Tensor:
     """The stand-in a custom op returns for a tensor it has not got (an optional input's gradient)."""
     return like.new_empty(0)
-
-
-def present(t):
-    """``t``, or None where it is the stand-in of :func:`absent` (or None already)."""
-    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
 
 
 def define_op(name, forward, fake_forward, backward, fake_backward, save, grads):

@@ -3,7 +3,7 @@ length, forward and gradients, every dtype, reverse, initial state, bad inputs."
 import pytest
 import torch
 
-from mamba_annotated.scan import linear_scan
+from mamba_annotated.scan import linear_scan, sequential_scan
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.blocked import adjoint_combine, linear_scan_backward, linear_scan_forward, plan
 from mamba_annotated.scan.reference import linear_scan_ref
@@ -18,9 +18,9 @@ def test_forward_and_gradients(dtype, length, reverse):
     rows = size(gpu=333, cpu=3)
     a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)
-    assert_close(linear_scan(a, b, h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
+    assert_close(linear_scan(a, b, h0=h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tol)
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
-    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0=h0, reverse=reverse),
                            lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tol)
 
 
@@ -59,7 +59,7 @@ def test_gradients_with_zero_decays(reverse):
     a, b, h0 = random_scan_inputs((3, 50), torch.float32, with_h0=True)
     a[:, ::7] = 0.0
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
-    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0=h0, reverse=reverse),
                            lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tolerance(torch.float32))
 
 
@@ -75,16 +75,16 @@ def test_plan_uses_one_segment_when_rows_fill_the_machine_and_several_when_not()
 def test_initial_state_of_another_dtype(reverse):
     a, b, _ = random_scan_inputs((6, 25), torch.bfloat16, with_h0=False)
     h0 = randn(6, dtype=torch.float32, scale=3.0)
-    assert_close(linear_scan(a, b, h0, reverse), linear_scan_ref(a, b, h0, reverse), tolerance(torch.bfloat16))
+    assert_close(linear_scan(a, b, h0=h0, reverse=reverse), linear_scan_ref(a, b, h0, reverse), tolerance(torch.bfloat16))
     inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
-    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0, reverse=reverse),
+    assert_gradients_close(lambda a, b, h0: linear_scan(a, b, h0=h0, reverse=reverse),
                            lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tolerance(torch.bfloat16))
 
 
 def test_reverse_is_the_flipped_forward_scan():
     # chapter 4, exercise 2
     a, b, h0 = random_scan_inputs((4, 90), torch.float32, with_h0=True)
-    assert_close(linear_scan(a, b, h0, reverse=True), linear_scan(a.flip(-1), b.flip(-1), h0).flip(-1),
+    assert_close(linear_scan(a, b, h0=h0, reverse=True), linear_scan(a.flip(-1), b.flip(-1), h0=h0).flip(-1),
                  tolerance(torch.float32))
 
 
@@ -135,3 +135,42 @@ def test_wrong_device_is_refused():
     a, b, _ = random_scan_inputs((3, 10), torch.float32, with_h0=False)
     with pytest.raises(ValueError, match="a is on cpu"):
         linear_scan(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
+@pytest.mark.parametrize("shape", [(0, 10), (3, 0), (2, 0, 5)])
+def test_empty_inputs_give_empty_outputs_and_gradients(scan, shape):
+    """Zero rows used to divide by zero while planning the launch; every op returns empty for empty."""
+    a, b, h0 = (t.requires_grad_() for t in random_scan_inputs(shape, torch.float32, with_h0=True))
+    h = scan(a, b, h0=h0)
+    assert h.shape == a.shape
+    h.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape and h0.grad.shape == h0.shape
+    assert not h0.grad.any()
+
+
+@pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
+def test_extras_are_keyword_only(scan):
+    a, b, h0 = random_scan_inputs((3, 10), torch.float32, with_h0=True)
+    with pytest.raises(TypeError):
+        scan(a, b, h0)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_non_contiguous_views_forward_and_gradients(reverse):
+    """a and b as halves of one projection along time-major memory, h0 an expanded (stride-0) row."""
+    rows, length = 6, 37
+    projection = randn(length, 2 * rows).requires_grad_()
+    h0 = randn(1).expand(rows).requires_grad_()
+
+    def run(scan):
+        def fn(projection, h0):
+            a_raw, b = projection.T.chunk(2, dim=0)        # (rows, length) views, stride(-1) != 1
+            return scan(torch.sigmoid(a_raw), b, h0=h0, reverse=reverse)
+        return fn
+
+    ours = lambda projection, h0: run(lambda a, b, **kw: linear_scan(a, b, **kw))(projection, h0)  # noqa: E731
+    ref = lambda projection, h0: run(linear_scan_ref)(projection, h0)  # noqa: E731
+    leaves = dict(projection=projection, h0=h0)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(torch.float32), "h")
+    assert_gradients_close(ours, ref, leaves, tolerance(torch.float32))

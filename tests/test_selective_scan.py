@@ -181,11 +181,12 @@ BAD_INPUTS = [
     (lambda i: dict(i, u=i["u"].cpu().numpy()), TypeError, "u must be a torch.Tensor"),
     (lambda i: dict(i, u=i["u"].double(), delta=i["delta"].double()), TypeError, "u must have dtype"),
     (lambda i: dict(i, u=i["u"][0]), ValueError, "u must have 3 dimensions"),
-    (lambda i: dict(i, u=i["u"][..., :0], delta=i["delta"][..., :0]), ValueError, "at least one channel and one time step"),
     (lambda i: dict(i, delta=i["delta"][..., :-1]), ValueError, "delta must have the shape of u"),
     (lambda i: dict(i, delta=i["delta"].half()), TypeError, "delta must have the dtype of u"),
     (lambda i: dict(i, A=i["A"][:-1]), ValueError, r"A must have shape \(dim, N\)"),
-    (lambda i: dict(i, A=i["A"].to(torch.complex64)), TypeError, "A must have dtype"),
+    (lambda i: dict(i, A=i["A"].to(torch.complex64)), NotImplementedError, "A: complex A"),
+    (lambda i: dict(i, B=i["B"][0, :, :1].T.expand(4, 4).contiguous()), NotImplementedError, "B: a time-invariant B"),
+    (lambda i: dict(i, A=i["A"].int()), TypeError, "A must have dtype"),
     (lambda i: dict(i, B=i["B"][..., :-1]), ValueError, "B must have shape"),
     (lambda i: dict(i, B=i["B"][:, :-1]), ValueError, "B must have shape"),
     (lambda i: dict(i, B=i["B"][None]), ValueError, "B must have shape"),
@@ -211,3 +212,74 @@ def test_wrong_device_is_refused():
     inputs, flags = make_inputs(2, 4, 4, 10)
     with pytest.raises(ValueError, match="B is on cpu"):
         selective_scan(**dict(inputs, B=inputs["B"].cpu()), **flags)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 0), (0, 4, 7), (2, 0, 7)])
+def test_empty_inputs_give_empty_outputs_and_gradients(shape):
+    batch, dim, length = shape
+    inputs, flags = make_inputs(batch, dim, 3, length, D=True, z=True, delta_bias=True)
+    leaves = {k: v.requires_grad_() for k, v in inputs.items()}
+    y, last = selective_scan(**leaves, **flags, return_last_state=True)
+    assert y.shape == shape and last.shape == (batch, dim, 3)
+    assert not last.any()  # no step taken: the state stays at zero
+    (y.sum() + last.sum()).backward()
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.shape == leaf.shape and not leaf.grad.any(), name
+
+
+@pytest.mark.parametrize("log_decay", [-9.0, -12.0])
+def test_small_decays_keep_dA_accurate(log_decay):
+    """a_t = exp(delta A) near e^-9 and e^-12: forming a_t h_{t-1} as h_t - x_t cancelled (dA off by
+    2.7e-4 and 4.8e-3); float32 arithmetic allows about 1e-6."""
+    inputs, flags = make_inputs(1, 4, 4, 37)
+    inputs["delta"] = uniform(1, 4, 37, low=0.9, high=1.1)
+    inputs["A"] = torch.full((4, 4), log_decay, device=DEVICE) + uniform(4, 4, low=-0.5, high=0.5)
+    leaves = {k: (v.requires_grad_() if v is not None else None) for k, v in inputs.items()}
+    errors = assert_gradients_close(lambda **kw: selective_scan(**kw, **flags),
+                                    lambda **kw: selective_scan_ref(**kw, **flags), leaves, 1e-5)
+    assert errors["A"] < 1e-5
+
+
+def test_softplus_of_tiny_steps_is_accurate():
+    """softplus(x) for x near -9 and -11.5 (steps of 1e-4 and 1e-5): log(1 + e^x) lost 4e-4 and 6e-3."""
+    inputs, flags = make_inputs(1, 4, 4, 20, delta_softplus=True)
+    inputs["delta"] = uniform(1, 4, 20, low=-12.0, high=-9.0)
+    inputs["D"] = None
+    ours = selective_scan(**inputs, **flags)
+    ref = selective_scan_ref(**inputs, **flags)
+    assert_close(ours, ref, 2e-6, "y with tiny softplus'ed steps")
+
+
+def test_non_contiguous_inputs_forward_and_gradients():
+    """Views as a model makes them: u and z halves of one projection, delta transposed, B and C
+    slices of a wider tensor, A expanded from a row (stride 0)."""
+    batch, dim, dstate, length = 2, 4, 4, 21
+    xz = randn(batch, length, 2 * dim).transpose(1, 2)                # (batch, 2*dim, L), stride(-1) != 1
+    delta = uniform(batch, length, dim, low=0.02, high=0.6).transpose(1, 2)
+    BC = randn(batch, 2 * dstate, length + 3)[..., 3:]
+    A = -uniform(1, dstate, low=0.2, high=2.0).expand(dim, dstate)
+    leaves = dict(xz=xz.requires_grad_(), delta=delta.requires_grad_(), BC=BC.requires_grad_(),
+                  A=A.requires_grad_())
+
+    def run(scan):
+        def fn(xz, delta, BC, A):
+            u, z = xz.chunk(2, dim=1)
+            B, C = BC.chunk(2, dim=1)
+            return scan(u, delta, A, B, C, z=z, delta_softplus=False)
+        return fn
+
+    assert_close(run(selective_scan)(**leaves), run(selective_scan_ref)(**leaves), 1e-5, "y")
+    assert_gradients_close(run(selective_scan), run(selective_scan_ref), leaves, 1e-5)
+
+
+def test_positional_call_as_mamba_ssm_makes_it():
+    """mamba_ssm's Mamba.forward (no fast path): selective_scan_fn(x, dt, A, B, C, self.D.float(),
+    z=z, delta_bias=self.dt_proj.bias.float(), delta_softplus=True, return_last_state=...)."""
+    inputs, _ = make_inputs(2, 4, 4, 19, D=True, z=True, delta_bias=True, delta_softplus=True)
+    i = inputs
+    y, last = selective_scan(i["u"], i["delta"], i["A"], i["B"], i["C"], i["D"].float(), z=i["z"],
+                             delta_bias=i["delta_bias"].float(), delta_softplus=True, return_last_state=True)
+    ref, ref_last = selective_scan_ref(**inputs, delta_softplus=True, return_last_state=True)
+    assert_close(y, ref, 1e-5, "y")
+    assert_close(last, ref_last, 1e-5, "last state")
+    assert isinstance(selective_scan(i["u"], i["delta"], i["A"], i["B"], i["C"]), torch.Tensor)

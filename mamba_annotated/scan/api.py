@@ -1,6 +1,9 @@
-"""Public scan functions: input checks, flattening, and the autograd Functions."""
+"""Public scan functions: input checks, and the ops registered with torch.library (:mod:`..library`)."""
+from typing import Optional
+
 import torch
 
+from ..library import absent, define_op, traced_or_captured
 from ..validation import check_same, check_tensor
 from .blocked import linear_scan_backward, linear_scan_forward
 from .selective import selective_scan_backward, selective_scan_forward
@@ -12,80 +15,107 @@ def check_scan_inputs(a, b, h0):
     check_tensor("a", a, min_ndim=1)
     check_tensor("b", b)
     check_same("b", b, "a", a)
-    if a.shape[-1] == 0:
-        raise ValueError(f"a must have at least one time step (last dimension); got shape {tuple(a.shape)}")
     if h0 is not None:
         check_tensor("h0", h0, shape=a.shape[:-1])
+        check_same_device("h0", h0, a)
 
 
-def _flatten(x):
-    """(..., L) -> (channels, L), contiguous (a copy only if x was not)."""
+def check_same_device(name, value, ref, ref_name="a"):
+    if value.device != ref.device:
+        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}); got {value.device}")
+
+
+def rows(x):
+    """(..., L) -> (rows, L), contiguous (a copy only if x was not)."""
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-class FirstOrderScan(torch.autograd.Function):
-    """Autograd for h_t = a_t h_{t-1} + b_t, given a (forward, backward) pair of launchers.
+def first_order_scan_op(name, forward_launcher, backward_launcher):
+    """The op h = scan(a, b) for one family of launchers. Both families share one contract:
+    forward(a, b, h0, reverse) -> h and backward(a, h, h0, grad_h, reverse) -> (grad_a, grad_b,
+    grad_h0 or None), on (rows, L) contiguous tensors."""
 
-    Both kernel families share one contract: forward(a, b, h0, reverse) -> h on (channels, L)
-    tensors, backward(a, h, h0, grad_h, reverse) -> (grad_a, grad_b, grad_h0).
-    """
+    def forward(a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor], reverse: bool) -> torch.Tensor:
+        if a.numel() == 0:
+            return torch.empty_like(a, memory_format=torch.contiguous_format)
+        h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
+        return forward_launcher(rows(a), rows(b), h0_rows, reverse).view(a.shape)
 
-    @staticmethod
-    def forward(ctx, a, b, h0, reverse, launchers):
-        forward_launcher, ctx.backward_launcher = launchers
-        a2, b2 = _flatten(a), _flatten(b)
-        h0_flat = h0.reshape(-1).contiguous() if h0 is not None else None
-        h = forward_launcher(a2, b2, h0_flat, reverse)
-        ctx.save_for_backward(a2, h, h0_flat)
+    def fake_forward(a, b, h0, reverse):
+        return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+    def backward(a: torch.Tensor, h: torch.Tensor, h0: Optional[torch.Tensor], grad_h: torch.Tensor,
+                 reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if a.numel() == 0:
+            grad_h0 = torch.zeros_like(h0) if h0 is not None else absent(a)
+            return torch.zeros_like(a), torch.zeros_like(a), grad_h0
+        h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
+        grad_a, grad_b, grad_h0 = backward_launcher(rows(a), rows(h), h0_rows, rows(grad_h), reverse)
+        grad_h0 = grad_h0.view(h0.shape) if h0 is not None else absent(a)
+        return grad_a.view(a.shape), grad_b.view(a.shape), grad_h0
+
+    def fake_backward(a, h, h0, grad_h, reverse):
+        grad_h0 = torch.empty_like(h0) if h0 is not None else absent(a)
+        return torch.empty_like(a), torch.empty_like(a), grad_h0
+
+    def save(ctx, inputs, h):
+        a, _, h0, reverse = inputs
+        ctx.save_for_backward(a, h, h0)
         ctx.reverse = reverse
-        return h.view(a.shape)
 
-    @staticmethod
-    def backward(ctx, grad_h):
-        a2, h, h0_flat = ctx.saved_tensors
-        grad_a, grad_b, grad_h0 = ctx.backward_launcher(a2, h, h0_flat, _flatten(grad_h), ctx.reverse)
-        shape = grad_h.shape
-        grad_h0 = grad_h0.view(shape[:-1]) if grad_h0 is not None else None
-        return grad_a.view(shape), grad_b.view(shape), grad_h0, None, None
+    def grads(ctx, run_backward, grad_h):
+        a, h, h0 = ctx.saved_tensors
+        grad_a, grad_b, grad_h0 = run_backward(a, h, h0, grad_h, ctx.reverse)
+        return grad_a, grad_b, grad_h0 if h0 is not None else None, None
+
+    return define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
 
 
-def sequential_scan(a, b, h0=None, reverse=False):
+sequential_scan_op = first_order_scan_op("sequential_scan", sequential_scan_forward, sequential_scan_backward)
+linear_scan_op = first_order_scan_op("linear_scan", linear_scan_forward, linear_scan_backward)
+
+
+def sequential_scan(a, b, *, h0=None, reverse=False):
     """h_t = a_t * h_{t-1} + b_t along the last dimension, one step at a time (chapter 1).
 
-    a, b: (..., L), float32, float16 or bfloat16, one dtype; h0: (...) initial state (any of
-    those dtypes) or None for zero. ``reverse=True`` runs h_t = a_t * h_{t+1} + b_t from the end.
-    Returns h with a's shape and dtype (float32 accumulation). Differentiable in a, b and h0.
+    Arguments, returns and gradients as :func:`linear_scan`, which is the fast way.
     """
     check_scan_inputs(a, b, h0)
-    return FirstOrderScan.apply(a, b, h0, bool(reverse), (sequential_scan_forward, sequential_scan_backward))
+    return sequential_scan_op(a, b, h0, bool(reverse))
 
 
-def linear_scan(a, b, h0=None, reverse=False):
+def linear_scan(a, b, *, h0=None, reverse=False):
     """h_t = a_t * h_{t-1} + b_t along the last dimension, as a blocked parallel scan (chapters 2-4).
 
-    a, b: (..., L), float32, float16 or bfloat16, one dtype, any length L >= 1; h0: (...) initial
-    state (any of those dtypes) or None for zero. ``reverse=True`` runs h_t = a_t * h_{t+1} + b_t
-    from the end. Returns h with a's shape and dtype (float32 accumulation). Differentiable in a,
-    b and h0. The fast default for every later chapter.
+    accelerated-scan's ``scan(gates, tokens)`` with keyword extras: a, b (..., L), float32, float16
+    or bfloat16, one dtype, any length (empty inputs give an empty h); ``h0`` (...) initial state
+    (any of those dtypes) or None for zero; ``reverse=True`` runs h_t = a_t * h_{t+1} + b_t from
+    the end. Returns h with a's shape and dtype (float32 accumulation). Differentiable in a, b and
+    h0; the gradients are deterministic.
     """
     check_scan_inputs(a, b, h0)
-    return FirstOrderScan.apply(a, b, h0, bool(reverse), (linear_scan_forward, linear_scan_backward))
+    return linear_scan_op(a, b, h0, bool(reverse))
 
 
 # --- chapter 4: the selective scan (Mamba-1) -----------------------------------------------------
 
 def check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias):
-    """mamba_ssm's selective_scan_fn layout; every tensor on the kernels' device."""
+    """mamba_ssm's selective_scan_fn layout; every tensor on u's device."""
     check_tensor("u", u, ndim=3)
     batch, dim, length = u.shape
-    if dim == 0 or length == 0:
-        raise ValueError(f"u must have at least one channel and one time step; got shape {tuple(u.shape)}")
     check_tensor("delta", delta)
     check_same("delta", delta, "u", u)
+    if A.is_complex():
+        raise NotImplementedError("A: complex A (mamba_ssm's complex selective scan) is not implemented")
     check_tensor("A", A, ndim=2)
-    if A.shape[0] != dim or A.shape[1] == 0:
-        raise ValueError(f"A must have shape (dim, N) = ({dim}, N) with N >= 1; got {tuple(A.shape)}")
+    check_same_device("A", A, u, "u")
+    if A.shape[0] != dim:
+        raise ValueError(f"A must have shape (dim, N) = ({dim}, N); got {tuple(A.shape)}")
     dstate = A.shape[1]
+    for name, M in (("B", B), ("C", C)):
+        if isinstance(M, torch.Tensor) and M.dim() == 2:
+            raise NotImplementedError(f"{name}: a time-invariant {name} of shape (dim, N) is not implemented; "
+                                      f"pass (batch, N, L) or (batch, groups, N, L)")
     check_tensor("B", B)
     if B.dim() == 3:
         expected = (batch, dstate, length)
@@ -98,61 +128,109 @@ def check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias):
         raise ValueError(f"B must have shape (batch, N, L) or (batch, groups, N, L); got {tuple(B.shape)}")
     if tuple(B.shape) != expected:
         raise ValueError(f"B must have shape {expected} (batch, [groups,] N, L); got {tuple(B.shape)}")
+    check_same_device("B", B, u, "u")
     check_tensor("C", C)
     check_same("C", C, "B", B)
-    if D is not None:
-        check_tensor("D", D, shape=(dim,))
+    for name, vector in (("D", D), ("delta_bias", delta_bias)):
+        if vector is not None:
+            check_tensor(name, vector, shape=(dim,))
+            check_same_device(name, vector, u, "u")
     if z is not None:
         check_tensor("z", z)
         check_same("z", z, "u", u)
-    if delta_bias is not None:
-        check_tensor("delta_bias", delta_bias, shape=(dim,))
 
 
-def _contiguous(x):
+def contiguous(x):
     return x.contiguous() if x is not None else None
 
 
-def _as_groups(M):
+def as_groups(M):
     """(batch, N, L) -> (batch, 1, N, L); a 4-d B or C is already (batch, groups, N, L)."""
     return M if M.dim() == 4 else M[:, None]
 
 
-class SelectiveScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-        inputs = [_contiguous(x) for x in (u, delta, A, _as_groups(B), _as_groups(C), D, z, delta_bias)]
-        y, last_state, chunk_states = selective_scan_forward(*inputs, delta_softplus, any(ctx.needs_input_grad))
-        ctx.save_for_backward(*inputs, chunk_states)
-        ctx.delta_softplus = delta_softplus
-        ctx.B_shape = B.shape
-        ctx.set_materialize_grads(False)
-        return y, last_state
+def selective_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                      D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                      delta_softplus: bool, store_chunk_states: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y, the last state and the chunk start states the backward pass needs (empty if not stored)."""
+    batch, dim, length = u.shape
+    if u.numel() == 0:
+        return (torch.zeros(u.shape, dtype=u.dtype, device=u.device),
+                torch.zeros(batch, dim, A.shape[1], dtype=torch.float32, device=u.device), absent(u))
+    y, last_state, chunk_states = selective_scan_forward(
+        *(contiguous(x) for x in (u, delta, A, as_groups(B), as_groups(C), D, z, delta_bias)),
+        delta_softplus=delta_softplus, store_chunk_states=store_chunk_states)
+    return y, last_state, chunk_states if chunk_states is not None else absent(u)
 
-    @staticmethod
-    def backward(ctx, grad_y, grad_last_state):
-        *inputs, chunk_states = ctx.saved_tensors
-        u = inputs[0]
-        grad_y = torch.zeros_like(u) if grad_y is None else grad_y.contiguous()
-        grads = selective_scan_backward(*inputs, ctx.delta_softplus, chunk_states, grad_y,
-                                        _contiguous(grad_last_state))
-        names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
-        out = [grads[name].to(x.dtype) if x is not None else None for name, x in zip(names, inputs)]
-        out[3], out[4] = out[3].view(ctx.B_shape), out[4].view(ctx.B_shape)
-        return (*out, None)
+
+def fake_selective_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, store_chunk_states):
+    from .selective import chunk_states_shape
+
+    batch, dim, length = u.shape
+    chunk_states = (u.new_empty(chunk_states_shape(batch, dim, A.shape[1], length), dtype=torch.float32)
+                    if store_chunk_states and u.numel() else absent(u))
+    return torch.empty_like(u), u.new_empty((batch, dim, A.shape[1]), dtype=torch.float32), chunk_states
+
+
+SELECTIVE_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def selective_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       delta_softplus: bool, chunk_states: torch.Tensor, grad_y: torch.Tensor,
+                       grad_last_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradient of each of the eight tensor inputs, in its dtype and shape (absent for None)."""
+    inputs = (u, delta, A, B, C, D, z, delta_bias)
+    if u.numel() == 0:
+        return [torch.zeros_like(x) if x is not None else absent(u) for x in inputs]
+    grads = selective_scan_backward(
+        *(contiguous(x) for x in (u, delta, A, as_groups(B), as_groups(C), D, z, delta_bias)),
+        delta_softplus=delta_softplus, chunk_states=chunk_states, grad_y=grad_y.contiguous(),
+        grad_last_state=contiguous(grad_last_state))
+    return [grads[name].to(x.dtype).view(x.shape) if x is not None else absent(u)
+            for name, x in zip(SELECTIVE_INPUTS, inputs)]
+
+
+def fake_selective_backward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, grad_y,
+                            grad_last_state):
+    return [torch.empty_like(x) if x is not None else absent(u) for x in (u, delta, A, B, C, D, z, delta_bias)]
+
+
+def save_selective(ctx, inputs, outputs):
+    *tensors, delta_softplus, _ = inputs
+    ctx.save_for_backward(*tensors, outputs[2])
+    ctx.delta_softplus = delta_softplus
+
+
+def selective_grads(ctx, run_backward, grad_y, grad_last_state, _grad_chunk_states):
+    *tensors, chunk_states = ctx.saved_tensors
+    u = tensors[0]
+    grad_y = torch.zeros_like(u) if grad_y is None else grad_y
+    grads = run_backward(*tensors, ctx.delta_softplus, chunk_states, grad_y, grad_last_state)
+    return (*(g if x is not None else None for g, x in zip(grads, tensors)), None, None)
+
+
+selective_scan_op = define_op("selective_scan", selective_forward, fake_selective_forward, selective_backward,
+                              fake_selective_backward, save_selective, selective_grads)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    return_last_state=False):
-    """Mamba-1's selective state-space scan (S6), in mamba_ssm's ``selective_scan_fn`` layout (chapter 4).
+    """Mamba-1's selective state-space scan (S6): mamba_ssm's ``selective_scan_fn`` (chapter 4.9).
 
     u, delta: (batch, dim, L), float32, float16 or bfloat16, one dtype; A: (dim, N) real;
-    B, C: (batch, N, L) or (batch, groups, N, L), channel d using group d // (dim // groups);
-    D, delta_bias: (dim,); z: like u. With delta' = softplus(delta + delta_bias) (each optional),
-    h_t = exp(delta'_t A) h_{t-1} + delta'_t B_t u_t,  y_t = C_t . h_t + D u_t,  y_t *= silu(z_t).
-    Returns y like u (float32 accumulation) and, if ``return_last_state``, h at the last step
-    (batch, dim, N) float32. Differentiable in every tensor argument, the last state included.
+    B, C: (batch, N, L) or (batch, groups, N, L) in u's dtype, channel d using group
+    d // (dim // groups); D, delta_bias: (dim,); z: like u. With delta' = softplus(delta +
+    delta_bias) (each optional), h_t = exp(delta'_t A) h_{t-1} + delta'_t B_t u_t,
+    y_t = C_t . h_t + D u_t, y_t *= silu(z_t).
+    Returns y like u (float32 accumulation) and, if ``return_last_state``, the tuple (y, h at the
+    last step (batch, dim, N) float32). Differentiable in every tensor argument, the last state
+    included; gradients are deterministic. Not implemented (NotImplementedError): complex A, and
+    time-invariant B or C of shape (dim, N).
     """
     check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias)
-    y, last_state = SelectiveScan.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (u, delta, A, B, C, D, z, delta_bias))
+    y, last_state, _ = selective_scan_op(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), needs_grad)
     return (y, last_state) if return_last_state else y

@@ -22,22 +22,19 @@ Algorithm
     step beyond t. Rather than load a one step off (a misaligned load, which is not vectorised), the
     scan runs over triples (a_t, 1, g_t) with ``adjoint_combine``: a run applies its own first decay
     only when it is joined to the run before it, and the carry between blocks and segments is
-    mu = a * lam of the step beyond. (H200, (12288, T) bfloat16: the backward ran 8% faster than
-    with the shifted load of a; moving a and h one step through shared memory with tl.gather
-    instead ran 30% slower.)
+    mu = a * lam of the step beyond. (Both alternatives, the shifted load of a and moving a and h
+    one step through shared memory with tl.gather, ran slower: chapter 4's performance notes.)
 
     Descending scans (reverse=True, and the backward of the forward direction) do not use
     ``tl.associative_scan(..., reverse=True)``: Triton implements it by reversing the values across
-    the lanes of a warp with shuffles, even along an axis that one thread holds (compiled for sm_90:
-    139 shuffles per block of the backward against 43 ascending), and that capped the bfloat16
-    backward at 58-61% of the memory floor on an H200 while a kernel with its loads and stores but
-    no scan reached 95%. Instead the block is a tile of rows of ROW consecutive steps (one 16-byte
+    the lanes of a warp with shuffles, even along an axis that one thread holds (three times the
+    shuffles of an ascending scan when compiled for sm_90), and those shuffles, not the memory,
+    then bound the bfloat16 backward. Instead the block is a tile of rows of ROW consecutive steps (one 16-byte
     vector per thread): each thread scans its row from the end in registers (``tl.flip``, an
     ascending scan, ``tl.flip`` back: no shuffles), and the carry entering row r is the composition
     of the maps of the rows after it, one scan over rows of one value per thread. Row r gets the
     map of row r+1 by loading row r+1 again (from cache, mostly) rather than by moving a value
-    between threads. Result on the H200: the bfloat16 backward from 61% to 94% of its floor, the
-    reverse=True forward from 44% to 96%.
+    between threads (chapter 4's performance notes give the gain).
 
 Shapes: a, b, h, grad_h (rows, L) contiguous; h0 (rows,); totals and segment end states
 (rows, num_segments) float32. Offsets are 64-bit: rows * L may pass 2^31.
@@ -54,16 +51,10 @@ from .. import outputs
 from ..runtime import DEVICE, size
 from .combine import first_order_combine
 
-# (largest block, warps) of each kind of scan, measured on an H200 at (12288, T) for T = 4096,
-# 65536 and 100000 beside accelerated_scan.scalar (its Triton scan: 2048 steps, 4 warps):
-# * ascending, float32: 8192 steps x 8 warps ran at 98.6-99.7% of the copy floor; 1024 x 4 lost
-#   0.5-2 points, which at T = 100000 left it 1% behind the peer; 4096 x 16 lost 3.
-# * ascending, 16-bit: 4096 x 4 ran at 92.8-98.7%, 8192 x 8 at 91.7-95.6%, 4096 x 8 at 89.7-92.9%.
-# * descending (reverse=True) tiles: 1024 x 4 was best in both dtypes (94-96%); larger tiles lost
-#   4-40 points.
-# * the backward: 2048 x 4 with row tiles (bfloat16 at T = 65536: 94.5% against 93.8% with 1024;
-#   8 warps or 4096 steps lost 15-20 points).
-# On CPU small blocks keep the interpreter quick.
+# (largest block, warps) of each kind of scan, chosen by a sweep on an H200 beside accelerated_scan
+# (chapter 4's performance notes): long blocks for ascending float32 scans (fewer carry hand-offs),
+# half as long for 16-bit ones (the same bytes per thread), short row tiles for descending scans and
+# the backward (their row walk holds more per thread). On CPU small blocks keep the interpreter quick.
 ASCENDING_FLOAT32 = size(gpu=(8192, 8), cpu=(64, 4))
 ASCENDING_16BIT = size(gpu=(4096, 4), cpu=(64, 4))
 DESCENDING = size(gpu=(1024, 4), cpu=(64, 4))
@@ -71,7 +62,7 @@ BACKWARD = size(gpu=(2048, 4), cpu=(64, 4))
 
 
 def launch_shape(element_size, adjoint, descending):
-    """(largest block, warps) for a scan of elements of this size, as measured above."""
+    """(largest block, warps) for a scan of elements of this size (see the table above)."""
     if adjoint:
         return BACKWARD
     if descending:
@@ -126,7 +117,7 @@ def _block_in_scan_order(first_block, n_blocks, j, DESCENDING: tl.constexpr):
 def _positions(block, BLOCK: tl.constexpr, ROW: tl.constexpr, DESCENDING: tl.constexpr):
     """The block's positions: a [BLOCK] vector ascending; descending, a [BLOCK // ROW, ROW] tile of
     rows of ROW consecutive steps (16 bytes, one thread's vector load), the layout that
-    :func:`_scan_rows_descending` needs."""
+    :func:`scan_rows_descending` needs."""
     if DESCENDING:
         t = block * BLOCK + tl.arange(0, BLOCK // ROW)[:, None] * ROW + tl.arange(0, ROW)[None, :]
     else:
@@ -168,7 +159,7 @@ def _row_maps(decay, mult, local, ADJOINT: tl.constexpr):
 
 
 @triton.jit
-def _scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT: tl.constexpr):
+def scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT: tl.constexpr):
     """A descending scan of a (rows, ROW) tile without one reverse=True scan across lanes.
 
     Each thread scans its own row in registers; the carry entering row r is then the composition
@@ -197,7 +188,7 @@ def _scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, A
 
 
 @triton.jit
-def _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
+def scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT: tl.constexpr, DESCENDING: tl.constexpr):
     """(decays, states, block map (A, B) up to each position) for the block at positions t and the
     carry entering it.
 
@@ -205,7 +196,7 @@ def _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT: tl.constexpr
     step beyond the block, and the map acts on mu, so a is read where it lies (aligned loads)."""
     decay, x = _block_pairs(a_ptr, b_ptr, row_start, t, length)
     if DESCENDING:
-        state, map_a, map_b = _scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT)
+        state, map_a, map_b = scan_rows_descending(a_ptr, b_ptr, row_start, t, length, decay, x, carry, ADJOINT)
     elif ADJOINT:
         ones = tl.full(decay.shape, 1.0, tl.float32)
         _, prod, local = tl.associative_scan((decay, ones, x), 0, adjoint_combine)
@@ -242,7 +233,7 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
     for j in range(n_blocks):
         block = _block_in_scan_order(first_block, n_blocks, j, DESCENDING)
         t = _positions(block, BLOCK, ROW, DESCENDING)
-        decay, state, _, _ = _scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT, DESCENDING)
+        decay, state, _, _ = scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT, DESCENDING)
         inside = t < length
         tl.store(out_ptr + row_start + t, state.to(out_ptr.dtype.element_ty), mask=inside)
         if ADJOINT:
@@ -276,7 +267,7 @@ def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_
     for j in range(n_blocks):
         block = _block_in_scan_order(first_block, n_blocks, j, DESCENDING)
         t = _positions(block, BLOCK, ROW, DESCENDING)
-        _, _, map_a, map_b = _scan_block(a_ptr, b_ptr, row_start, t, length, 0.0, ADJOINT, DESCENDING)
+        _, _, map_a, map_b = scan_block(a_ptr, b_ptr, row_start, t, length, 0.0, ADJOINT, DESCENDING)
         block_a = _last_in_scan_order(map_a, t, block * BLOCK, DESCENDING, BLOCK)
         block_b = _last_in_scan_order(map_b, t, block * BLOCK, DESCENDING, BLOCK)
         total_a, total_b = first_order_combine(total_a, total_b, block_a, block_b)

@@ -7,6 +7,8 @@ float64 rounding, and autograd through the loop gives reference gradients.
 import torch
 import torch.nn.functional as F
 
+from ..testing import check, tolerance
+
 
 def linear_scan_ref(a, b, h0=None, reverse=False, dtype=torch.float64):
     """h_t = a_t * h_{t-1} + b_t along the last dimension (``reverse``: h_t = a_t * h_{t+1} + b_t).
@@ -67,3 +69,20 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
     if z is not None:
         y = y * F.silu(z.double())
     return (y, h[..., -1]) if return_last_state else y
+
+
+def check_scan_gradients(name, forward, backward, a, b, h0, reverse, **launcher_args):
+    """Notebook check of a first-order scan's backward launcher (chapters 1, 2 and 4).
+
+    Runs ``forward(a, b, h0, reverse)`` then ``backward(a, h, h0, grad_h, reverse)`` with a random
+    upstream gradient and compares (grad a, grad b, grad h0) with autograd through the float64
+    loop; prints one line per gradient, raises on failure.
+    """
+    h = forward(a, b, h0, reverse, **launcher_args)
+    # rounded to a's dtype, as the kernel receives it, so that both sides see the same values
+    grad_h = torch.randn(a.shape, dtype=torch.float64, device=a.device).to(a.dtype).double()
+    got = backward(a, h, h0, grad_h.to(a.dtype), reverse, **launcher_args)
+    leaves = [x.double().requires_grad_() for x in (a, b, h0)]
+    want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
+    for arg, g, w in zip(("a", "b", "h0"), got, want):
+        check(f"{name}: grad {arg}", g, w, tolerance(a.dtype))

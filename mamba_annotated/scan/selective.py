@@ -12,13 +12,17 @@ registers and walks time in chunks of BLOCK_L steps. Inside a chunk it builds th
 BLOCK_L] tiles of a and x, runs ``tl.associative_scan`` with the first-order combine along time,
 adds the carry (h_t = (prod a) * h_carry + scanned x), contracts with C over n to get y, and keeps
 the last column as the next chunk's carry. When gradients are wanted it also stores the state at
-the start of every chunk, (batch, chunks, dim, N): L/BLOCK_L times fewer numbers than the states.
+the start of every chunk, (batch, chunks, dim, N): BLOCK_L times fewer numbers than all the states.
 
 Backward: the adjoint lam_t = dLoss/dh_t obeys lam_t = dy_t * C_t + a_{t+1} * lam_{t+1}, the same
 recurrence run from the end with the decays shifted by one step. The program walks chunks from the
-last, recomputes the chunk's states from its stored start state, runs the adjoint as a reverse scan
-(a_{t+1} is computed from delta loaded one step ahead), and collects
-    dx_t = lam_t,   a_t * h_{t-1} = h_t - x_t,   dLoss/da_t * a_t = lam_t * (h_t - x_t),
+last and recomputes the chunk's decayed previous states g_t = a_t * h_{t-1} from its stored start
+state: g_t = a_t * g_{t-1} + a_t * x_{t-1} is a first-order scan of (a_t, a_t x_{t-1}), with x
+loaded one step behind, and then h_t = g_t + x_t. (Forming g_t as h_t - x_t cancels when the decays
+are small, since x_t is then nearly all of h_t: dA lost three digits at decays near e^-9.) The
+adjoint runs as a reverse scan (a_{t+1} is computed from delta loaded one step ahead), and the
+program collects
+    dx_t = lam_t,   dLoss/da_t * a_t = lam_t * g_t,
 so du, ddelta, dz are written per element; dA, dD, ddelta_bias are summed over time in registers
 and over batch by the caller; dB, dC (shared by all channels of a group) are summed over the
 program's channels and written as per-program partial sums that the caller adds up: no atomics,
@@ -29,13 +33,13 @@ delta_bias (dim,). BLOCK_D divides dim // groups, so every program reads a singl
 
 Bytes moved (element size s of u): forward reads u, delta (z) and writes y: 3-4 * batch*dim*L*s,
 plus B and C (2 * batch*groups*N*L*s), plus the chunk start states when training
-(4 * batch*dim*N*L/BLOCK_L). Backward reads u, delta, z, dy and the chunk states and writes du,
-ddelta, dz: 7 * batch*dim*L*s, plus the float32 partial sums of dB and dC
+(4 * batch*dim*N*L/BLOCK_L). Backward reads u, delta, z, dy and the chunk states (u, delta and B
+again one step behind, delta one step ahead: mostly from cache) and writes du, ddelta, dz:
+7 * batch*dim*L*s, plus the float32 partial sums of dB and dC
 (2 * 4 * batch*(dim/BLOCK_D)*N*L, written once and read once by the final sum).
 
-Speed: the floor is the exponentials, not the bytes (batch*dim*N*L of them per pass, against 16
-per clock per SM). On an H200 at batch 8, dim 2048, N 16, L 4096 (bfloat16) this design runs at
-about 5% of that floor forward and 3% forward+backward (benchmarks/bench_selective_scan.py).
+The floor is the exponentials, not the bytes: batch*dim*N*L of them per pass, against 16 per clock
+per SM (chapter 4.9 measures how close the kernels come).
 """
 import torch
 import triton
@@ -43,6 +47,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
+from ..triton_ops import LOG2E, sigmoid, softplus
 from .combine import first_order_combine
 
 # Chunks are long on a GPU (fewer carry hand-offs) and short in the interpreter, so tiny CPU tests
@@ -53,12 +58,6 @@ FWD_MAX_BLOCK_D = 4   # channels per program: they share each B, C load
 BWD_MAX_BLOCK_D = 8   # more channels per program: fewer partial sums of dB, dC to write
 FWD_NUM_WARPS = 4
 BWD_NUM_WARPS = 4
-
-
-@triton.jit
-def softplus(x):
-    """log(1 + e^x), returning x itself past 20 as torch does (e^x would overflow soon after)."""
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -109,7 +108,7 @@ def selective_scan_fwd_kernel(
 
     # Padded states get A = 0 (a = 1) and B = C = 0: they stay 0 and add nothing to y.
     A2 = tl.load(A_ptr + channels[:, None] * dstate + states[None, :], mask=state_mask[None, :], other=0.0)
-    A2 = A2.to(tl.float32) * 1.4426950408889634                 # A * log2(e): exp(x) = exp2(x * log2(e)), exp2 is native
+    A2 = A2.to(tl.float32) * LOG2E                 # A * log2(e): exp(x) = exp2(x * log2(e)), exp2 is native
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + channels).to(tl.float32)
@@ -140,7 +139,7 @@ def selective_scan_fwd_kernel(
             y += skip[:, None] * u
         if HAS_Z:
             z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            y *= z * tl.sigmoid(z)
+            y *= z * sigmoid(z)
         tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
         h = last_column(h_all, steps, BLOCK_L)
 
@@ -173,7 +172,7 @@ def selective_scan_bwd_kernel(
 
     A = tl.load(A_ptr + channels[:, None] * dstate + states[None, :], mask=state_mask[None, :], other=0.0)
     A = A.to(tl.float32)
-    A2 = A * 1.4426950408889634
+    A2 = A * LOG2E
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + channels).to(tl.float32)
@@ -206,19 +205,28 @@ def selective_scan_bwd_kernel(
         B = tl.load(B_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
         C = tl.load(C_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
 
-        # recompute the chunk's states from the stored state at its start
+        # recompute the chunk's decayed previous states g_t = a_t h_{t-1} from its stored start
+        # state, scanning (a_t, a_t x_{t-1}) with x one step behind (none before the chunk's first
+        # step: the start state stands for everything before it); then h_t = g_t + x_t
         state_offsets = ((batch * chunks + chunk) * dim + channels).to(tl.int64) * dstate
         h_start = tl.load(chunk_states_ptr + state_offsets[:, None] + states[None, :],
                           mask=state_mask[None, :], other=0.0)
+        prev_mask = (steps > 0)[None, :] & mask
+        u_prev = tl.load(u_ptr + offsets - 1, mask=prev_mask, other=0.0).to(tl.float32)
+        delta_prev, _ = load_delta(delta_ptr, offsets - 1, prev_mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        B_prev = tl.load(B_ptr + bc_rows[:, None] + t[None, :] - 1, mask=state_mask[:, None] & prev_mask,
+                         other=0.0).to(tl.float32)
         decay = tl.exp2(delta[:, None, :] * A2[:, :, None])
         x = (delta * u)[:, None, :] * B[None, :, :]
-        decay_prod, h_local = tl.associative_scan((decay, x), 2, first_order_combine)
-        h = h_local + decay_prod * h_start[:, :, None]
+        x_prev = (delta_prev * u_prev)[:, None, :] * B_prev[None, :, :]
+        decay_prod, g_local = tl.associative_scan((decay, decay * x_prev), 2, first_order_combine)
+        decayed_prev = g_local + decay_prod * h_start[:, :, None]   # g_t = a_t h_{t-1}
+        h = decayed_prev + x
 
         grad_out = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            gate = tl.sigmoid(z)
+            gate = sigmoid(z)
             y = tl.sum(h * C[None, :, :], axis=1) + skip[:, None] * u   # y before the gate
             grad_z = grad_out * y * gate * (1.0 + z * (1.0 - gate))      # d silu(z)/dz
             tl.store(grad_z_ptr + offsets, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
@@ -233,13 +241,13 @@ def selective_scan_bwd_kernel(
             (decay_next, grad_y[:, None, :] * C[None, :, :]), 2, first_order_combine, reverse=True)
         lam_all = lam_local + decay_next_prod * lam[:, :, None]
 
-        decayed_prev = lam_all * (h - x)                         # dLoss/da_t * a_t = lam_t * a_t * h_{t-1}
+        grad_decay = lam_all * decayed_prev                      # dLoss/da_t * a_t = lam_t * a_t * h_{t-1}
         lam_B = tl.sum(lam_all * B[None, :, :], axis=1)          # sum_n lam_t B_t: [BLOCK_D, BLOCK_L]
         grad_u = lam_B * delta + grad_y * skip[:, None]
-        grad_delta = lam_B * u + tl.sum(decayed_prev * A[:, :, None], axis=1)
-        grad_A += tl.sum(decayed_prev * delta[:, None, :], axis=2)
+        grad_delta = lam_B * u + tl.sum(grad_decay * A[:, :, None], axis=1)
+        grad_A += tl.sum(grad_decay * delta[:, None, :], axis=2)
         if DELTA_SOFTPLUS:
-            grad_delta *= tl.sigmoid(delta_raw)
+            grad_delta *= sigmoid(delta_raw)
         grad_delta = tl.where(mask, grad_delta, 0.0)             # padded steps carry lam but no gradient
         grad_bias += tl.sum(grad_delta, axis=1)
         tl.store(grad_u_ptr + offsets, grad_u.to(grad_u_ptr.dtype.element_ty), mask=mask)
@@ -264,7 +272,12 @@ def channel_block(channels_per_group, largest):
     return block
 
 
-def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, store_chunk_states):
+def chunk_states_shape(batch, dim, dstate, length):
+    """The shape of the chunk start states that the forward pass stores for the backward pass."""
+    return batch, triton.cdiv(length, BWD_BLOCK_L), dim, dstate
+
+
+def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, store_chunk_states):
     """u, delta, z: (batch, dim, L); B, C: (batch, groups, N, L); all contiguous.
 
     Returns y (like u), the last state (batch, dim, N) float32, and the chunk start states
@@ -277,7 +290,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, 
     last_state = outputs.empty((batch, dim, dstate), torch.float32, u.device)
     chunk_states = None
     if store_chunk_states:
-        chunk_states = outputs.empty((batch, triton.cdiv(length, BWD_BLOCK_L), dim, dstate), torch.float32, u.device)
+        chunk_states = outputs.empty(chunk_states_shape(batch, dim, dstate, length), torch.float32, u.device)
     # The forward pass stores start states at the backward's chunk length; its own chunk must match.
     block_l = BWD_BLOCK_L if store_chunk_states else FWD_BLOCK_L
     grid = (dim // block_d, batch)
@@ -293,7 +306,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, 
     return y, last_state, chunk_states
 
 
-def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states,
+def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, chunk_states,
                             grad_y, grad_last_state):
     """Gradients of every input of :func:`selective_scan_forward` (None for absent ones), float32
     for A, D, delta_bias, B, C (the caller casts) and u's dtype for u, delta, z."""
