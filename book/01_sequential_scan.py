@@ -162,12 +162,12 @@ check("forward, float32", h, linear_scan_ref(a, b, h0), tolerance(torch.float32)
 # %%
 for length_case in [1, 7]:
     a_s, b_s = uniform(channels, length_case, low=0.6, high=1.0), randn(channels, length_case)
-    check(f"length {length_case}", sequential_scan(a_s, b_s, h0), linear_scan_ref(a_s, b_s, h0), tolerance(torch.float32))
-check("reverse", sequential_scan(a, b, h0, reverse=True), linear_scan_ref(a, b, h0, reverse=True), tolerance(torch.float32))
+    check(f"length {length_case}", sequential_scan(a_s, b_s, h0=h0), linear_scan_ref(a_s, b_s, h0), tolerance(torch.float32))
+check("reverse", sequential_scan(a, b, h0=h0, reverse=True), linear_scan_ref(a, b, h0, reverse=True), tolerance(torch.float32))
 check("no initial state", sequential_scan(a, b), linear_scan_ref(a, b), tolerance(torch.float32))
 for dtype in (torch.float16, torch.bfloat16):
     a_16, b_16 = a.to(dtype), b.to(dtype)
-    check(f"forward, {str(dtype).removeprefix('torch.')}", sequential_scan(a_16, b_16, h0), linear_scan_ref(a_16, b_16, h0), tolerance(dtype))
+    check(f"forward, {str(dtype).removeprefix('torch.')}", sequential_scan(a_16, b_16, h0=h0), linear_scan_ref(a_16, b_16, h0), tolerance(dtype))
 
 # %% [markdown]
 # ## The gradient is the same recurrence, run backwards
