@@ -1,4 +1,4 @@
 """Chapter 7: memory-efficient attention (FlashAttention-2 style), forward and backward."""
-from .api import attention, attention_variant
+from .api import attention
 
-__all__ = ["attention", "attention_variant"]
+__all__ = ["attention"]

@@ -1,18 +1,22 @@
-"""Public attention function: input checks and the autograd Function around chapter 7's kernels."""
+"""Public attention function: flash_attn's ``flash_attn_func``, its input checks, and the op
+registered with torch.library (:mod:`..library`) around chapter 7's kernels."""
 import math
 import numbers
+from collections.abc import Sequence
 
 import torch
 
+from ..library import define_op
 from ..validation import check_tensor
-from .backward import METHODS, attention_backward
+from .backward import attention_backward
 from .forward import attention_forward
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
-def check_attention_inputs(q, k, v, softmax_scale):
-    """q (batch, seqlen_q, heads, d); k, v (batch, seqlen_k, kv_heads, d); kv_heads divides heads."""
+def check_attention_inputs(q, k, v):
+    """q (batch, seqlen_q, heads, d); k, v (batch, seqlen_k, kv_heads, d); kv_heads divides heads.
+    Any size may be 0 but the head dim."""
     check_tensor("q", q, ndim=4)
     check_tensor("k", k, ndim=4)
     check_tensor("v", v, ndim=4)
@@ -27,67 +31,154 @@ def check_attention_inputs(q, k, v, softmax_scale):
                          f"to match q {tuple(q.shape)}; got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
-    if heads % k.shape[2] != 0:
-        raise ValueError(f"the kv_heads of k and v ({k.shape[2]}) must divide the heads of q ({heads})")
+    kv_heads = k.shape[2]
+    divides = heads % kv_heads == 0 if kv_heads else heads == 0  # no kv head: no query head either
+    if not divides:
+        raise ValueError(f"the kv_heads of k and v ({kv_heads}) must divide the heads of q ({heads})")
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (last dimension of q, k, v) must be between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM}; got {head_dim}")
-    for name, t in (("q", q), ("k", k)):
-        if 0 in t.shape:
-            raise ValueError(f"{name} must not be empty; got shape {tuple(t.shape)}")
-    if softmax_scale is not None and (isinstance(softmax_scale, bool)
-                                      or not isinstance(softmax_scale, numbers.Real)):
-        raise TypeError(f"softmax_scale must be a real number or None; got {type(softmax_scale).__name__}")
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
 
 
-def _last_dim_contiguous(t):
+def check_real(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+
+
+def resolve_mask(causal, window_size, seqlen_k) -> bool:
+    """Whether the call is causal, after flash_attn's reading of ``window_size = (left, right)``:
+    a side that is negative or at least seqlen_k is unbounded, and causal sets right = 0. Both
+    sides unbounded is full attention; left unbounded and right = 0 is causal (so that
+    ``window_size=(-1, 0)`` is causal attention in flash_attn too). Any other window is local
+    (sliding-window) attention, which is not implemented."""
+    if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, numbers.Integral)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if (isinstance(window_size, (str, torch.Tensor)) or not isinstance(window_size, Sequence)
+            or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
+    left, right = (-1 if w >= seqlen_k else int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return False
+    if left < 0 and right == 0:
+        return True
+    raise NotImplementedError(f"window_size: local (sliding-window) attention is not implemented; got "
+                              f"window_size={tuple(window_size)} with seqlen_k = {seqlen_k} and causal={bool(causal)}")
+
+
+def check_unimplemented(dropout_p, softcap, alibi_slopes):
+    """flash_attn arguments accepted at their defaults (or what flash_attn reads as the default)."""
+    check_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(f"dropout_p: attention dropout is not implemented; got dropout_p={dropout_p} "
+                                  f"(pass 0.0, e.g. dropout_p=p if self.training else 0.0 at inference)")
+    check_real("softcap", softcap)
+    if softcap > 0.0:
+        raise NotImplementedError(f"softcap: tanh soft-capping of the scores is not implemented; got softcap={softcap}")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi biases are not implemented; pass alibi_slopes=None")
+
+
+def last_dim_contiguous(t):
+    """``t``, or a contiguous copy where its last stride is not 1 (what the kernels address)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, method):
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        out, lse = attention_forward(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.method = causal, softmax_scale, method
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, out, lse, _last_dim_contiguous(grad_out),
-                                        ctx.causal, ctx.softmax_scale, ctx.method)
-        return dq, dk, dv, None, None, None
+def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse), both contiguous. With no query or no key there is nothing to launch: out is 0
+    and a row that sees no key has lse = +inf, as in flash_attn."""
+    if q.numel() == 0 or k.numel() == 0:
+        batch, seqlen_q, heads, _ = q.shape
+        lse = torch.full((batch, heads, seqlen_q), math.inf, dtype=torch.float32, device=q.device)
+        return q.new_zeros(q.shape), lse
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
+    return attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
-def attention_variant(q, k, v, causal=False, softmax_scale=None, return_lse=False, backward="split"):
-    """:func:`attention` with a choice of backward kernels, for the chapter and the benchmark:
-    "split" (the default: dK/dV kernel + dQ kernel), "fused" (one kernel, two loops) or "atomic"
-    (dQ by float32 atomics; not bitwise reproducible)."""
-    check_attention_inputs(q, k, v, softmax_scale)
-    if backward not in METHODS:
-        raise ValueError(f"backward must be one of {METHODS}; got {backward!r}")
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = Attention.apply(q, k, v, bool(causal), scale, backward)
-    return (out, lse) if return_lse else out
+def fake_attention_outputs(q, k, v, softmax_scale, causal):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
-def attention(q, k, v, causal=False, softmax_scale=None, return_lse=False):
-    """softmax(softmax_scale * q k^T) v without materialising the scores (chapter 7).
+def attention_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        dout: torch.Tensor, softmax_scale: float, causal: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, in the inputs' dtype. With no query or no key the gradients are 0
+    (out does not depend on q when no key is seen) and nothing is launched."""
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
+    return attention_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
+
+
+def fake_attention_gradients(q, k, v, out, lse, dout, softmax_scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def save_attention(ctx, inputs, output):  # torch.library passes ``output`` by keyword
+    q, k, v, softmax_scale, causal = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+
+
+def attention_grads(ctx, run_backward, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = run_backward(q, k, v, out, lse, grad_out, ctx.softmax_scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+attention_op = define_op("attention", attention_outputs, fake_attention_outputs, attention_gradients,
+                         fake_attention_gradients, save_attention, attention_grads)
+
+
+def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+              alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False):
+    """softmax(softmax_scale * q k^T) v without materialising the scores (chapter 7): flash_attn's
+    ``flash_attn_func``, same arguments in the same order, same defaults and returns.
 
     q (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, kv_heads, head_dim) with kv_heads
-    dividing heads (grouped-query attention: query head h uses key/value head h // (heads // kv_heads)),
-    as in ``flash_attn_func``. float16, bfloat16 or float32 (float32 dots are exact IEEE unless
-    ``torch.set_float32_matmul_precision("high")`` allows TF32); 16 <= head_dim <= 256, any.
-    ``softmax_scale`` defaults to 1 / sqrt(head_dim). ``causal=True`` lets query i see key j iff
-    j <= i + seqlen_k - seqlen_q (aligned to the bottom-right corner, as flash-attn >= 2.1); a query
-    that sees no key gets a zero output and lse = -inf.
-    Returns out like q, and with ``return_lse`` also lse (batch, heads, seqlen_q) float32, the
-    natural-log sum of exp(scores) per query row. Differentiable in q, k, v; the backward pass is
-    deterministic.
+    dividing heads (grouped-query attention: query head h uses key/value head h // (heads // kv_heads)).
+    float16, bfloat16 or float32 (float32 dots are exact IEEE unless
+    ``torch.set_float32_matmul_precision("high")`` allows TF32); 16 <= head_dim <= 256, any; any
+    strides. Any other size may be 0: empty inputs give empty outputs, and with seqlen_k = 0 out
+    is 0 and lse = +inf.
+
+    ``softmax_scale``: any finite number, 0 and negative included; None means 1 / sqrt(head_dim).
+    ``causal=True`` lets query i see key j iff j <= i + seqlen_k - seqlen_q (aligned to the
+    bottom-right corner, as flash-attn >= 2.1); a query that sees no key gets a zero output and
+    lse = +inf, flash_attn's convention. ``window_size`` is read as flash_attn reads it: a side
+    that is negative or at least seqlen_k is unbounded, so (-1, -1) (or [-1, -1]) is full
+    attention and (-1, 0) is causal; a window that bounds a side (local attention) raises
+    NotImplementedError, as do ``dropout_p > 0``, ``softcap > 0`` (flash_attn reads softcap <= 0
+    as off) and ``alibi_slopes``. ``deterministic`` is accepted and changes nothing: the backward
+    pass is always deterministic (every gradient element has one writer; no atomics), so two runs
+    give bitwise equal gradients.
+
+    Returns out like q. With ``return_attn_probs=True``, (out, lse, S_dmask) as flash_attn:
+    lse (batch, heads, seqlen_q) float32, the natural-log sum of exp(scores) per query row, and
+    S_dmask the dropout-encoded probabilities that flash_attn fills only when dropout_p > 0; with
+    the dropout_p = 0 that is implemented here it is, as flash_attn's, an empty tensor of shape
+    (0,) in q's dtype. Keyword-only extra: ``return_lse=True`` returns (out, lse) (ignored when
+    return_attn_probs is set, whose tuple holds lse already). lse is not differentiable.
+    Differentiable in q, k and v.
     """
-    return attention_variant(q, k, v, causal, softmax_scale, return_lse)
+    check_attention_inputs(q, k, v)
+    check_unimplemented(dropout_p, softcap, alibi_slopes)
+    if softmax_scale is not None:
+        check_real("softmax_scale", softmax_scale)
+    causal = resolve_mask(causal, window_size, k.shape[1])
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = attention_op(q, k, v, scale, causal)
+    if return_attn_probs:
+        return out, lse, q.new_empty(0)
+    return (out, lse) if return_lse else out

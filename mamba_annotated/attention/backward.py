@@ -5,32 +5,30 @@ Algorithm
         dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ = scale * dS K,   dK = scale * dS^T Q,
     where delta_i = sum_j P_ij dP_ij = rowsum(dO * O)_i (one float per query row). The forward pass
     stored lse; any tile of P is recomputed as exp2(S * log2(e) - lse * log2(e)), so nothing of size
-    N x N is ever written.
+    N x N is ever written. The recomputation takes the scaled scores as they are, so it holds for
+    any scale, zero and negative included; a row that saw no key has lse = +inf and so P = 0.
 
 Kernels
-    preprocess: delta = rowsum(dO * O) and the base-2 lse (+inf for a row that saw no key, so that
-        its recomputed P is exactly 0), both (batch, heads, seqlen_q) float32.
+    preprocess: delta = rowsum(dO * O) and the base-2 lse, both (batch, heads, seqlen_q) float32.
     dK/dV: a program owns BLOCK_N keys of one (batch, kv head) and walks the query blocks of every
         query head of its group, accumulating dK and dV in registers: no two programs write the same
         element, so the result is deterministic and needs no atomics.
-    dQ: a program owns BLOCK_M queries of one (batch, head) and walks the key blocks.
-    Variants (chosen by ``method``): "split" launches the two kernels above (the default); "fused"
-    runs both loops in one kernel (a program does the dK/dV of key block i, then the dQ of query
-    block i); "atomic" computes dQ inside the dK/dV loop and adds it into a float32 buffer with
-    atomics, which saves recomputing S and dP but makes the order of the additions, and so the
-    rounding of dQ, change from run to run.
+    dQ: a program owns BLOCK_M queries of one (batch, head) and walks the key blocks; it, too, is
+        the only writer of its elements. The backward pass is therefore bitwise reproducible.
     Causal: tiles wholly above the diagonal are skipped; each loop tests per block whether the
     diagonal crosses it, and only then applies the mask (one loop per kernel: Triton gives every
-    loop its own pipeline buffers in shared memory).
+    loop its own pipeline buffers in shared memory). Two other schedules of the same loops, one
+    kernel and dQ by atomics, are chapter 7's foils (:mod:`.teaching`).
 
 Shapes: q, dq (batch, seqlen_q, heads, d), k, v, dk, dv (batch, seqlen_k, kv_heads, d), out and
-dout like q; any strides with the last one 1. lse (batch, heads, seqlen_q) float32.
+dout like q; any strides with the last one 1 (each tensor is addressed with its own strides), none
+empty. lse (batch, heads, seqlen_q) float32.
 
 Bytes moved (element size s, H heads, KVH kv heads): the dK/dV kernel reads k, v once and q, dO,
 lse, delta once per key block (2*B*Nq*H*d*s*ceil(Nk/BLOCK_N), mostly from L2), writes dk, dv; the
 dQ kernel reads q, dO once and k, v once per query block, writes dq. FLOPs: dK/dV kernel 4 matmuls
-(S, dP, dV, dK), dQ kernel 3 (S, dP, dQ): 7 * 2*B*H*Nq*Nk*d in all against 5 for the minimum
-(the "fused" form pays the same; "atomic" pays 5 plus the atomics), half that causal.
+(S, dP, dV, dK), dQ kernel 3 (S, dP, dQ): 7 * 2*B*H*Nq*Nk*d in all against 5 for the minimum,
+half that causal.
 """
 import torch
 import triton
@@ -38,15 +36,14 @@ import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
-from .forward import LOG2E, block_d, dot_precision, mma, rne
-
-METHODS = ("split", "fused", "atomic")
+from ..triton_ops import LOG2E, block_size, dot_precision, mm
+from .forward import cast
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles, warps and stages of the two loops, from a small table measured on an H200 (Triton 3.6):
     "dkdv" (BLOCK_N keys owned x BLOCK_M queries walked) and "dq" (BLOCK_M queries owned x BLOCK_N
-    keys walked), tuned with ``benchmarks/bench_attention.py --tune``. The fused kernel uses both tilings with the warps and stages of "dkdv".
+    keys walked), tuned with ``benchmarks/bench_attention.py --tune``.
 
     A dK/dV program holds k, v and two float32 accumulators of BLOCK_N x d in registers, so its
     key tile shrinks as d grows; the tile it walks stays small so the pipeline fits in shared
@@ -56,15 +53,15 @@ def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
     if INTERPRETED:
         return dict(dkdv=dict(BLOCK_N=32, BLOCK_M=16, num_warps=4, num_stages=1),
                     dq=dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1))
-    d = block_d(head_dim)
+    d = block_size(head_dim)
     if dtype == torch.float32:
         tile = 64 if d <= 128 else 32
         return dict(dkdv=dict(BLOCK_N=tile, BLOCK_M=tile // 2, num_warps=4, num_stages=1),
                     dq=dict(BLOCK_M=tile, BLOCK_N=tile // 2, num_warps=4, num_stages=1))
-    if d <= 64:  # H200, N = 4096, the whole backward pass: 2.0 ms with the dK/dV tiles, 2.3 with the dQ ones
+    if d <= 64:  # each loop its own tiles: the sweep preferred this to one tiling for both
         return dict(dkdv=dict(BLOCK_N=128, BLOCK_M=32, num_warps=4, num_stages=3),
                     dq=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
-    if d <= 128:  # 3.75 ms with either choice alone
+    if d <= 128:  # the sweep found no difference between the two tilings here
         return dict(dkdv=dict(BLOCK_N=64, BLOCK_M=64, num_warps=4, num_stages=2),
                     dq=dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
     return dict(dkdv=dict(BLOCK_N=64, BLOCK_M=32, num_warps=8, num_stages=1),
@@ -90,16 +87,16 @@ def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_
     row_ptrs = tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
     lse = tl.load(lse_ptr + row_ptrs, mask=offs_m < seqlen_q, other=0.0)
     tl.store(delta_ptr + row_ptrs, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # natural -> base 2
-    tl.store(lse2_ptr + row_ptrs, lse2, mask=offs_m < seqlen_q)
+    # natural -> base 2; a row that saw no key keeps lse = +inf, so its rebuilt P is exactly 0
+    tl.store(lse2_ptr + row_ptrs, lse * LOG2E, mask=offs_m < seqlen_q)
 
 
 @triton.jit
-def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, hi, mask_until,
-                       offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale,
-                       stride_qm, stride_dom, stride_dqm,
-                       CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-                       ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until,
+                      offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale,
+                      stride_qm, stride_dom,
+                      CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add the query blocks [lo, hi) of one head to this key block's dk, dv (transposed tiles:
     keys down, queries across); causal, the blocks that start before mask_until are masked.
     Pointers point at block lo."""
@@ -119,19 +116,14 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_
             lse2 = tl.load(lse2_ptrs, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_ptrs, mask=rows < seqlen_q, other=0.0)
         # keys past seqlen_k were loaded as zeros: their dk, dv rows are never stored
-        p_t = tl.exp2(mma(k, tl.trans(q), PRECISION) * qk_scale - lse2[None, :])
+        p_t = tl.exp2(mm(k, tl.trans(q), PRECISION) * qk_scale - lse2[None, :])
         if CAUSAL:
             if start_m < mask_until:  # a runtime test per block, the mask only on the diagonal
                 p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
-        dv += mma(rne(p_t, PRECISION).to(do.dtype), do, PRECISION)
-        dp_t = mma(v, tl.trans(do), PRECISION)
+        dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
+        dp_t = mm(v, tl.trans(do), PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += mma(rne(ds_t, PRECISION).to(q.dtype), q, PRECISION)
-        if ATOMIC_DQ:
-            dq = mma(tl.trans(rne(ds_t, PRECISION).to(k.dtype)), k, PRECISION) * softmax_scale
-            dq_mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-            tl.atomic_add(dq_ptrs, dq, mask=dq_mask)
-            dq_ptrs += BLOCK_M * stride_dqm
+        dk += mm(cast(ds_t, q.dtype, PRECISION), q, PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         lse2_ptrs += BLOCK_M
@@ -140,16 +132,13 @@ def _dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_
 
 
 @triton.jit
-def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr,
-                  dq_ptr, dk_ptr, dv_ptr,
-                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                  stride_dqb, stride_dqm, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-                  stride_dvb, stride_dvn, stride_dvh,
-                  seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                  CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                  ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
+                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk, dv of keys [key_block * BLOCK_N, + BLOCK_N) of one (batch, kv head), summed over its group."""
     start_n = key_block * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -185,15 +174,12 @@ def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2
         row_tile = lo.to(tl.int64) + tl.arange(0, BLOCK_M)[:, None]
         q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
         do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
-        dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
         lse2_ptrs = lse2_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
         delta_ptrs = delta_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, dq_ptrs, lo, seqlen_q, mask_until,
-            offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, softmax_scale,
-            stride_qm, stride_dom, stride_dqm,
-            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_D=EVEN_D, ATOMIC_DQ=ATOMIC_DQ, PRECISION=PRECISION,
-            BLOCK_M=BLOCK_M)
+        dk, dv = dkdv_query_blocks(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, seqlen_q, mask_until,
+            offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, stride_qm, stride_dom,
+            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
 
     dk_ptrs = (dk_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh + start_n.to(tl.int64) * stride_dkn
                + key_tile * stride_dkn + offs_d[None, :])
@@ -201,49 +187,57 @@ def _dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2
                + key_tile * stride_dvn + offs_d[None, :])
     dk = dk * softmax_scale
     if EVEN_N and EVEN_D:
-        tl.store(dk_ptrs, rne(dk, PRECISION).to(dk_ptr.dtype.element_ty))
-        tl.store(dv_ptrs, rne(dv, PRECISION).to(dv_ptr.dtype.element_ty))
+        tl.store(dk_ptrs, cast(dk, dk_ptr.dtype.element_ty, PRECISION))
+        tl.store(dv_ptrs, cast(dv, dv_ptr.dtype.element_ty, PRECISION))
     else:
-        tl.store(dk_ptrs, rne(dk, PRECISION).to(dk_ptr.dtype.element_ty), mask=key_mask)
-        tl.store(dv_ptrs, rne(dv, PRECISION).to(dv_ptr.dtype.element_ty), mask=key_mask)
+        tl.store(dk_ptrs, cast(dk, dk_ptr.dtype.element_ty, PRECISION), mask=key_mask)
+        tl.store(dv_ptrs, cast(dv, dv_ptr.dtype.element_ty, PRECISION), mask=key_mask)
 
 
 @triton.jit
-def _dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d,
-                   seqlen_k, head_dim, causal_offset, qk_scale, stride_kn, stride_vn,
-                   CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add the key blocks [0, hi) to this query block's dq; causal, the blocks that reach past
-    mask_from are masked. Pointers point at block 0."""
+def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d,
+                  seqlen_k, head_dim, causal_offset, qk_scale, stride_kn, stride_vn,
+                  CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add the key blocks [0, hi) to this query block's dq; the blocks that reach past mask_from
+    are masked (causal: right of the diagonal; otherwise: past the last key). Pointers point at
+    block 0."""
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         if EVEN_N and EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        else:  # keys past the end load as zeros: whatever their P, they add ds * 0 to dq
+        else:
             kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        p = tl.exp2(mma(q, tl.trans(k), PRECISION) * qk_scale - lse2[:, None])
-        if CAUSAL:
-            if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only on the diagonal
-                p = tl.where(cols[None, :] <= offs_m[:, None] + causal_offset, p, 0.0)
-        dp = mma(do, tl.trans(v), PRECISION)
+        p = tl.exp2(mm(q, tl.trans(k), PRECISION) * qk_scale - lse2[:, None])
+        if CAUSAL or not EVEN_N:
+            if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only where needed
+                # A key past the end loads as zeros, and its P = exp2(-lse2) overflows where every
+                # score of the row is very negative: inf * 0 would be NaN in dq. Causal, such keys
+                # are right of the diagonal of every row that is stored.
+                if CAUSAL:
+                    visible = cols[None, :] <= offs_m[:, None] + causal_offset
+                else:
+                    visible = cols[None, :] < seqlen_k
+                p = tl.where(visible, p, 0.0)
+        dp = mm(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += mma(rne(ds, PRECISION).to(k.dtype), k, PRECISION)
+        dq += mm(cast(ds, k.dtype, PRECISION), k, PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
 
 
 @triton.jit
-def _dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                stride_dqb, stride_dqm, stride_dqh,
-                seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
+               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+               stride_dqb, stride_dqm, stride_dqh,
+               seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
+               CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of queries [query_block * BLOCK_M, + BLOCK_M) of one (batch, head)."""
     start_m = query_block * BLOCK_M
     kv_head = head // group
@@ -275,7 +269,7 @@ def _dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_pt
     key_tile = offs_n[:, None]
     k_ptrs = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh + key_tile * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + key_tile * stride_vn + offs_d[None, :]
-    dq = _dq_key_blocks(
+    dq = dq_key_blocks(
         dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d, seqlen_k, head_dim,
         causal_offset, qk_scale, stride_kn, stride_vn,
         CAUSAL=CAUSAL, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
@@ -283,30 +277,28 @@ def _dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_pt
     dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
     dq = dq * softmax_scale
     if EVEN_M and EVEN_D:
-        tl.store(dq_ptrs, rne(dq, PRECISION).to(dq_ptr.dtype.element_ty))
+        tl.store(dq_ptrs, cast(dq, dq_ptr.dtype.element_ty, PRECISION))
     else:
-        tl.store(dq_ptrs, rne(dq, PRECISION).to(dq_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(dq_ptrs, cast(dq, dq_ptr.dtype.element_ty, PRECISION), mask=row_mask)
 
 
 @triton.jit
-def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                              stride_dqb, stride_dqm, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-                              stride_dvb, stride_dvn, stride_dvh,
+                              stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                               seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, softmax_scale,
                               CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                              EVEN_D: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr,
+                              EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (key blocks, batch * kv_heads). With ATOMIC_DQ, also adds dq into a float32 buffer."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads,
-                  q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                  stride_dqb, stride_dqm, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-                  stride_dvb, stride_dvn, stride_dvh,
-                  seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
-                  CAUSAL, EVEN_M, EVEN_N, EVEN_D, ATOMIC_DQ, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+    """Grid (key blocks, batch * kv_heads)."""
+    dkdv_program(tl.program_id(0), tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads,
+                 q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                 stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+                 seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
+                 CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -319,105 +311,56 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, 
                             EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (query blocks, batch * heads)."""
-    _dq_program(tl.program_id(0), tl.program_id(1) // heads, tl.program_id(1) % heads,
-                q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                stride_dqb, stride_dqm, stride_dqh,
-                seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
-                CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+    dq_program(tl.program_id(0), tl.program_id(1) // heads, tl.program_id(1) % heads,
+               q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
+               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
+               stride_dqb, stride_dqm, stride_dqh,
+               seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
+               CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
-@triton.jit
-def attention_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                               stride_dqb, stride_dqm, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-                               stride_dvb, stride_dvn, stride_dvh,
-                               seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, softmax_scale,
-                               CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                               EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr, EVEN_D: tl.constexpr,
-                               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (max(key blocks, query blocks), batch * kv_heads): program i does the dk, dv of key
-    block i, then the dq of query block i for every head of its group: two loops, one launch."""
-    block = tl.program_id(0)
-    batch = tl.program_id(1) // kv_heads
-    kv_head = tl.program_id(1) % kv_heads
-    group = heads // kv_heads
-    if block * BLOCK_N < seqlen_k:
-        _dkdv_program(block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
-                      dk_ptr, dv_ptr,
-                      stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                      stride_dqb, stride_dqm, stride_dqh, stride_dkb, stride_dkn, stride_dkh,
-                      stride_dvb, stride_dvn, stride_dvh,
-                      seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                      CAUSAL, EVEN_M, EVEN_N, EVEN_D, False, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-    if block * BLOCK_M2 < seqlen_q:
-        for g in range(group):
-            _dq_program(block, batch, kv_head * group + g, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr,
-                        dq_ptr,
-                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                        stride_dqb, stride_dqm, stride_dqh,
-                        seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                        CAUSAL, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
-
-
-def _strides(*tensors):
+def batch_row_head_strides(*tensors):
+    """The (batch, row, head) strides of each (batch, seqlen, heads, d) tensor, in order: every
+    tensor a kernel addresses is passed its own."""
     return [s for t in tensors for s in (t.stride(0), t.stride(1), t.stride(2))]
 
 
-def attention_backward(q, k, v, out, lse, dout, causal, softmax_scale, method="split", config=None):
-    """Gradients (dq, dk, dv) of the forward pass that returned (out, lse).
+def backward_preprocess(out, dout, lse):
+    """delta = rowsum(dout * out) and lse in base 2, both (batch, heads, seqlen_q) float32."""
+    batch, seqlen_q, heads, head_dim = out.shape
+    block_d = block_size(head_dim)
+    delta = outputs.empty((batch, heads, seqlen_q), torch.float32, out.device)
+    lse2 = outputs.empty((batch, heads, seqlen_q), torch.float32, out.device)
+    block_m = 16 if block_d > 128 else 64  # rows x d of two tensors in registers
+    attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+        out, dout, lse, delta, lse2, *batch_row_head_strides(out, dout), seqlen_q, heads, head_dim,
+        BLOCK_M=block_m, BLOCK_D=block_d)
+    return delta, lse2
 
-    ``method``: "split" (dK/dV kernel + dQ kernel, deterministic, the default), "fused" (one
-    kernel, two loops, deterministic) or "atomic" (dQ added with float32 atomics inside the dK/dV
-    loop; not bitwise reproducible). ``config`` overrides :func:`backward_config`.
-    """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}; got {method!r}")
+
+def attention_backward(q, k, v, out, lse, dout, *, causal, softmax_scale, config=None):
+    """Gradients (dq, dk, dv) of the forward pass that returned (out, lse), each contiguous in its
+    input's dtype; bitwise reproducible. Shapes as the module docstring; ``config`` overrides
+    :func:`backward_config`."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     cfg = config or backward_config(head_dim, q.dtype)
     dkdv_cfg, dq_cfg = dict(cfg["dkdv"]), dict(cfg["dq"])
     bn, bm = dkdv_cfg.pop("BLOCK_N"), dkdv_cfg.pop("BLOCK_M")
     bm2, bn2 = dq_cfg.pop("BLOCK_M"), dq_cfg.pop("BLOCK_N")
-    bd = block_d(head_dim)
+    block_d = block_size(head_dim)
+    delta, lse2 = backward_preprocess(out, dout, lse)
 
-    delta = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
-    lse2 = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
-    block_pre = 16 if bd > 128 else 64  # rows x d of two tensors in registers
-    attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, block_pre), batch * heads)](
-        out, dout, lse, delta, lse2, *_strides(out, dout), seqlen_q, heads, head_dim,
-        BLOCK_M=block_pre, BLOCK_D=bd)
-
+    dq = outputs.empty(q.shape, q.dtype, q.device)
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
-    if method == "atomic":
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # an accumulator: must start at 0
-    else:
-        dq = outputs.empty(q.shape, q.dtype, q.device)
-    common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E, softmax_scale)
-    strides = _strides(q, k, v, dout, dq)
-    flags = dict(CAUSAL=causal, EVEN_D=head_dim == bd, PRECISION=dot_precision(q.dtype), BLOCK_D=bd)
-    if method == "fused":
-        grid = (max(triton.cdiv(seqlen_k, bn), triton.cdiv(seqlen_q, bm2)), batch * kv_heads)
-        attention_bwd_fused_kernel[grid](
-            q, k, v, dout, lse2, delta, dq, dk, dv, *strides, *_strides(dk, dv), *common,
-            EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, EVEN_M2=seqlen_q % bm2 == 0,
-            EVEN_N2=seqlen_k % bn2 == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_M2=bm2, BLOCK_N2=bn2,
-            **flags, **dkdv_cfg)
-        return dq, dk, dv
+    common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E.value, softmax_scale)
+    flags = dict(CAUSAL=causal, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype), BLOCK_D=block_d)
     attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, bn), batch * kv_heads)](
-        q, k, v, dout, lse2, delta, dq, dk, dv, *strides, *_strides(dk, dv), *common,
-        EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, ATOMIC_DQ=method == "atomic",
-        BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
-    if method == "atomic":
-        return dq.to(q.dtype), dk, dv
+        q, k, v, dout, lse2, delta, dk, dv, *batch_row_head_strides(q, k, v, dout, dk, dv), *common,
+        EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
     attention_bwd_dq_kernel[(triton.cdiv(seqlen_q, bm2), batch * heads)](
-        q, k, v, dout, lse2, delta, dq, *strides, *common,
-        EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2,
-        **flags, **dq_cfg)
+        q, k, v, dout, lse2, delta, dq, *batch_row_head_strides(q, k, v, dout, dq), *common,
+        EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2, **flags, **dq_cfg)
     return dq, dk, dv

@@ -8,7 +8,10 @@ Algorithm (FlashAttention-2)
     lse = m + log(l) is stored: one float per query row is all the backward pass needs to rebuild
     the probabilities P = exp(S - lse) of any tile.
     Exponentials are base 2 (exp2 is one instruction): the scores are scaled by scale * log2(e),
-    fused with the subtraction of the maximum into one multiply-add.
+    fused with the subtraction of the maximum into one multiply-add. That takes the maximum of the
+    raw scores and scales it afterwards, which is right only for a positive scale; a scale <= 0
+    (SCALE_FIRST, chosen on the host) scales the scores before the mask and the maximum instead,
+    since -inf times a scale <= 0 is NaN or +inf.
 
 Masking
     causal: query i sees key j iff j <= i + (seqlen_k - seqlen_q), the diagonal aligned to the
@@ -18,69 +21,39 @@ Masking
     power of two) are compiled in only when needed (EVEN_* constexprs). It is one loop with a
     scalar test per block, not an unmasked loop followed by a masked one: with Triton 3.6 two
     loops got two sets of pipeline buffers (256 KiB of shared memory at head dim 128, over the
-    limit) and, at head dim 64, 255 registers with 200 spilled (82 TFLOP/s causal against 405
-    now on an H200). Causal programs start with the last query block, which sees the most keys.
-    A row that sees no key (causal with seqlen_q > seqlen_k) gets out = 0 and lse = -inf.
+    limit) and, at head dim 64, 255 registers with 200 spilled, which made causal attention
+    several times slower than this loop. Causal programs start with the last query block, which
+    sees the most keys. A row that sees no key (causal with seqlen_q > seqlen_k) gets out = 0 and,
+    as in flash_attn, lse = +inf, so that the backward pass rebuilds its P as exp(S - inf) = 0.
 
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
-strides with the last one 1; query head h reads key/value head h // (heads // kv_heads) (grouped-
-query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims that are
-not powers of two are padded to BLOCK_D = next_power_of_2(head_dim) by masked loads. Offsets are
-64-bit: batch and row offsets are formed in int64 and pointers advance by one block per step.
+strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
+(grouped-query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims
+that are not powers of two are padded to BLOCK_D = next_power_of_2(head_dim) by masked loads.
+Offsets are 64-bit: batch and row offsets are formed in int64 and pointers advance by one block per
+step.
 
 Bytes moved (element size s, H heads): q and out once, 2*B*Nq*H*d*s; k and v once per query block,
 2*B*Nk*H*d*s*ceil(Nq/BLOCK_M) (mostly hits in L2); lse 4*B*H*Nq. FLOPs 4*B*H*Nq*Nk*d, about half
 that causal: the kernel is bound by the tensor cores, not by memory.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
-
-LOG2E = math.log2(math.e)
-
-
-def block_d(head_dim: int) -> int:
-    """The head-dim tile: the next power of two (tl.arange and tl.dot need one), at least 16."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """float32 dots are exact IEEE unless the caller allowed TF32 the PyTorch way
-    (torch.backends.cuda.matmul.allow_tf32 / torch.set_float32_matmul_precision("high")).
-    The interpreter misreads bfloat16 dot operands (Triton 3.9), so there they are widened first."""
-    if INTERPRETED and dtype == torch.bfloat16:
-        return "widen"
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"  # ignored for 16-bit inputs
+from ..triton_ops import LN2, LOG2E, block_size, dot_precision, mm, round_for_cast
 
 
 @triton.jit
-def mma(a, b, PRECISION: tl.constexpr):
-    """tl.dot with float32 accumulation. "widen" (interpreter, bfloat16) computes the same exact
-    products of the 16-bit values in float32."""
-    if PRECISION == "widen":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def rne(x, PRECISION: tl.constexpr):
-    """x itself, ready for a cast to the input dtype. Under "widen" (interpreter, bfloat16) it is
-    first rounded to bfloat16's nearest even on the bits, since the interpreter's float32 ->
-    bfloat16 cast truncates where a GPU rounds to nearest even."""
-    if PRECISION == "widen":
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x
+def cast(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """``x.to(dtype)``, rounded to nearest even as a GPU rounds. :func:`round_for_cast` rounds to
+    bfloat16's precision, so only a cast to bfloat16 goes through it (the interpreter rounds a
+    cast to float16 correctly)."""
+    if dtype == tl.bfloat16:
+        x = round_for_cast(x, PRECISION)
+    return x.to(dtype)
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -94,12 +67,12 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
     """
     if INTERPRETED:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
-    d = block_d(head_dim)
+    d = block_size(head_dim)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32 if d <= 128 else 16, num_warps=4, num_stages=2)
-    if d <= 64:  # H200, N = 4096: 436 TFLOP/s
+    if d <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    if d <= 128:  # 487 TFLOP/s (BLOCK_N = 64: 471; 4 stages no longer fit in shared memory)
+    if d <= 128:  # a 128-key tile beat a 64-key one in the sweep; 4 stages no longer fit in shared memory
         return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
@@ -109,8 +82,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
                          seqlen_q, seqlen_k, heads, group, head_dim, qk_scale,
-                         CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                         EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                         CAUSAL: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
+                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if CAUSAL:  # the longest rows start first; the short ones fill the tail of the launch
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -136,6 +109,10 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if SCALE_FIRST:  # scale <= 0: the scores are scaled before the mask, the exponent takes them as they are
+        exponent_scale = 1.0
+    else:  # scale > 0: the scale is fused into the exponent's multiply-add
+        exponent_scale = qk_scale
 
     # Keys [0, hi) are seen by some row of the tile. Keys >= mask_from are hidden from some row
     # (right of the diagonal for the tile's first row, or past the end), so only the last blocks,
@@ -160,22 +137,24 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
             kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s = mma(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
+        s = mm(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
+        if SCALE_FIRST:  # -inf * scale is NaN or +inf for a scale <= 0: scale before masking
+            s = s * qk_scale
         if CAUSAL or not EVEN_N:
             if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only where needed
                 visible = cols[None, :] < seqlen_k
                 if CAUSAL:
                     visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
                 s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * exponent_scale)
         if CAUSAL:  # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
-        p = tl.exp2(s * qk_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
-        alpha = tl.exp2(m_i - m_shift)                # rescales what was summed under the old maximum
+        p = tl.exp2(s * exponent_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
+        alpha = tl.exp2(m_i - m_shift)                       # rescales what was summed under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + mma(rne(p, PRECISION).to(v.dtype), v, PRECISION)
+        acc = acc * alpha[:, None] + mm(cast(p, v.dtype, PRECISION), v, PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -183,19 +162,20 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     empty_row = l_i == 0.0  # causal rows that see no key
     l_safe = tl.where(empty_row, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # base 2 -> natural
+    lse = tl.where(empty_row, float("inf"), (m_i + tl.log2(l_safe)) * LN2)  # base 2 -> natural
     out_ptrs = (out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + start_m.to(tl.int64) * stride_om
                 + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
     lse_ptrs = lse_ptr + tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
     if EVEN_M and EVEN_D:
-        tl.store(out_ptrs, rne(out, PRECISION).to(out_ptr.dtype.element_ty))
+        tl.store(out_ptrs, cast(out, out_ptr.dtype.element_ty, PRECISION))
     else:
-        tl.store(out_ptrs, rne(out, PRECISION).to(out_ptr.dtype.element_ty), mask=row_mask)
+        tl.store(out_ptrs, cast(out, out_ptr.dtype.element_ty, PRECISION), mask=row_mask)
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(q, k, v, causal, softmax_scale, config=None):
-    """q (B, Nq, H, d), k, v (B, Nk, KVH, d), last strides 1. Returns out (B, Nq, H, d), lse (B, H, Nq) float32.
+def attention_forward(q, k, v, *, causal, softmax_scale, config=None):
+    """q (B, Nq, H, d), k, v (B, Nk, KVH, d), none empty, last strides 1; ``softmax_scale`` any
+    finite float. Returns out (B, Nq, H, d) contiguous and lse (B, H, Nq) float32.
 
     ``config`` overrides :func:`forward_config` (the benchmark's tuning sweep uses it).
     """
@@ -203,6 +183,7 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     cfg = dict(config or forward_config(head_dim, q.dtype))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_d = block_size(head_dim)
     out = outputs.empty(q.shape, q.dtype, q.device)
     lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
@@ -210,9 +191,9 @@ def attention_forward(q, k, v, causal, softmax_scale, config=None):
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, softmax_scale * LOG2E,
-        CAUSAL=causal, EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0,
-        EVEN_D=head_dim == block_d(head_dim), PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d(head_dim), **cfg,
+        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, softmax_scale * LOG2E.value,
+        CAUSAL=causal, SCALE_FIRST=softmax_scale <= 0, EVEN_M=seqlen_q % block_m == 0,
+        EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,
     )
     return out, lse
