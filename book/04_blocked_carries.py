@@ -104,7 +104,7 @@ show_source(chained_scan_kernel)
 show_source(segment_totals_kernel)
 
 # %% [markdown]
-# `plan` decides the segments: one per row when the rows alone give every SM several programs, otherwise as many as it takes.
+# `plan` decides the segments: one per row when the rows alone give every SM several programs, or when a row is only a few blocks long (cutting it would add two launches, which cost about as much as walking a few blocks), otherwise as many as it takes.
 
 # %%
 show_source(plan)

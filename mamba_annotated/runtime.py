@@ -7,6 +7,7 @@ first; on a machine without CUDA it turns the interpreter on and says so once.
 The chapters size their problems through :func:`size`, so one notebook runs at full size on a GPU
 and at a few hundred elements on a laptop, where the interpreter runs programs one after another.
 """
+import functools
 import os
 import sys
 
@@ -29,6 +30,13 @@ DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRETED else "cpu")
 def size(gpu, cpu):
     """The problem size for this machine: ``gpu`` when kernels compile for a GPU, else ``cpu``."""
     return cpu if INTERPRETED else gpu
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count() -> int:
+    """Streaming multiprocessors of the GPU (1 in the interpreter). Cached: asking the driver costs
+    tens of microseconds, paid on every call of an op that plans its launch by it."""
+    return torch.cuda.get_device_properties(DEVICE).multi_processor_count if DEVICE.type == "cuda" else 1
 
 
 def device_name() -> str:

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from ..runtime import DEVICE, size
+from ..runtime import DEVICE, size, sm_count
 from .combine import first_order_combine
 
 # (largest block, warps) of each kind of scan, chosen by a sweep on an H200 beside accelerated_scan
@@ -276,19 +276,23 @@ def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_
     tl.store(totals_b_ptr + out, total_b)
 
 
-def _target_programs():
+def target_programs():
     """Programs that keep every SM busy; on the interpreter one program per row is cheapest."""
-    if DEVICE.type != "cuda":
-        return 1
-    return 8 * torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    return 8 * sm_count() if DEVICE.type == "cuda" else 1
+
+
+# A row of this many blocks or fewer is walked by one program: cutting it into segments would add
+# two launches, which take about as long as walking a few blocks, for little parallelism.
+SHORT_ROW_BLOCKS = 4
 
 
 def plan(rows, length, block=None, blocks_per_segment=None, max_block=ASCENDING_FLOAT32[0]):
-    """(block, blocks_per_segment, num_segments): one segment per row unless rows are too few."""
+    """(block, blocks_per_segment, num_segments): one segment per row unless rows are too few to
+    fill the GPU and long enough to be worth cutting."""
     block = block or min(max_block, triton.next_power_of_2(length))  # short rows: no idle lanes
     n_blocks = triton.cdiv(length, block)
     if blocks_per_segment is None:
-        segments = min(n_blocks, triton.cdiv(_target_programs(), rows))
+        segments = 1 if n_blocks <= SHORT_ROW_BLOCKS else min(n_blocks, triton.cdiv(target_programs(), rows))
         blocks_per_segment = triton.cdiv(n_blocks, segments)
     return block, blocks_per_segment, triton.cdiv(n_blocks, blocks_per_segment)
 
