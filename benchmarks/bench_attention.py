@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from mamba_annotated.attention import attention_variant
 from mamba_annotated.attention.backward import attention_backward, backward_config
 from mamba_annotated.attention.forward import attention_forward, forward_config
+from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.bench import format_table, matmul_tflops, median_ms, print_table, progress, tflops
 from mamba_annotated.runtime import DEVICE, device_name, size
 
@@ -139,8 +139,9 @@ def tune(seqlen, head_dims):
 
         print(f"default forward {forward_config(head_dim, q.dtype)}; backward {backward_config(head_dim, q.dtype)}")
         for cfg in FORWARD_CANDIDATES:
-            report("fwd", cfg, lambda: attention_forward(q, k, v, False, scale, config=cfg), flops_fwd)
-        out, lse = attention_forward(q, k, v, False, scale)
+            report("fwd", cfg, lambda: attention_forward(q, k, v, causal=False, softmax_scale=scale, config=cfg),
+                   flops_fwd)
+        out, lse = attention_forward(q, k, v, causal=False, softmax_scale=scale)
         default = backward_config(head_dim, q.dtype)
         for loop in ("dkdv", "dq"):
             for cand in LOOP_CANDIDATES:
@@ -148,7 +149,8 @@ def tune(seqlen, head_dims):
                          else dict(BLOCK_M=cand["own"], BLOCK_N=cand["walk"]))
                 cfg = dict(default, **{loop: dict(tiles, num_warps=cand["num_warps"], num_stages=cand["num_stages"])})
                 report(f"bwd[{loop}]", cfg[loop],
-                       lambda: attention_backward(q, k, v, out, lse, grad_out, False, scale, config=cfg), flops_bwd)
+                       lambda: attention_backward(q, k, v, out, lse, grad_out, causal=False, softmax_scale=scale,
+                                                  config=cfg), flops_bwd)
 
 
 def main():

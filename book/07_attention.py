@@ -33,15 +33,15 @@ import torch.nn.functional as F
 from matplotlib.patches import Rectangle
 
 from mamba_annotated import runtime
-from mamba_annotated.attention import attention, attention_variant
-from mamba_annotated.attention.backward import (_dkdv_program, _dkdv_query_blocks, _dq_key_blocks,
-                                                attention_bwd_fused_kernel, attention_bwd_preprocess_kernel,
-                                                backward_config)
+from mamba_annotated.attention import attention
+from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel, backward_config, dkdv_program,
+                                                dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
-from mamba_annotated.attention.reference import attention_ref, check_flash_rule, naive_attention
+from mamba_annotated.attention.reference import attention_ref, naive_attention
+from mamba_annotated.attention.teaching import attention_bwd_fused_kernel, attention_variant
 from mamba_annotated.bench import median_ms, print_table, progress, tflops
 from mamba_annotated.figures import COLORS, show_source
-from mamba_annotated.testing import check, gradients, randn, seed_everything
+from mamba_annotated.testing import check, check_within_same_computation, gradients, randn, seed_everything
 
 seed_everything(0)
 device = runtime.DEVICE
@@ -164,7 +164,7 @@ plt.tight_layout()
 #
 # ## The forward kernel
 #
-# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in shared memory (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 registers with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
+# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in shared memory (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 registers with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
 
 # %%
 show_source(attention_fwd_kernel)
@@ -196,11 +196,11 @@ q, k, v = make_qkv(dims["seqlen"], dims["seqlen"] + 3)
 out, lse = attention(q, k, v, return_lse=True)
 out_ref, lse_ref = attention_ref(q, k, v)
 out_same, lse_same = naive_attention(q, k, v)
-check_flash_rule("forward, out", out, out_same, out_ref, q.dtype)
-check_flash_rule("forward, lse", lse, lse_same, lse_ref, q.dtype)
+check_within_same_computation("forward, out", out, out_same, out_ref, q.dtype)
+check_within_same_computation("forward, lse", lse, lse_same, lse_ref, q.dtype)
 
 # %% [markdown]
-# Edge cases: causal with more keys than queries and with more queries than keys (the first rows see no key: output 0, lse $= -\infty$), a single query, a head dim that is not a power of two, every dtype. float32 uses exact IEEE products unless TF32 is allowed with `torch.set_float32_matmul_precision("high")`.
+# Edge cases: causal with more keys than queries and with more queries than keys (the first rows see no key: output 0 and, as in flash_attn, lse $= +\infty$, so that $e^{S - \mathrm{lse}} = 0$ for every score), a single query, a head dim that is not a power of two, every dtype. float32 uses exact IEEE products unless TF32 is allowed with `torch.set_float32_matmul_precision("high")`.
 
 # %%
 n = dims["seqlen"]
@@ -214,8 +214,8 @@ for name, sq, sk, d, dtype in cases:
     out, lse = attention(q, k, v, causal=True, return_lse=True)
     out_ref, lse_ref = attention_ref(q, k, v, causal=True)
     out_same, lse_same = naive_attention(q, k, v, causal=True)
-    check_flash_rule(f"{name}, out", out, out_same, out_ref, dtype)
-    check_flash_rule(f"{name}, lse", lse, lse_same, lse_ref, dtype)
+    check_within_same_computation(f"{name}, out", out, out_same, out_ref, dtype)
+    check_within_same_computation(f"{name}, lse", lse, lse_same, lse_ref, dtype)
 
 # %% [markdown]
 # ## The gradients
@@ -234,7 +234,7 @@ for name, sq, sk, d, dtype in cases:
 # \delta_i := \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij}\, (dO_i \cdot v_j) = dO_i \cdot \Big(\sum_j P_{ij} v_j\Big) = dO_i \cdot O_i ,
 # $$
 #
-# so $\delta = \operatorname{rowsum}(dO \circ O)$, one float per query row from two tensors we already have. A preprocessing kernel computes it (and converts $\mathrm{lse}$ to base 2, with $+\infty$ for rows that see no key so that their rebuilt $P$ is exactly 0). With $\mathrm{lse}$ and $\delta$ in hand, every tile of $dS$ needs only its own tiles of $Q$, $K$, $V$ and $dO$.
+# so $\delta = \operatorname{rowsum}(dO \circ O)$, one float per query row from two tensors we already have. A preprocessing kernel computes it (and converts $\mathrm{lse}$ to base 2; a row that saw no key has $\mathrm{lse} = +\infty$, so its rebuilt $P$ is exactly 0). With $\mathrm{lse}$ and $\delta$ in hand, every tile of $dS$ needs only its own tiles of $Q$, $K$, $V$ and $dO$.
 
 # %%
 show_source(attention_bwd_preprocess_kernel)
@@ -250,13 +250,13 @@ show_source(attention_bwd_preprocess_kernel)
 # Both skip the causal tiles above the diagonal and mask only the diagonal ones; both are parallel across the sequence.
 
 # %%
-show_source(_dkdv_query_blocks)
+show_source(dkdv_query_blocks)
 
 # %%
-show_source(_dkdv_program)
+show_source(dkdv_program)
 
 # %%
-show_source(_dq_key_blocks)
+show_source(dq_key_blocks)
 
 # %% [markdown]
 # All three gradients, against float64 and PyTorch in the same dtype, for a causal grouped-query problem with unequal lengths:
@@ -270,7 +270,7 @@ def check_gradients(name, q, k, v, causal, backward="split"):
     ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal)[0],
                     {key: t.detach().double().requires_grad_() for key, t in inputs.items()}, grad_out)
     for key in ("q", "k", "v"):
-        check_flash_rule(f"{name}, d{key}", ours[key], same[key], ref[key], q.dtype)
+        check_within_same_computation(f"{name}, d{key}", ours[key], same[key], ref[key], q.dtype)
 
 
 check_gradients("causal bfloat16", *make_qkv(n, n + 9), causal=True)
@@ -280,7 +280,7 @@ check_gradients("causal float32", *make_qkv(n, n // 2, dtype=torch.float32), cau
 # %% [markdown]
 # ## One kernel or two?
 #
-# The two loops can also run in **one kernel**: program $i$ does the dK/dV of key block $i$, then the dQ of query block $i$. That saves a launch and lets one program's two halves overlap with other programs' work, but the program is bigger (more registers, fewer programs in flight), and the dQ half of a causal problem is unevenly loaded across programs. The third option, from the original FlashAttention, computes $dQ$ *inside* the dK/dV loop: it already has the tile $dS$, so $dQ_{\text{tile}} \mathrel{+}= \tau\, dS\, K_j$ costs one more product and no recomputation of $S$ and $dP$ (5 matrix products per tile instead of 7). But many key blocks add into the same rows of $dQ$, so they must add with float32 **atomics**, into a buffer the size of $Q$ in float32, in whatever order the programs happen to finish.
+# The two loops can also run in **one kernel**: program $i$ does the dK/dV of key block $i$, then the dQ of query block $i$. That saves a launch and lets one program's two halves overlap with other programs' work, but the program is bigger (more registers, fewer programs in flight), and the dQ half of a causal problem is unevenly loaded across programs. The third option, from the original FlashAttention, computes $dQ$ *inside* the dK/dV loop: it already has the tile $dS$, so $dQ_{\text{tile}} \mathrel{+}= \tau\, dS\, K_j$ costs one more product and no recomputation of $S$ and $dP$ (5 matrix products per tile instead of 7). But many key blocks add into the same rows of $dQ$, so they must add with float32 **atomics**, into a buffer the size of $Q$ in float32, in whatever order the programs happen to finish. Both live in `mamba_annotated/attention/teaching.py`, off the production path, which has neither flag nor branch for them.
 
 # %%
 show_source(attention_bwd_fused_kernel)
@@ -421,9 +421,14 @@ axes[1].legend(fontsize="small");
 # %% [markdown]
 # Reading the table (on a GPU): "two kernels" and "one kernel" do the same arithmetic, so their difference is scheduling alone; the atomic variant saves two of seven products per tile but pays for float32 atomics into $dQ$, a float32 buffer the size of $Q$, and its non-determinism. The default is the deterministic two-kernel form.
 #
+# ```{admonition} Performance notes
+# :class: dropdown
+# From the tuning sweep behind the tile tables (`benchmarks/bench_attention.py --tune` on an H200, Triton 3.6, bfloat16, batch 4, 16 heads, $N = 4096$). Forward, head dim 128: 128 x 128 tiles ran at 487 TFLOP/s, 128 x 64 at 471. Backward, head dim 64: the whole backward pass took 2.0 ms with each loop on its own tiles (dK/dV 128 keys x 32 queries, dQ 128 queries x 64 keys) and 2.3 ms with the dQ tiles for both loops; head dim 128: 3.75 ms with either tiling for both loops.
+# ```
+#
 # ## What we have
 #
-# An attention kernel that never forms the $N \times N$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, causal=False, softmax_scale=None, return_lse=False)`, takes `flash_attn_func`'s arguments.
+# An attention kernel that never forms the $N \times N$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns; dropout, local (sliding-window) attention, soft-capping and ALiBi raise `NotImplementedError`.
 #
 # **Exercises** (the tests in `tests/test_attention.py` check both):
 #
