@@ -24,6 +24,8 @@ Each op is described by five functions:
 Custom ops return tensors only, so the gradient of an optional input that was None travels as an
 empty tensor (:func:`absent`), and ``grads`` returns None for it.
 """
+import contextlib
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -56,17 +58,28 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
         @staticmethod
         @once_differentiable
         def backward(ctx, *output_grads):
-            return grads(ctx, backward, *output_grads)
+            with on_device_of(output_grads[0]):
+                return grads(ctx, backward, *output_grads)
 
     Eager.__name__ = Eager.__qualname__ = "".join(part.title() for part in name.split("_"))
 
     def apply(*inputs):
         if torch.compiler.is_compiling():
             return forward_op(*inputs)
-        return Eager.apply(*inputs)
+        with on_device_of(inputs[0]):
+            return Eager.apply(*inputs)
 
     apply.op, apply.backward_op = forward_op, backward_op
     return apply
+
+
+def on_device_of(tensor):
+    """Triton launches on the current CUDA device, so a call on tensors of another GPU makes it
+    current for the call (and a no-op context when it already is, or on the CPU)."""
+    device = tensor.device
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def traced_or_captured() -> bool:

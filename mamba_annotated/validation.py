@@ -37,11 +37,16 @@ def check_device(name: str, value: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {value.device}, but the kernels here take {where}")
 
 
+def check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``value`` must be on ``ref``'s device, index included (cuda:1 is not cuda:0)."""
+    if value.device != ref.device:
+        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}); got {value.device}")
+
+
 def check_same(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     """``value`` must match ``ref`` in shape, dtype and device."""
     if value.shape != ref.shape:
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}; got {tuple(value.shape)}")
     if value.dtype != ref.dtype:
         raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}); got {value.dtype}")
-    if value.device != ref.device:
-        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}); got {value.device}")
+    check_same_device(name, value, ref_name, ref)

@@ -4,7 +4,7 @@ from typing import Optional
 import torch
 
 from ..library import absent, define_op, traced_or_captured
-from ..validation import check_same, check_tensor
+from ..validation import check_same, check_same_device, check_tensor
 from .blocked import linear_scan_backward, linear_scan_forward
 from .selective import selective_scan_backward, selective_scan_forward
 from .sequential import sequential_scan_backward, sequential_scan_forward
@@ -17,12 +17,7 @@ def check_scan_inputs(a, b, h0):
     check_same("b", b, "a", a)
     if h0 is not None:
         check_tensor("h0", h0, shape=a.shape[:-1])
-        check_same_device("h0", h0, a)
-
-
-def check_same_device(name, value, ref, ref_name="a"):
-    if value.device != ref.device:
-        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}); got {value.device}")
+        check_same_device("h0", h0, "a", a)
 
 
 def rows(x):
@@ -108,7 +103,7 @@ def check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias):
     if A.is_complex():
         raise NotImplementedError("A: complex A (mamba_ssm's complex selective scan) is not implemented")
     check_tensor("A", A, ndim=2)
-    check_same_device("A", A, u, "u")
+    check_same_device("A", A, "u", u)
     if A.shape[0] != dim:
         raise ValueError(f"A must have shape (dim, N) = ({dim}, N); got {tuple(A.shape)}")
     dstate = A.shape[1]
@@ -128,13 +123,13 @@ def check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias):
         raise ValueError(f"B must have shape (batch, N, L) or (batch, groups, N, L); got {tuple(B.shape)}")
     if tuple(B.shape) != expected:
         raise ValueError(f"B must have shape {expected} (batch, [groups,] N, L); got {tuple(B.shape)}")
-    check_same_device("B", B, u, "u")
+    check_same_device("B", B, "u", u)
     check_tensor("C", C)
     check_same("C", C, "B", B)
     for name, vector in (("D", D), ("delta_bias", delta_bias)):
         if vector is not None:
             check_tensor(name, vector, shape=(dim,))
-            check_same_device(name, vector, u, "u")
+            check_same_device(name, vector, "u", u)
     if z is not None:
         check_tensor("z", z)
         check_same("z", z, "u", u)
