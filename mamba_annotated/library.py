@@ -17,7 +17,8 @@ Each op is described by five functions:
     fake_forward(*inputs) -> tuple of tensors   empty tensors of the outputs' shapes and dtypes
     backward(*args) -> tuple of tensors         runs the backward kernels (annotated likewise)
     fake_backward(*args) -> tuple of tensors
-    save(ctx, inputs, outputs)                  keeps on ctx what ``grads`` needs
+    save(ctx, inputs, output)                   keeps on ctx what ``grads`` needs (torch.library
+                                                passes ``output`` by that name)
     grads(ctx, backward, *output_grads)         the inputs' gradients, calling ``backward``, which
                                                 is the backward op or the plain function
 
@@ -51,9 +52,9 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
-            outputs = forward(*inputs)
-            save(ctx, inputs, outputs)
-            return outputs
+            output = forward(*inputs)
+            save(ctx, inputs, output)
+            return output
 
         @staticmethod
         @once_differentiable

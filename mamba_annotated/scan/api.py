@@ -53,9 +53,9 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
         grad_h0 = torch.empty_like(h0) if h0 is not None else absent(a)
         return torch.empty_like(a), torch.empty_like(a), grad_h0
 
-    def save(ctx, inputs, h):
+    def save(ctx, inputs, output):
         a, _, h0, reverse = inputs
-        ctx.save_for_backward(a, h, h0)
+        ctx.save_for_backward(a, output, h0)
         ctx.reverse = reverse
 
     def grads(ctx, run_backward, grad_h):
@@ -192,9 +192,9 @@ def fake_selective_backward(u, delta, A, B, C, D, z, delta_bias, delta_softplus,
     return [torch.empty_like(x) if x is not None else absent(u) for x in (u, delta, A, B, C, D, z, delta_bias)]
 
 
-def save_selective(ctx, inputs, outputs):
+def save_selective(ctx, inputs, output):
     *tensors, delta_softplus, _ = inputs
-    ctx.save_for_backward(*tensors, outputs[2])
+    ctx.save_for_backward(*tensors, output[2])
     ctx.delta_softplus = delta_softplus
 
 

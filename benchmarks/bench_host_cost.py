@@ -1,0 +1,174 @@
+"""Host cost per call of every public op beside its peer, and CUDA-graph capture of each.
+
+At small shapes a GPU finishes a kernel before Python has launched the next, so the time per call
+is the host's: argument checks, autograd, allocation and the kernel launches. Each case runs a
+loop of calls and synchronises the device once, after the loop; time per call = loop time / calls
+(median of five loops). Forward alone runs under torch.no_grad(); forward+backward goes through
+autograd (``torch.autograd.grad``), as training does. Peers in the same run: accelerated-scan's
+Triton scan for linear_scan, mamba_ssm 2.3.2.post1's Triton ``mamba_chunk_scan_combined`` for
+ssd_chunk_scan, PyTorch SDPA for attention. mamba_ssm's CUDA selective scan is not built on the GPU
+box, so selective_scan is timed alone.
+
+Then each op's forward and backward are captured in one CUDA graph, replayed, and compared with
+an eager run bit for bit; the replay time per call is printed beside the eager one.
+
+Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from mamba_annotated import runtime  # noqa: F401  (first: decides interpreter or GPU before triton is imported)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from peers import mamba_ssm_module, peer  # noqa: E402
+
+from mamba_annotated import attention, linear_scan, selective_scan, ssd_chunk_scan  # noqa: E402
+from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
+
+
+def synchronize():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, calls):
+    """Median over five loops of (loop time / calls), the device synchronised once per loop."""
+    fn()
+    synchronize()
+    loops = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize()
+        loops.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(loops)
+
+
+def randn(*shape, dtype=torch.bfloat16, scale=1.0, grad=False):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype).requires_grad_(grad)
+
+
+def cases():
+    """(op, peer name, inputs builder, ours(inputs), peer(inputs) or None) at host-bound shapes."""
+    def scan_inputs(grad):
+        return dict(a=(torch.rand(1, 64, 4096, device=DEVICE) * 0.4 + 0.6).bfloat16().requires_grad_(grad),
+                    b=randn(1, 64, 4096, grad=grad))
+
+    accelerated = peer("accelerated_scan.scalar")
+    yield ("linear_scan (1, 64, 4096)", "accelerated_scan.scalar", scan_inputs,
+           lambda i: linear_scan(i["a"], i["b"]),
+           (lambda i: accelerated.scan(i["a"], i["b"])) if accelerated else None)
+
+    def selective_inputs(grad):
+        return dict(u=randn(1, 64, 256, grad=grad), delta=randn(1, 64, 256, scale=0.5, grad=grad),
+                    A=(-torch.rand(64, 16, device=DEVICE) - 0.5).requires_grad_(grad),
+                    B=randn(1, 16, 256, grad=grad), C=randn(1, 16, 256, grad=grad),
+                    D=torch.randn(64, device=DEVICE).requires_grad_(grad), z=randn(1, 64, 256, grad=grad),
+                    delta_bias=torch.randn(64, device=DEVICE).requires_grad_(grad))
+
+    yield ("selective_scan (1, 64, 16, 256)", "(CUDA peer not built)", selective_inputs,
+           lambda i: selective_scan(**i, delta_softplus=True), None)
+
+    def ssd_inputs(grad):
+        return dict(x=randn(1, 256, 4, 64, grad=grad), dt=randn(1, 256, 4, scale=0.5, grad=grad),
+                    A=(-torch.rand(4, device=DEVICE) - 0.5).requires_grad_(grad),
+                    B=randn(1, 256, 1, 64, grad=grad), C=randn(1, 256, 1, 64, grad=grad),
+                    D=torch.randn(4, device=DEVICE).requires_grad_(grad),
+                    dt_bias=torch.randn(4, device=DEVICE).requires_grad_(grad))
+
+    combined = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+    yield ("ssd_chunk_scan (1, 256, 4, 64, 64)", "mamba_chunk_scan_combined", ssd_inputs,
+           lambda i: ssd_chunk_scan(**i, chunk_size=64, dt_softplus=True),
+           (lambda i: combined.mamba_chunk_scan_combined(**i, chunk_size=64, dt_softplus=True)) if combined else None)
+
+    def attention_inputs(grad):
+        return dict(q=randn(1, 128, 4, 64, grad=grad), k=randn(1, 128, 4, 64, grad=grad),
+                    v=randn(1, 128, 4, 64, grad=grad))
+
+    def sdpa(i):
+        q, k, v = (t.transpose(1, 2) for t in (i["q"], i["k"], i["v"]))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+    yield ("attention (1, 128, 4, 64) causal", "SDPA", attention_inputs,
+           lambda i: attention(i["q"], i["k"], i["v"], causal=True), sdpa)
+
+
+def forward_only(fn, inputs):
+    def run():
+        with torch.no_grad():
+            fn(inputs)
+    return run
+
+
+def forward_backward(fn, inputs):
+    leaves = [t for t in inputs.values() if t.requires_grad]
+
+    def run():
+        out = fn(inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out.sum(), leaves)
+    return run
+
+
+def graph_replay(fn, inputs):
+    """Capture forward and backward in one CUDA graph; returns (replay, eager result == replay result)."""
+    leaves = [t for t in inputs.values() if t.requires_grad]
+
+    def step():
+        out = fn(inputs)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, *torch.autograd.grad(out.float().square().sum(), leaves))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    same = all(torch.equal(c, e) for c, e in zip(captured, eager))
+    return graph.replay, same
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    print(f"device: {device_name()}, torch {torch.__version__}")
+    rows = []
+    for name, peer_name, make, ours, theirs in cases():
+        for pass_ in ("forward", "forward+backward"):
+            grad = pass_ != "forward"
+            inputs = make(grad)
+            wrap = forward_backward if grad else forward_only
+            ours_us = per_call_us(wrap(ours, inputs), args.calls)
+            peer_us = per_call_us(wrap(theirs, inputs), args.calls) if theirs else None
+            row = dict(op=name, pass_=pass_, ours_us=ours_us, peer=peer_name, peer_us=peer_us,
+                       ratio=ours_us / peer_us if peer_us else None)
+            if grad and DEVICE.type == "cuda":
+                replay, same = graph_replay(ours, make(True))
+                row.update(graph_us=per_call_us(replay, args.calls), graph_equals_eager=same)
+            rows.append(row)
+            print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device_name(), torch=torch.__version__, calls=args.calls, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

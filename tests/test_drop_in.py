@@ -1,0 +1,271 @@
+"""Each op called exactly as the upstream call sites call it, positional and keyword.
+
+The call sites are mamba_ssm 2.3.2.post1's ``Mamba2.forward`` (the path without the fused
+split-conv kernel: ``mamba_chunk_scan_combined`` on ``torch.split`` views of one projection),
+``Mamba.forward`` (``selective_scan_fn`` on views of ``in_proj`` and ``x_proj`` outputs), code written
+for ``flash_attn_func`` (every default written out, and positional), and accelerated-scan's
+``scan(gates, tokens)``. Each is checked against the float64 references, forward and gradients;
+on a GPU where mamba_ssm's Triton kernels import, against the peer too. Then every op as a
+``torch.library`` op: ``opcheck``, ``torch.compile(fullgraph=True)`` of a model using all four
+against eager, and (GPU) CUDA-graph capture of forward and backward.
+"""
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mamba_annotated import attention, linear_scan, selective_scan, ssd_chunk_scan
+from mamba_annotated.attention.reference import attention_ref
+from mamba_annotated.runtime import DEVICE
+from mamba_annotated.scan.api import linear_scan_op, selective_scan_op, sequential_scan_op
+from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
+from mamba_annotated.ssd.reference import ssd_quadratic_ref
+from mamba_annotated.testing import assert_close, assert_gradients_close, randn, tolerance, uniform
+
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+TOL = tolerance(torch.float32)
+
+
+def mamba_ssm_module(submodule):
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from peers import mamba_ssm_module as load
+    return load(submodule)
+
+
+# --- Mamba2.forward: mamba_chunk_scan_combined on split views -------------------------------------
+
+HEADS, HEADDIM, GROUPS, DSTATE, CHUNK = 4, 16, 2, 8, 16
+D_SSM = HEADS * HEADDIM
+WIDTH = D_SSM + D_SSM + 2 * GROUPS * DSTATE + HEADS   # z, xBC, dt: in_proj's output without the MLP part
+
+
+def mamba2_leaves(batch, length):
+    return dict(zxbcdt=randn(batch, length, WIDTH).requires_grad_(),
+                A_log=torch.log(uniform(HEADS, low=1.0, high=4.0)).requires_grad_(),
+                D=randn(HEADS).requires_grad_(),
+                dt_bias=randn(HEADS, scale=0.5).requires_grad_())
+
+
+def mamba2_call(scan, seq_idx=None, cu_seqlens=None, return_final_states=False, return_varlen_states=False):
+    """Mamba2.forward's call, with the depthwise conv replaced by its activation (the views are the point)."""
+    def run(zxbcdt, A_log, D, dt_bias):
+        z, xBC, dt = torch.split(zxbcdt, [D_SSM, D_SSM + 2 * GROUPS * DSTATE, HEADS], dim=-1)
+        xBC = F.silu(xBC)
+        x, B, C = torch.split(xBC, [D_SSM, GROUPS * DSTATE, GROUPS * DSTATE], dim=-1)
+        A = -torch.exp(A_log.float())
+        return scan(
+            x.unflatten(-1, (HEADS, HEADDIM)),
+            dt,
+            A,
+            B.unflatten(-1, (GROUPS, DSTATE)),
+            C.unflatten(-1, (GROUPS, DSTATE)),
+            chunk_size=CHUNK,
+            D=D,
+            z=z.unflatten(-1, (HEADS, HEADDIM)),
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            seq_idx=seq_idx,
+            cu_seqlens=cu_seqlens,
+            return_final_states=return_final_states,
+            return_varlen_states=return_varlen_states,
+        )
+    return run
+
+
+def ssd_reference(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                  cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False,
+                  return_varlen_states=False):
+    """mamba_chunk_scan_combined's signature over the float64 quadratic reference (no varlen states)."""
+    assert not return_varlen_states
+    return ssd_quadratic_ref(x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                             initial_states=initial_states, seq_idx=seq_idx, dt_limit=dt_limit,
+                             return_final_states=return_final_states)
+
+
+def flat(result):
+    """One tensor of everything an op returned (so one upstream gradient reaches all of it)."""
+    return torch.cat([t.flatten() for t in result]) if isinstance(result, tuple) else result
+
+
+@pytest.mark.parametrize("return_final_states", [False, True])
+def test_mamba2_call_site(return_final_states):
+    leaves = mamba2_leaves(2, 37)
+    ours = mamba2_call(ssd_chunk_scan, return_final_states=return_final_states)
+    ref = mamba2_call(ssd_reference, return_final_states=return_final_states)
+    out = ours(**leaves)
+    assert isinstance(out, tuple) == return_final_states
+    assert_close(flat(out), flat(ref(**leaves)), TOL, "y (and final state)")
+    assert_gradients_close(lambda **a: flat(ours(**a)), lambda **a: flat(ref(**a)), leaves, TOL)
+
+
+def test_mamba2_call_site_with_packed_sequences_and_varlen_states():
+    """Inference with cu_seqlens (batch 1): y, the last state and every sequence's final state."""
+    lengths = [9, 20, 1, 13]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE),
+                                      torch.tensor(lengths, device=DEVICE)).to(torch.int32)[None]
+    leaves = mamba2_leaves(1, sum(lengths))
+    y, last_state, varlen_states = mamba2_call(ssd_chunk_scan, seq_idx, cu_seqlens, True, True)(**leaves)
+    y_ref, last_ref = mamba2_call(ssd_reference, seq_idx, None, True)(**leaves)
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(last_state, last_ref, TOL, "final state")
+    assert varlen_states.shape == (len(lengths), HEADS, HEADDIM, DSTATE)
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        one = {k: (v[:, start:end] if k == "zxbcdt" else v) for k, v in leaves.items()}
+        _, final_ref = mamba2_call(ssd_reference, return_final_states=True)(**one)
+        assert_close(varlen_states[i], final_ref[0], TOL, f"final state of sequence {i}")
+
+
+# --- Mamba.forward: selective_scan_fn on views of the projections --------------------------------
+
+def test_mamba_call_site():
+    batch, length, d_inner, dstate, dt_rank = 2, 29, 8, 4, 2
+    leaves = dict(xz=randn(batch, 2 * d_inner, length).requires_grad_(),
+                  x_dbl=randn(batch * length, dt_rank + 2 * dstate).requires_grad_(),
+                  dt_weight=randn(d_inner, dt_rank).requires_grad_(),
+                  dt_bias=randn(d_inner, scale=0.5).requires_grad_(),
+                  A_log=torch.log(uniform(d_inner, dstate, low=1.0, high=4.0)).requires_grad_(),
+                  D=randn(d_inner).requires_grad_())
+
+    def call(scan):
+        def run(xz, x_dbl, dt_weight, dt_bias, A_log, D):
+            x, z = xz.chunk(2, dim=1)
+            dt, B, C = torch.split(x_dbl, [dt_rank, dstate, dstate], dim=-1)
+            dt = (dt_weight @ dt.t()).unflatten(1, (batch, length)).transpose(0, 1)   # "d (b l) -> b d l"
+            B = B.unflatten(0, (batch, length)).transpose(1, 2).contiguous()         # "(b l) n -> b n l"
+            C = C.unflatten(0, (batch, length)).transpose(1, 2).contiguous()
+            A = -torch.exp(A_log.float())
+            return scan(x, dt, A, B, C, D.float(), z=z, delta_bias=dt_bias.float(), delta_softplus=True,
+                        return_last_state=True)
+        return run
+
+    ours, ref = call(selective_scan), call(selective_scan_ref)
+    assert_close(flat(ours(**leaves)), flat(ref(**leaves)), TOL, "y and last state")
+    assert_gradients_close(lambda **a: flat(ours(**a)), lambda **a: flat(ref(**a)), leaves, TOL)
+
+
+# --- flash_attn_func -----------------------------------------------------------------------------
+
+def test_flash_attn_func_call_with_every_default_written_out():
+    q, k, v = (randn(2, 19, 4, 32) for _ in range(3))
+    out = attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False)
+    assert isinstance(out, torch.Tensor)
+    assert_close(out, attention_ref(q, k, v)[0], TOL, "out")
+
+
+def test_flash_attn_func_positional_order():
+    """flash_attn_func(q, k, v, dropout_p, softmax_scale, causal): the sixth argument is causal."""
+    q, k, v = (randn(1, 13, 2, 16) for _ in range(3))
+    assert_close(attention(q, k, v, 0.0, None, True), attention_ref(q, k, v, causal=True)[0], TOL, "causal")
+    assert_close(attention(q, k, v, 0.0, 0.3), attention_ref(q, k, v, softmax_scale=0.3)[0], TOL, "scale")
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        attention(q, k, v, 0.1)
+
+
+def test_packed_qkv_unbound_as_attention_modules_do():
+    qkv = randn(2, 17, 3, 4, 32).requires_grad_()
+    leaves = dict(qkv=qkv)
+    ours = lambda qkv: attention(*qkv.unbind(dim=2), causal=True)  # noqa: E731
+    ref = lambda qkv: attention_ref(*qkv.unbind(dim=2), causal=True)[0]  # noqa: E731
+    assert_close(ours(qkv), ref(qkv), TOL, "out")
+    assert_gradients_close(ours, ref, leaves, TOL)
+
+
+# --- accelerated-scan's scan(gates, tokens) ------------------------------------------------------
+
+def test_accelerated_scan_call():
+    gates, tokens = uniform(2, 8, 45, low=0.6, high=1.0), randn(2, 8, 45)
+    assert_close(linear_scan(gates, tokens), linear_scan_ref(gates, tokens), TOL, "h")
+
+
+# --- torch.library: opcheck, torch.compile, CUDA graphs -----------------------------------------
+
+def test_opcheck_scans():
+    a, b, h0 = uniform(3, 21, low=0.6, high=1.0), randn(3, 21), randn(3)
+    for op in (linear_scan_op, sequential_scan_op):
+        for args in ((a, b, h0, False), (a.requires_grad_(), b.requires_grad_(), None, True)):
+            torch.library.opcheck(op.op, args)
+    u, delta = randn(1, 4, 19).requires_grad_(), uniform(1, 4, 19, low=0.1, high=0.5).requires_grad_()
+    A, B, C = -uniform(4, 3, low=0.5, high=1.5).requires_grad_(), randn(1, 3, 19).requires_grad_(), randn(1, 3, 19)
+    torch.library.opcheck(selective_scan_op.op, (u, delta, A, B, C, randn(4), None, None, True, True))
+    torch.library.opcheck(selective_scan_op.op, (u, delta, A, B, C, None, randn(1, 4, 19), randn(4), False, True))
+
+
+def all_four_ops(scan_a, scan_b, u, delta, A, B, C, x, dt, A_ssd, B_ssd, C_ssd, q, k, v):
+    """A small model's worth of calls: every public op, forward, summed into one loss."""
+    h = linear_scan(torch.sigmoid(scan_a), scan_b, reverse=True)
+    y1 = selective_scan(u, delta, A, B, C, delta_softplus=True)
+    y2 = ssd_chunk_scan(x, dt, A_ssd, B_ssd, C_ssd, 16, dt_softplus=True)
+    y3 = attention(q, k, v, causal=True)
+    return h.square().sum() + y1.square().sum() + y2.square().sum() + y3.square().sum()
+
+
+def all_four_inputs():
+    return dict(scan_a=randn(2, 3, 25), scan_b=randn(2, 3, 25),
+                u=randn(1, 4, 17), delta=randn(1, 4, 17, scale=0.5), A=-uniform(4, 3, low=0.5, high=1.5),
+                B=randn(1, 3, 17), C=randn(1, 3, 17),
+                x=randn(1, 21, 2, 16), dt=randn(1, 21, 2, scale=0.5), A_ssd=-uniform(2, low=0.5, high=1.5),
+                B_ssd=randn(1, 21, 1, 16), C_ssd=randn(1, 21, 1, 16),
+                q=randn(1, 11, 2, 16), k=randn(1, 11, 2, 16), v=randn(1, 11, 2, 16))
+
+
+def loss_and_gradients(fn, inputs):
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    loss = fn(**leaves)
+    return loss, torch.autograd.grad(loss, list(leaves.values()))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """The custom ops trace with no graph break (fullgraph=True) and run the same kernels."""
+    torch._dynamo.reset()
+    inputs = all_four_inputs()
+    backend = "inductor" if DEVICE.type == "cuda" else "aot_eager"
+    compiled = torch.compile(all_four_ops, fullgraph=True, backend=backend)
+    loss, grads = loss_and_gradients(compiled, inputs)
+    eager_loss, eager_grads = loss_and_gradients(all_four_ops, inputs)
+    assert_close(loss, eager_loss, TOL, "loss")
+    for name, got, want in zip(inputs, grads, eager_grads):
+        assert_close(got, want, TOL, f"grad {name}")
+
+
+@gpu_only
+def test_cuda_graph_capture_of_forward_and_backward():
+    inputs = {k: v.requires_grad_() for k, v in all_four_inputs().items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture (compiles and tunes the kernels)
+        for _ in range(2):
+            torch.autograd.grad(all_four_ops(**inputs), list(inputs.values()))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = all_four_ops(**inputs)
+        grads = torch.autograd.grad(loss, list(inputs.values()))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager_loss, eager_grads = loss_and_gradients(all_four_ops, inputs)
+    assert torch.equal(loss, eager_loss)
+    for name, got, want in zip(inputs, grads, eager_grads):
+        assert torch.equal(got, want), f"grad {name} differs between graph replay and eager"
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba2_call_site_matches_mamba_ssm(dtype):
+    peer = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+    if peer is None:
+        pytest.skip("mamba_ssm's Triton kernels are not importable")
+    leaves = {k: (v.detach().to(dtype) if k == "zxbcdt" else v.detach()).requires_grad_()
+              for k, v in mamba2_leaves(2, 300).items()}
+    ours = mamba2_call(ssd_chunk_scan, return_final_states=True)
+    theirs = mamba2_call(peer.mamba_chunk_scan_combined, return_final_states=True)
+    ref = mamba2_call(ssd_reference, return_final_states=True)
+    want = flat(ref(**leaves))
+    mine, peer_out = flat(ours(**leaves)), flat(theirs(**leaves))
+    from mamba_annotated.testing import rel_error
+    assert rel_error(mine, want) <= 2 * rel_error(peer_out, want) + 1e-6
+    assert_close(mine, peer_out, tolerance(dtype), "ours against mamba_ssm")
