@@ -1,111 +1,270 @@
-"""The public SSD function: input checks, the autograd Function, and ``ssd_chunk_scan``."""
-import math
+"""The public SSD function: input checks, and the op registered with torch.library (:mod:`..library`)."""
+import operator
+from typing import Optional
 
 import torch
+import triton
 
+from ..library import absent, define_op, traced_or_captured
 from ..validation import check_same, check_tensor
 from .backward import ssd_backward
 from .forward import Saved, ssd_forward
 
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 MAX_HEADDIM = 128  # the backward kernels hold a whole row of headdim in registers
+STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit):
+def check_on_device(name, value, x):
+    """``value`` must be on x's device, index included."""
+    if value.device != x.device:
+        raise ValueError(f"{name} must be on the device of x ({x.device}); got {value.device}")
+
+
+def check_chunk_size(chunk_size) -> int:
+    """chunk_size as an int: any integer-like (operator.index: int, numpy integers, 0-d integer
+    tensors), one of CHUNK_SIZES."""
+    try:
+        value = operator.index(chunk_size)
+    except TypeError:
+        raise TypeError(f"chunk_size must be an integer, one of {CHUNK_SIZES}; got {chunk_size!r}") from None
+    if isinstance(chunk_size, bool) or value not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}; got {chunk_size!r}")
+    return value
+
+
+def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                     dt_limit, return_varlen_states, state_dtype):
+    """Every argument of :func:`ssd_chunk_scan`; returns chunk_size as an int."""
     check_tensor("x", x, ndim=4)
     batch, length, heads, headdim = x.shape
-    if length == 0:
-        raise ValueError(f"x must have at least one time step (dimension 1); got shape {tuple(x.shape)}")
     if headdim > MAX_HEADDIM:
         raise NotImplementedError(f"x: headdim {headdim} > {MAX_HEADDIM} is not supported")
     check_tensor("dt", dt, shape=(batch, length, heads))
+    check_on_device("dt", dt, x)
     check_tensor("A", A, shape=(heads,))
+    check_on_device("A", A, x)
     check_tensor("B", B, ndim=4)
     groups, dstate = B.shape[2], B.shape[3]
-    if B.shape[:2] != x.shape[:2] or groups == 0 or heads % groups != 0:
+    if B.shape[:2] != x.shape[:2] or groups == 0 or heads % groups != 0 or dstate == 0:
         raise ValueError(f"B must have shape (batch, L, groups, dstate) = ({batch}, {length}, groups, dstate) "
-                         f"with groups dividing heads = {heads}; got {tuple(B.shape)}")
+                         f"with groups dividing heads = {heads} and dstate >= 1; got {tuple(B.shape)}")
     if B.dtype != x.dtype:
         raise TypeError(f"B must have the dtype of x ({x.dtype}); got {B.dtype}")
+    check_on_device("B", B, x)
     check_tensor("C", C)
     check_same("C", C, "B", B)
-    if not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
-        raise ValueError(f"chunk_size must be one of {CHUNK_SIZES}; got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)
     if D is not None:
         check_tensor("D", D)
         if tuple(D.shape) not in ((heads,), (heads, headdim)):
             raise ValueError(f"D must have shape ({heads},) or ({heads}, {headdim}); got {tuple(D.shape)}")
+        check_on_device("D", D, x)
     if z is not None:
         check_tensor("z", z)
         check_same("z", z, "x", x)
     if dt_bias is not None:
         check_tensor("dt_bias", dt_bias, shape=(heads,))
+        check_on_device("dt_bias", dt_bias, x)
     if initial_states is not None:
         check_tensor("initial_states", initial_states, shape=(batch, heads, headdim, dstate))
+        check_on_device("initial_states", initial_states, x)
     if seq_idx is not None:
-        check_tensor("seq_idx", seq_idx, dtypes=(torch.int32, torch.int64), shape=(batch, length))
-        if length > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        check_tensor("seq_idx", seq_idx, dtypes=INDEX_DTYPES, shape=(batch, length))
+        check_on_device("seq_idx", seq_idx, x)
+        # reading the values synchronises with the device: not while torch.compile traces or a
+        # CUDA graph captures
+        if length > 1 and not traced_or_captured() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be nondecreasing along L (each packed sequence one run)")
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens must be given when return_varlen_states is True")
+        check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+        check_on_device("cu_seqlens", cu_seqlens, x)
+        if cu_seqlens.shape[0] == 0:
+            raise ValueError("cu_seqlens must hold at least one offset (sequences + 1 of them); got none")
+        if batch != 1:
+            raise ValueError(f"return_varlen_states needs batch 1 (the packed sequences in one row, as "
+                             f"mamba_ssm); got batch {batch}")
+        if not traced_or_captured() and cu_seqlens.numel() and bool(
+                (cu_seqlens[0] < 0) | (cu_seqlens[-1] > length) | (cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be nondecreasing offsets in [0, L = {length}]; "
+                             f"got {cu_seqlens.tolist()}")
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
             or not float(dt_limit[0]) < float(dt_limit[1])):
         raise ValueError(f"dt_limit must be a pair (min, max) with min < max; got {dt_limit!r}")
+    if state_dtype is not None and state_dtype not in STATE_DTYPES:
+        raise TypeError(f"state_dtype must be None or one of float32, float16, bfloat16; got {state_dtype!r}")
+    return chunk_size
 
 
-class SSDChunkScan(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
-                chunk_size, dt_softplus, dt_limit, return_final_states):
-        x, B, C, A = x.contiguous(), B.contiguous(), C.contiguous(), A.contiguous()
-        dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-        z = z.contiguous() if z is not None else None
-        D = D.contiguous() if D is not None else None
-        initial_states = initial_states.contiguous() if initial_states is not None else None
-        seq_idx = seq_idx.contiguous() if seq_idx is not None else None
-        result = ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
-                             initial_states, seq_idx)
-        ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, result.y,
-                              *result.saved.tensors())
-        ctx.options = (dt_softplus, dt_limit)
-        if return_final_states:
-            return result.out, result.final_states
-        return result.out
-
-    @staticmethod
-    def backward(ctx, d_out, d_final=None):
-        x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y, *saved = ctx.saved_tensors
-        dt_softplus, dt_limit = ctx.options
-        d_out = d_out.contiguous()
-        d_z = None
-        if z is not None:
-            # out = y * silu(z): dy = d_out * silu(z), dz = d_out * y * silu'(z)
-            zf, gate = z.float(), torch.sigmoid(z.float())
-            dy = (d_out.float() * zf * gate).to(x.dtype)
-            d_z = (d_out.float() * y.float() * gate * (1 + zf * (1 - gate))).to(z.dtype)
-        else:
-            dy = d_out
-        d_final = d_final.contiguous() if d_final is not None else None
-        grads = ssd_backward(dy, d_final, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit,
-                             initial_states, seq_idx, Saved(*saved))
-        return (grads["x"], grads["dt"], grads["A"], grads["B"], grads["C"], grads["D"], d_z,
-                grads["dt_bias"], grads["initial_states"], None, None, None, None, None)
+def contiguous(t):
+    return t.contiguous() if t is not None else None
 
 
-def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-                   initial_states=None, seq_idx=None, dt_limit=(0.0, math.inf), return_final_states=False):
-    """Mamba-2's SSM by the chunked state-space-duality algorithm (chapter 5). Differentiable.
+def ssd_forward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   chunk_size: int, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                   dt_bias: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
+                   seq_idx: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dt_softplus: bool,
+                   dt_min: float, dt_max: float, state_dtype: Optional[torch.dtype]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, final_states, y before the gate (absent without z), the states at the ends of the
+    packed sequences (absent without cu_seqlens), and what the backward pass reads: dA_cumsum,
+    dt_out, CB, states_in (:class:`~.forward.Saved`)."""
+    if x.numel() == 0:
+        return empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype)
+    result = ssd_forward(x, dt, A.contiguous(), B, C, chunk_size, D=contiguous(D), z=z,
+                         dt_bias=contiguous(dt_bias), initial_states=initial_states, seq_idx=seq_idx,
+                         cu_seqlens=contiguous(cu_seqlens), dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+                         state_dtype=state_dtype)
+    y = result.y if result.y is not None else absent(x)
+    varlen = result.varlen_states if result.varlen_states is not None else absent(x)
+    return (result.out, result.final_states, y, varlen, *result.saved.tensors())
 
-    Arguments and shapes as mamba_ssm's ``mamba_chunk_scan_combined``:
-    x (batch, L, heads, headdim) float32/float16/bfloat16; dt (batch, L, heads); A (heads,);
-    B, C (batch, L, groups, dstate) in x's dtype (heads of a group share them); chunk_size one of
-    16, 32, 64, 128, 256 (L need not be a multiple); D (heads,) or (heads, headdim); z like x;
-    dt_bias (heads,); dt_softplus; dt_limit (min, max) clamps the step; initial_states
-    (batch, heads, headdim, dstate); seq_idx (batch, L) int32, nondecreasing: packed sequences,
-    no state crosses a boundary (initial_states feeds the sequence of position 0).
 
-    Returns y like x, and with ``return_final_states`` also the state after the last position,
-    (batch, heads, headdim, dstate) float32.
+def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, make):
+    """The eight outputs of :func:`ssd_forward_op`, each made by ``make(shape, dtype)``."""
+    batch, length, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    n_chunks = triton.cdiv(length, chunk_size)
+    stored, final = state_dtype or x.dtype, state_dtype or torch.float32  # mamba_ssm's dtypes by default
+    chunk_shape = (batch, heads, n_chunks, chunk_size)
+    return (make(x.shape, x.dtype), make((batch, heads, headdim, dstate), final),
+            make(x.shape, x.dtype) if z is not None else absent(x),
+            make((cu_seqlens.shape[0] - 1, heads, headdim, dstate), stored) if cu_seqlens is not None else absent(x),
+            make(chunk_shape, torch.float32), make(chunk_shape, torch.float32),
+            make((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32),
+            make((batch, n_chunks, heads, headdim, dstate), stored))
+
+
+def empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype):
+    """No element of x: zeros everywhere, no launch; after no step the final state is the initial one."""
+    outs = forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype,
+                           lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=x.device))
+    if initial_states is not None and x.shape[1] == 0:
+        outs[1].copy_(initial_states)
+    return outs
+
+
+def fake_ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                     dt_min, dt_max, state_dtype):
+    return forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype,
+                           lambda shape, dtype: x.new_empty(shape, dtype=dtype))
+
+
+INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def ssd_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    chunk_size: int, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+                    dt_bias: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
+                    seq_idx: Optional[torch.Tensor], dt_softplus: bool, dt_min: float, dt_max: float,
+                    y: Optional[torch.Tensor], dA_cumsum: torch.Tensor, dt_out: torch.Tensor, CB: torch.Tensor,
+                    states_in: torch.Tensor, d_out: torch.Tensor, d_final: Optional[torch.Tensor]
+                    ) -> list[torch.Tensor]:
+    """The gradients of x, dt, A, B, C, D, z, dt_bias, initial_states, each in its input's shape
+    and dtype, contiguous (absent for an input that is None). y is the output before the gate."""
+    inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    if x.numel() == 0:
+        grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t is not None else absent(x)
+                 for t in inputs]
+        if initial_states is not None and d_final is not None and x.shape[1] == 0:
+            grads[-1].copy_(d_final)  # after no step the final state is the initial one
+        return grads
+    dz = None
+    if z is not None:
+        # out = y * silu(z): dy = d_out * silu(z), dz = d_out * y * silu'(z)
+        zf, gate = z.float(), torch.sigmoid(z.float())
+        dy = (d_out.float() * zf * gate).to(x.dtype)
+        dz = (d_out.float() * y.float() * gate * (1 + zf * (1 - gate))).to(z.dtype).contiguous()
+    else:
+        dy = d_out
+    grads = ssd_backward(dy, x, dt, A.contiguous(), B, C, Saved(dA_cumsum, dt_out, CB, states_in), D=contiguous(D),
+                         dt_bias=contiguous(dt_bias), initial_states=initial_states, seq_idx=seq_idx,
+                         d_final=d_final, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+    grads["z"] = dz
+    return [grads[name] if t is not None else absent(x) for name, t in zip(INPUT_NAMES, inputs)]
+
+
+def fake_ssd_backward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
+                      dt_max, y, dA_cumsum, dt_out, CB, states_in, d_out, d_final):
+    inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    return [t.new_empty(t.shape) if t is not None else absent(x) for t in inputs]
+
+
+def save_ssd(ctx, inputs, output):  # "output": torch.library passes it by that name
+    x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_min, dt_max, _ = (
+        inputs)
+    _, _, y, _, *saved = output
+    ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y if z is not None else None,
+                          *saved)
+    ctx.options = (chunk_size, dt_softplus, dt_min, dt_max)
+    ctx.varlen_states = cu_seqlens is not None
+    ctx.mark_non_differentiable(y, *saved)
+    ctx.set_materialize_grads(False)
+
+
+def ssd_grads(ctx, run_backward, d_out, d_final, *_):
+    if ctx.varlen_states:
+        raise NotImplementedError("ssd_chunk_scan: no backward pass with return_varlen_states=True (nor has "
+                                  "mamba_ssm's mamba_chunk_scan_combined); call it without return_varlen_states "
+                                  "to differentiate")
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y, *saved = ctx.saved_tensors
+    chunk_size, dt_softplus, dt_min, dt_max = ctx.options
+    if d_out is None:
+        d_out = torch.zeros_like(x)
+    grads = run_backward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
+                         dt_max, y, *saved, d_out, d_final)
+    dx, d_dt, dA, dB, dC, dD, dz, d_bias, d_initial = (
+        g if t is not None else None for g, t in zip(grads, (x, dt, A, B, C, D, z, dt_bias, initial_states)))
+    return dx, d_dt, dA, dB, dC, None, dD, dz, d_bias, d_initial, None, None, None, None, None, None
+
+
+ssd_chunk_scan_op = define_op("ssd_chunk_scan", ssd_forward_op, fake_ssd_forward, ssd_backward_op,
+                              fake_ssd_backward, save_ssd, ssd_grads)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                   cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+                   return_varlen_states=False, state_dtype=None):
+    """Mamba-2's SSM by the chunked state-space-duality algorithm (chapter 5): mamba_ssm's
+    ``mamba_chunk_scan_combined``, same arguments, defaults and returns, plus ``state_dtype``.
+
+    x (batch, L, heads, headdim) float32/float16/bfloat16; dt (batch, L, heads) any float dtype;
+    A (heads,); B, C (batch, L, groups, dstate) in x's dtype (heads of a group share them);
+    chunk_size an integer, one of 16, 32, 64, 128, 256 (L need not be a multiple); D (heads,) or
+    (heads, headdim); z like x (out = y * silu(z)); dt_bias (heads,); initial_states (batch, heads,
+    headdim, dstate); seq_idx (batch, L) int32/int64, nondecreasing: packed sequences, no state
+    crosses a boundary, and initial_states belong to the sequence with id 0 (as mamba_ssm: they
+    reach no position with another id); dt_softplus; dt_limit (min, max): the step
+    softplus(dt + dt_bias) is always clamped to it, so the default (0, inf) turns negative steps
+    into 0; cu_seqlens (sequences + 1,) offsets of packed sequences, read only with
+    return_varlen_states. Any tensor may be a view (split, transposed, expanded); all on x's device.
+
+    Returns out like x; with ``return_final_states`` also the state after the last position
+    (batch, heads, headdim, dstate), float32; with ``return_varlen_states`` (batch 1) also the
+    state at the end of each packed sequence (sequences, heads, headdim, dstate) in x's dtype,
+    computed as mamba_ssm does (:mod:`.varlen_states` says how it treats initial_states and a
+    missing seq_idx): out, (out, final_states), (out, varlen_states) or
+    (out, final_states, varlen_states).
+
+    ``state_dtype`` (an extra, last; mamba_ssm 2.3.2 has none): the dtype of the returned states
+    and of the states entering each chunk that the forward pass stores (mamba_ssm's vendored copy
+    in vLLM has it too); None keeps mamba_ssm's dtypes above.
+
+    Differentiable in x, dt, A, B, C, D, z, dt_bias and initial_states, through out and the final
+    states; the gradients are the same bits on every run (no atomic adds); once only (a second
+    derivative raises). As in mamba_ssm, there is no backward pass after return_varlen_states=True
+    (it raises NotImplementedError).
     """
-    check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit)
-    dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
-    return SSDChunkScan.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
-                              chunk_size, bool(dt_softplus), dt_limit, bool(return_final_states))
+    chunk_size = check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                                  dt_limit, return_varlen_states, state_dtype)
+    out, final_states, _, varlen_states, *_ = ssd_chunk_scan_op(
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+        cu_seqlens if return_varlen_states else None, bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]),
+        state_dtype)
+    if not return_varlen_states:
+        return (out, final_states) if return_final_states else out
+    return (out, final_states, varlen_states) if return_final_states else (out, varlen_states)

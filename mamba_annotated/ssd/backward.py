@@ -9,30 +9,49 @@ them would allocate.
 1. dH_c: what chunk c's outputs send to the state entering it (chunk_state, FROM_START);
 2. state passing, reversed: dS_c (in the inputs' dtype: the matmuls that read it round it to that)
    and d initial_states;
-3. dx and the direct d dt (chunk_scan_bwd_dx); dB, dC and d a_t (chunk_scan_bwd_dbc);
+3. dx and the direct d dt (chunk_scan_bwd_dx); dB, dC and d a_t in slots (chunk_scan_bwd_dbc);
 4. d a_t -> d dt, dA, d dt_bias through a reverse cumulative sum (dt_backward).
+
+No step adds with atomics, so the gradients are the same bits on every run
+(:mod:`.chunk_scan_bwd` says how).
 """
+import math
 
 from .chunk_cumsum import dt_backward
-from .chunk_scan_bwd import chunk_scan_bwd_dbc, chunk_scan_bwd_dx
+from .chunk_scan_bwd import DecayGradients, chunk_scan_bwd_dbc, chunk_scan_bwd_dx
 from .chunk_state import chunk_state
 from .state_passing import state_passing
 
 
-def ssd_backward(dy, d_final, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_states, seq_idx,
-                 saved, reverse_cumsum="kernel"):
-    """dy: gradient of y before the gate (like x); d_final: (batch, heads, headdim, dstate) or None;
-    saved: what the forward pass kept (:class:`~.forward.Saved`).
-
-    Returns a dict of gradients: x, dt, A, B, C, D, dt_bias, initial_states (None where absent).
-    """
+def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=None, d_final=None):
+    """Steps 1-3: a dict of the gradients of x, B, C, D and initial_states (None where absent), and
+    the :class:`~.chunk_scan_bwd.DecayGradients` that step 4 turns into those of dt, A, dt_bias."""
     dA_cumsum, dt_out = saved.dA_cumsum, saved.dt_out
-    dH = chunk_state(dy, C, dA_cumsum, dt_out, seq_idx, to_end=False)
-    dS, d_initial = state_passing(dH, dA_cumsum, seq_idx, x.shape[1], d_final, reverse=True, out_dtype=x.dtype)
+    dH = chunk_state(dy, C, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=False)
+    dS, d_initial = state_passing(dH, dA_cumsum, length=x.shape[1], seq_idx=seq_idx, initial=d_final,
+                                  reverse=True, out_dtype=x.dtype)
     del dH
-    dx, ddt, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx)
-    dB, dC, d_a = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum, dt_out, seq_idx)
-    d_dt, dA, d_bias = dt_backward(dt, A, dt_bias, dt_softplus, dt_limit, dt_out, d_a, ddt, reverse_cumsum)
-    return dict(x=dx, dt=d_dt, A=dA.to(A.dtype), B=dB, C=dC, D=dD,
-                dt_bias=d_bias.to(dt_bias.dtype) if dt_bias is not None else None,
-                initial_states=d_initial.to(initial_states.dtype) if initial_states is not None else None)
+    dx, d_step, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D=D, seq_idx=seq_idx)
+    dB, dC, slots = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum, dt_out,
+                                       seq_idx=seq_idx)
+    grads = dict(x=dx, B=dB, C=dC, D=dD,
+                 initial_states=d_initial.to(initial_states.dtype) if initial_states is not None else None)
+    return grads, DecayGradients(d_step, *slots)
+
+
+def step_gradients_by_name(d_dt, dA, d_bias, A, dt_bias):
+    return dict(dt=d_dt, A=dA.to(A.dtype), dt_bias=d_bias.to(dt_bias.dtype) if dt_bias is not None else None)
+
+
+def ssd_backward(dy, x, dt, A, B, C, saved, *, D=None, dt_bias=None, initial_states=None, seq_idx=None,
+                 d_final=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+    """dy: gradient of y before the gate (like x, any strides); d_final: gradient of the final
+    states or None; saved: what the forward pass kept (:class:`~.forward.Saved`).
+
+    Returns a dict of gradients: x, dt, A, B, C, D, dt_bias, initial_states (None where absent),
+    each in its input's shape and dtype, contiguous.
+    """
+    grads, decay = chunk_gradients(dy, x, B, C, saved, D=D, initial_states=initial_states, seq_idx=seq_idx,
+                                   d_final=d_final)
+    step = dt_backward(dt, A, saved.dt_out, decay, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    return {**grads, **step_gradients_by_name(*step, A, dt_bias)}

@@ -1,58 +1,59 @@
 """Chapter 5, kernel 1: the step sizes and the cumulative log-decay inside each chunk.
 
 Algorithm
-    dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (each part optional, as in mamba_ssm)
+    dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (bias and softplus optional; the clamp
+          always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
     a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk)
     Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
-    slot always holds the decay of the whole chunk.
-    The backward twin (:func:`dt_backward`) turns d a_t into d dt'_k = A_h * sum_{t >= k} d a_t
-    (a reverse cumulative sum, done in registers), adds the direct d dt', and pulls it back through
-    the clamp, the softplus and the bias.
+    slot always holds the decay of the whole chunk. The softplus is the identity past 20 (as in
+    torch and mamba_ssm) and accurate to float32 rounding below (:func:`..triton_ops.softplus`):
+    a step of 1e-5 is 1e-5, not 1e-5 give or take 6e-3 of it.
+    The backward twin (:func:`dt_backward`) first gathers d a_t from the partial sums that the
+    backward kernels left in slots of their own (:class:`.chunk_scan_bwd.DecayGradients`), adding
+    the slots in a fixed order, then turns d a_t into d dt'_k = A_h * sum_{t >= k} d a_t (a reverse
+    cumulative sum, done in registers), adds the direct d dt', and pulls it back through the
+    clamp (zero outside the limits, as mamba_ssm), the softplus (times the sigmoid) and the bias.
 
-Shapes: dt (batch, L, heads) any float dtype; A, dt_bias (heads,). Outputs dA_cumsum and dt_out,
-both (batch, heads, chunks, Q) float32. One program owns (batch, chunk, BLOCK_H heads).
+Shapes: dt (batch, L, heads) any float dtype and any strides; A, dt_bias (heads,). Outputs dA_cumsum
+and dt_out, both (batch, heads, chunks, Q) float32; d dt (batch, L, heads) contiguous, in dt's
+dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
 
 Bytes moved: reads batch*L*heads dt elements, writes 2 float32 values per element; negligible
-next to x, B, C (headdim and dstate times larger).
+next to x, B, C (headdim and dstate times larger). The backward reads the partial slots of d a:
+(Q / 64 + dstate / 64 + a little) float32 values per element of dt at chunk 256.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import outputs
+from ..triton_ops import sigmoid, softplus
 
 BLOCK_H = 8
 
 
 @triton.jit
-def _process_dt(dt, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, dt_min, dt_max):
+def step_and_slope(dt, bias, dt_min, dt_max, DT_SOFTPLUS: tl.constexpr):
     """dt + bias, softplus'ed, clamped. Returns the step and its derivative d step / d dt."""
     v = dt + bias
     slope = tl.full(v.shape, 1.0, tl.float32)
     if DT_SOFTPLUS:
-        # softplus(v) = log(1 + e^v); past 20 it equals v in float32 (the threshold torch uses)
-        e = tl.exp(tl.minimum(v, 20.0))
-        slope = tl.where(v > 20.0, 1.0, e / (1.0 + e))
-        v = tl.where(v > 20.0, v, tl.log(1.0 + e))
-    if HAS_LIMIT:
-        inside = (v >= dt_min) & (v <= dt_max)
-        slope = tl.where(inside, slope, 0.0)
-        v = tl.minimum(tl.maximum(v, dt_min), dt_max)
+        slope = tl.where(v <= 20.0, sigmoid(v), 1.0)
+        v = tl.where(v <= 20.0, softplus(v), v)
+    slope = tl.where((v < dt_min) | (v > dt_max), 0.0, slope)
+    v = tl.minimum(tl.maximum(v, dt_min), dt_max)
     return v, slope
 
 
 @triton.jit
-def _add(a, b):
+def add(a, b):
     return a + b
 
 
 @triton.jit
 def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
-                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
-                        dt_min, dt_max,
-                        HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h, dt_min, dt_max,
+                        HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -63,7 +64,7 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
-    dt, _ = _process_dt(dt, bias[:, None], DT_SOFTPLUS, HAS_LIMIT, dt_min, dt_max)
+    dt, _ = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
     dA_cumsum = tl.cumsum(dt * A[:, None], axis=1)
@@ -74,85 +75,118 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
 
 
 @triton.jit
-def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, ddA_ptr, ddt_ptr,
-                       grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr,
-                       length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
-                       dt_min, dt_max,
-                       HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                       DDA_IS_CUMULATIVE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """ddA holds d a_t (or, with DDA_IS_CUMULATIVE, its reverse cumulative sum already);
-    ddt holds the direct d dt'. Writes d dt (raw), and per-program partial sums of dA and d bias."""
-    pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+def decay_gradient(diag_ptr, state_ptr, to_end_ptr, carry_ptr, chunk, h_ok,
+                   DIAG_SLOTS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """d a_t of the chunks ``chunk`` (BLOCK_H of them, one per head), (BLOCK_H, CHUNK): the slots
+    of :class:`.chunk_scan_bwd.DecayGradients` added in a fixed order, so the result does not
+    depend on which program finished first. The chunk's last slot also gets the sum of the state
+    terms that every position subtracted and the carry's share."""
+    k = tl.arange(0, CHUNK)
+    d_a = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    for j in range(DIAG_SLOTS):
+        d_a += tl.load(diag_ptr + (chunk[:, None] * DIAG_SLOTS + j) * CHUNK + k[None, :], mask=h_ok[:, None], other=0.0)
+    last = tl.zeros([BLOCK_H], dtype=tl.float32)
+    groups = tl.arange(0, CHUNK // 16)
+    for j in range(STATE_SLOTS):
+        slot = chunk * STATE_SLOTS + j
+        d_a += tl.load(state_ptr + slot[:, None] * CHUNK + k[None, :], mask=h_ok[:, None], other=0.0)
+        to_end = tl.load(to_end_ptr + slot[:, None] * (CHUNK // 16) + groups[None, :], mask=h_ok[:, None], other=0.0)
+        last += tl.sum(to_end, axis=1) + tl.load(carry_ptr + slot, mask=h_ok, other=0.0)
+    return d_a + tl.where(k[None, :] == CHUNK - 1, last[:, None], 0.0)
+
+
+@triton.jit
+def step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr, grad_A_part_ptr,
+                   grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
+                   stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
+                   dt_min, dt_max, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """From d(dt'_k A) = sum_{t >= k} d a_t (``d_dA``) of one (batch, chunk) and BLOCK_H heads: writes
+    d dt (through the clamp, softplus and bias; addressed by d dt's own strides) and this program's
+    partial sums of dA and d dt_bias (one slot per (batch, chunk, head), summed afterwards)."""
     t = pid_c * CHUNK + tl.arange(0, CHUNK)
     mask = (h[:, None] < heads) & (t[None, :] < length)
     buf = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
-    # padded slots past L are read too: the chunk's last slot carries d a_last (from the state passing)
-    d_a = tl.load(ddA_ptr + buf, mask=h[:, None] < heads, other=0.0)
-    if DDA_IS_CUMULATIVE:
-        d_dA = d_a
-    else:
-        d_dA = tl.associative_scan(d_a, 1, _add, reverse=True)  # d(dt'_k A) = sum_{t >= k} d a_t
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
     step = tl.load(dt_out_ptr + buf, mask=mask, other=0.0)
-    d_step = tl.load(ddt_ptr + buf, mask=mask, other=0.0) + d_dA * A[:, None]
-    dt_offs = pid_b.to(tl.int64) * stride_dt_b + t[None, :].to(tl.int64) * stride_dt_l + h[:, None] * stride_dt_h
-    dt = tl.load(dt_ptr + dt_offs, mask=mask, other=0.0).to(tl.float32)
+    d_step = tl.load(direct_ptr + buf, mask=mask, other=0.0) + d_dA * A[:, None]
+    dt = tl.load(dt_ptr + pid_b.to(tl.int64) * stride_dt_b + t[None, :].to(tl.int64) * stride_dt_l
+                 + h[:, None] * stride_dt_h, mask=mask, other=0.0).to(tl.float32)
     bias = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
-    _, slope = _process_dt(dt, bias[:, None], DT_SOFTPLUS, HAS_LIMIT, dt_min, dt_max)
+    _, slope = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     d_dt = tl.where(mask, d_step * slope, 0.0)
-    tl.store(grad_dt_ptr + dt_offs, d_dt.to(grad_dt_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_dt_ptr + pid_b.to(tl.int64) * stride_grad_b + t[None, :].to(tl.int64) * stride_grad_l
+             + h[:, None] * stride_grad_h, d_dt.to(grad_dt_ptr.dtype.element_ty), mask=mask)
     part = (pid_b * n_chunks + pid_c).to(tl.int64) * heads + h
     tl.store(grad_A_part_ptr + part, tl.sum(d_dA * step, axis=1), mask=h < heads)
     if HAS_BIAS:
         tl.store(grad_bias_part_ptr + part, tl.sum(d_dt, axis=1), mask=h < heads)
 
 
-def _limits(dt_limit):
-    has_limit = tuple(dt_limit) != (0.0, math.inf)
-    return has_limit, float(dt_limit[0]), float(min(dt_limit[1], 3.0e38))
+@triton.jit
+def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, diag_ptr, state_ptr, to_end_ptr, carry_ptr,
+                       grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr,
+                       length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
+                       stride_grad_b, stride_grad_l, stride_grad_h, dt_min, dt_max,
+                       HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DIAG_SLOTS: tl.constexpr,
+                       STATE_SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """d a_t gathered from its slots, its reverse cumulative sum in registers, then d dt, and the
+    partial sums of dA and d dt_bias."""
+    pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    chunk = (pid_b * heads + h).to(tl.int64) * n_chunks + pid_c
+    # padded slots past L are read too: the chunk's last slot carries the chunk's totals
+    d_a = decay_gradient(diag_ptr, state_ptr, to_end_ptr, carry_ptr, chunk, h < heads, DIAG_SLOTS, STATE_SLOTS, CHUNK,
+                         BLOCK_H)
+    d_dA = tl.associative_scan(d_a, 1, add, reverse=True)  # d(dt'_k A) = sum_{t >= k} d a_t
+    step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr, grad_A_part_ptr,
+                   grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
+                   stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
+                   dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS, CHUNK, BLOCK_H)
 
 
-def chunk_cumsum(dt, A, dt_bias, dt_softplus, dt_limit, chunk_size):
-    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32."""
+def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32.
+
+    A and dt_bias must be contiguous (the public function makes them so)."""
     batch, length, heads = dt.shape
     n_chunks = triton.cdiv(length, chunk_size)
     dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
     dt_out = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
-    has_limit, dt_min, dt_max = _limits(dt_limit)
     grid = (batch, n_chunks, triton.cdiv(heads, BLOCK_H))
     chunk_cumsum_kernel[grid](
         dt, A, dt_bias if dt_bias is not None else A, dA_cumsum, dt_out,
-        length, heads, n_chunks, *dt.stride(), dt_min, dt_max,
-        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        length, heads, n_chunks, *dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
+        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return dA_cumsum, dt_out
 
 
-def dt_backward(dt, A, dt_bias, dt_softplus, dt_limit, dt_out, d_a, d_step, reverse_cumsum="kernel"):
-    """Gradients (d dt, dA, d dt_bias) from d a_t and the direct d dt' (both like dt_out).
-
-    ``reverse_cumsum="flip"`` does the reverse cumulative sum in PyTorch (flip, cumsum, flip)
-    instead of in the kernel's registers: chapter 5 times the two.
-    """
-    batch, length, heads = dt.shape
-    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
-    if reverse_cumsum == "flip":
-        d_a = torch.flip(torch.cumsum(torch.flip(d_a, dims=[-1]), dim=-1), dims=[-1])
+def step_gradient_buffers(dt, dt_bias, n_chunks):
+    """d dt (dt's shape and dtype, contiguous) and the partial-sum slots of dA and d dt_bias."""
+    batch, _, heads = dt.shape
     grad_dt = outputs.empty(dt.shape, dt.dtype, dt.device)
     grad_A_part = outputs.empty((batch, n_chunks, heads), torch.float32, dt.device)
     grad_bias_part = outputs.empty((batch, n_chunks, heads), torch.float32, dt.device) if dt_bias is not None else None
-    has_limit, dt_min, dt_max = _limits(dt_limit)
+    return grad_dt, grad_A_part, grad_bias_part
+
+
+def dt_backward(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
+    """Gradients (d dt, dA, d dt_bias or None) from ``decay``, the
+    :class:`.chunk_scan_bwd.DecayGradients` of the backward kernels (d a_t in slots, and the
+    direct d dt'). d dt has dt's shape and dtype (contiguous); dA and d dt_bias are float32."""
+    batch, length, heads = dt.shape
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
+    grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
     grid = (batch, n_chunks, triton.cdiv(heads, BLOCK_H))
     dt_backward_kernel[grid](
-        dt, A, dt_bias if dt_bias is not None else A, dt_out, d_a, d_step,
-        grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,
-        length, heads, n_chunks, *dt.stride(), dt_min, dt_max,
-        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        DDA_IS_CUMULATIVE=reverse_cumsum == "flip", CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, decay.diag, decay.state,
+        decay.to_end, decay.carry, grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,
+        length, heads, n_chunks, *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
+        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, DIAG_SLOTS=decay.diag.shape[3],
+        STATE_SLOTS=decay.state.shape[3], CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     grad_A = grad_A_part.sum(dim=(0, 1))
     grad_bias = grad_bias_part.sum(dim=(0, 1)) if dt_bias is not None else None

@@ -7,17 +7,20 @@ Algorithm, for t in chunk c of head h (group g):
                                                                   quadratic, like causal attention)
         + D * x_t;   out_t = y_t * silu(z_t) when z is given.
     With seq_idx, s only counts when it is in t's sequence, and the state term only when t is
-    in the carried state's sequence.
+    in the carried state's sequence (that of the previous chunk's last position; id 0 for the
+    first chunk, so initial_states reach the positions of sequence 0, as in mamba_ssm).
 
 Parallelism: one program per (batch, chunk, head) x (BLOCK_M rows of the chunk) x (BLOCK_P of
 headdim), the row blocks of one chunk and head adjacent in launch order. Its loop over s, in
 steps of BLOCK_K (which divides BLOCK_M), stops at the diagonal, so the causal half of the block
 is skipped.
-Both matmuls run on tensor cores in the input dtype (the float32 weights are rounded to it).
+Both matmuls run in the input dtype (the float32 weights are rounded to it): on the tensor cores
+for 16-bit inputs; float32 inputs multiply as torch.get_float32_matmul_precision() asks (exactly
+by default; :func:`..triton_ops.dot_precision`).
 
-Shapes: x, z, out (batch, L, heads, headdim); C (batch, L, groups, dstate); CB (batch, chunks,
-groups, Q, Q) float32; H_in (batch, chunks, heads, headdim, dstate) float32 or x's dtype; dA_cumsum, dt_out
-(batch, heads, chunks, Q) float32.
+Shapes: x, z (batch, L, heads, headdim), any strides; out, y the same, contiguous; C (batch, L,
+groups, dstate), any strides; CB (batch, chunks, groups, Q, Q) float32; H_in (batch, chunks, heads,
+headdim, dstate) in the state dtype; dA_cumsum, dt_out (batch, heads, chunks, Q) float32.
 
 Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
 average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
@@ -26,17 +29,15 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from .chunk_state import check_row_blocks, dot_precision, mm
+from ..triton_ops import LOG2E, dot_precision, mm, sigmoid
+from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
-LOG2E = tl.constexpr(1.4426950408889634)
 
-
-# Smaller steps of the diagonal loop than BLOCK_M: on an H200 (bfloat16, chunk 256, headdim 64,
-# dstate 128) the tuner picked steps of 32 with 3 stages, 0.390 ms against 0.499 with steps of 64
-# (0.612 against 0.787 at L = 65536); steps of 32 with 4 stages alone measured 0.450 and 0.706.
-# Row blocks of 128 are not offered: they would read CB tiles that chunk_cb does not write (and
-# they measured 0.369 against 0.330 ms with the loop body below).
+# Steps of the diagonal loop smaller than BLOCK_M come first: the tuner picks steps of 32 with 3
+# stages on an H200 (bfloat16, chunk 256, headdim 64, dstate 128); chapter 5's performance notes
+# give the measurements. Row blocks of 128 are not offered: they would read CB tiles that
+# chunk_cb does not write.
 CONFIGS = [config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=3),
            config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=4),
            config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64),
@@ -55,6 +56,8 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
                       out_ptr, y_ptr,
                       length, heads, groups, n_chunks, headdim, dstate,
                       stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                      stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+                      stride_out_b, stride_out_l, stride_out_h, stride_out_p,
                       stride_c_b, stride_c_l, stride_c_g, stride_c_n,
                       stride_seq_b, stride_seq_l,
                       HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
@@ -82,7 +85,7 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
-        seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
+        seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
 
     # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
     acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -105,8 +108,7 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     # test of s against the chunk's end: for a row t inside it, s <= t is inside too, and rows
     # past the end are never stored. The select alone zeroes the weights above the diagonal, so
     # the CB entries there must be finite: chunk_cb writes all of each diagonal block of SCAN_ROWS
-    # rows, and BLOCK_M divides SCAN_ROWS. On an H200 (bfloat16, chunk 256) this loop body took the
-    # kernel from 0.389 to 0.330 ms at (4, 4096, 80, 64, 128) and 0.608 to 0.531 at (1, 65536, 32).
+    # rows, and BLOCK_M divides SCAN_ROWS.
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     a2_t = a_t * LOG2E
     for k0 in range(0, (pid_m + 1) * BLOCK_M, BLOCK_K):
@@ -124,25 +126,28 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
                      mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
         acc += mm((CB * decay * dt_s[None, :]).to(xs.dtype), xs, PRECISION)
 
-    offs = t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
     mask = row_ok[:, None] & p_ok[None, :]
+    rows = t[:, None].to(tl.int64)
     if HAS_D:
         if D_PER_CHANNEL:
             D = tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)
         else:
             D = tl.load(D_ptr + h).to(tl.float32)
-        acc += tl.load(x_base + offs, mask=mask, other=0.0).to(tl.float32) * D
+        acc += tl.load(x_base + rows * stride_x_l + p[None, :] * stride_x_p, mask=mask, other=0.0).to(tl.float32) * D
+    # out and y are allocated alike (contiguous, x's shape): one set of strides addresses both
+    out_offs = b.to(tl.int64) * stride_out_b + h * stride_out_h + rows * stride_out_l + p[None, :] * stride_out_p
     if HAS_Z:
-        tl.store(y_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        zt = tl.load(z_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, mask=mask, other=0.0).to(tl.float32)
-        acc *= zt / (1.0 + tl.exp(-zt))
-    tl.store(out_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + out_offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        zt = tl.load(z_ptr + b.to(tl.int64) * stride_z_b + h * stride_z_h + rows * stride_z_l + p[None, :] * stride_z_p,
+                     mask=mask, other=0.0).to(tl.float32)
+        acc *= zt * sigmoid(zt)
+    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def chunk_scan(CB, x, z, C, H_in, dA_cumsum, dt_out, D, seq_idx):
-    """Returns (out, y): out like x; y (before the gate) like x when z is given, else None.
+def chunk_scan(CB, x, C, H_in, dA_cumsum, dt_out, *, z=None, D=None, seq_idx=None):
+    """Returns (out, y): out like x (contiguous); y (before the gate) like out when z is given, else None.
 
-    x, z and C must share strides with x's layout (contiguous in the public function).
+    x, z, C and seq_idx are addressed by their own strides; D must be contiguous.
     """
     batch, length, heads, headdim = x.shape
     groups, dstate = C.shape[2], C.shape[3]
@@ -155,7 +160,8 @@ def chunk_scan(CB, x, z, C, H_in, dA_cumsum, dt_out, D, seq_idx):
         CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
         D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,
         y if y is not None else out,
-        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *C.stride(),
+        length, heads, groups, n_chunks, headdim, dstate, *x.stride(),
+        *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *C.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
         HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, PRECISION=dot_precision(x.dtype),

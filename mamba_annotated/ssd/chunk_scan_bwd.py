@@ -10,45 +10,73 @@ dx kernel, for each position s (rows) and all of headdim:
 dCB kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share B and C,
 so their gradients add up):
     dCB[t, s] = sum_h L[t, s] dt_s (dy_t . x_s)            (the gradient of C_t . B_s)
-    and, per head, W = CB * (that head's term): d a_t += row sums of W, d a_s -= column sums.
+    and, per head, W = CB * (that head's term): d a_t gets the row sums of W, d a_s the column sums
+    with a minus sign.
 dBC kernel, for each position r (rows) and a block of dstate:
     dC_r  = sum_h exp(a_r) [r in H's sequence] * dy_r H  +  sum_{s <= r} dCB[r, s] B_s
     dB_r  = sum_h exp(a_last - a_r) dt_r [r in the last sequence] * x_r dS  +  sum_{t >= r} dCB[t, r] C_t
-    and, per head, d a_r += C_r . (its state term of dC_r) - B_r . (its state term of dB_r).
+    and, per head, d a_r gets C_r . (its state term of dC_r) - B_r . (its state term of dB_r).
 Together these give d a_r = C_r . dC_r - B_r . dB_r per head, the heart of the backward pass:
 a_t enters every term as exp(a_t - a_s) with a plus sign for the row t and a minus sign for the
 column s, and summing the terms where t is the row gives C_t . dC_t, those where t is the column
 B_t . dB_t. The chunk's last slot also gets <dS_c, H_{c+1}> = <dS_c, gamma_c H_c> + <dS_c, S_c>
 (H_{c+1} = gamma_c H_c + S_c holds a_last(c) twice: in gamma_c = exp(a_last) and in each term of S_c,
-decayed by exp(a_last - a_s)). The dBC kernel adds both: the first from the tiles of H and dS it
+decayed by exp(a_last - a_s)). The dBC kernel gives both: the first from the tiles of H and dS it
 loads anyway (the programs of the chunk's first rows), the second as the sum of the very state
 terms of B_r . dB_r that it subtracts at each r. Computing <dS_c, S_c> apart, from the states,
 would pair two roundings of one large sum, and their difference would reach every step of the
 chunk through the reverse cumsum (bfloat16 dA had 4-10x mamba_ssm's error that way). Then
 d(dt_k A) = sum_{t >= k} d a_t, a reverse cumsum (:mod:`.chunk_cumsum`).
 
-d a gathers atomic adds with relaxed memory order: nothing reads it before the kernel ends, so the
-adds need no ordering against the loads around them. Triton's default (acq_rel) makes every add a
-fence that the head loop's prefetched loads wait behind: on an H200 (bfloat16, chunk 256) relaxed
-adds took the dCB and dBC kernels together from 1.35 to 0.88 ms at (4, 4096, 80 heads, 64, 128)
-and from 2.20 to 1.57 ms at (1, 65536, 32, 64, 128).
+Deterministic: no atomic adds. Each program stores its share of d a in slots of its own
+(:class:`DecayGradients`): the dCB kernel, whose row block is fixed at launch (not tuned), one slot
+per (position, tile of the chunk) — the row sums of tile (i, j) go to slot j of the positions of
+row tile i, the column sums to slot i of those of column tile j, and the diagonal tile stores row
+minus column sums in slot i; the dBC kernel one slot per (position, SLOT_N-wide block of dstate),
+SLOT_N being the narrowest dstate block the tuner tries, so every configuration writes every slot
+(its wider blocks are summed per SLOT_N) and a trial run of another configuration leaves no stale
+value. ``dt_backward`` adds the slots in a fixed order, so the gradients are the same bits on every
+run with the same configurations (the tuner's choice is cached per process).
 
-Shapes as the forward kernels. Outputs: dx (x's dtype), d dt direct and d a (batch, heads, chunks,
-Q) float32, dCB (batch, chunks, groups, Q, Q) float32 (tiles on or below the diagonal), dB, dC
-(batch, L, groups, dstate). d a is accumulated by atomic adds, so it starts at zero. H and dS
-(batch, chunks, heads, headdim, dstate) come in the inputs' dtype: the matmuls round them to it.
+Shapes as the forward kernels. Inputs x, dy, B, C are addressed by their own strides (they may be
+views); dx, dB, dC are allocated contiguous and addressed by theirs. Outputs: dx (x's dtype), d dt
+direct (batch, heads, chunks, Q) float32, dCB (batch, chunks, groups, Q, Q) float32 (tiles on or
+below the diagonal), dB, dC (B's shape and dtype), and the slots of d a. H and dS (batch, chunks,
+heads, headdim, dstate) come in the inputs' dtype (or the state dtype): the matmuls round them to it.
 Bytes moved: dx reads x, dy, B, CB and dS; dCB reads x and dy once per tile (about (Q/BLOCK + 1)/2
 times, mostly from L2) and writes Q*Q float32 per chunk and group; dBC reads x, dy, H and dS once
-per dstate block, dCB, B and C, and writes dB, dC.
+per dstate block, dCB, B and C, and writes dB, dC. The slots of d a are (Q / 64 + dstate / 64)
+float32 values per (position, head) at chunk 256 on a GPU, a fraction of x's size.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import outputs
-from .chunk_scan import LOG2E
-from .chunk_state import check_row_blocks, dot_precision, mm
+from ..runtime import INTERPRETED
+from ..triton_ops import LOG2E, block_size, dot_precision, mm
+from .chunk_state import check_row_blocks
 from .tuning import autotune, config
+
+
+@dataclass
+class DecayGradients:
+    """d a_t, the gradient of the cumulative log-decays, as the backward kernels leave it: in
+    slots that one program each writes (no atomics), added in a fixed order by ``dt_backward``;
+    and d dt' direct, from the dx kernel. All float32."""
+    direct: torch.Tensor   # (batch, heads, chunks, Q): d dt' direct
+    diag: torch.Tensor     # (batch, heads, chunks, Q // DCB_ROWS, Q): the dCB kernel's row and column sums
+    state: torch.Tensor    # (batch, heads, chunks, slots, Q): the dBC kernel's C.dC - B.dB state terms
+    to_end: torch.Tensor   # (batch, heads, chunks, slots, Q // 16): sums over 16 rows of the B.dB terms
+    carry: torch.Tensor    # (batch, heads, chunks, slots): <dS_c, gamma_c H_c>
+
+    def total(self):
+        """d a_t itself, (batch, heads, chunks, Q), summed in PyTorch (tests, chapter 5's foil)."""
+        d_a = self.diag.sum(dim=3) + self.state.sum(dim=3)
+        d_a[..., -1] += self.to_end.sum(dim=(3, 4)) + self.carry.sum(dim=3)
+        return d_a
 
 
 # Row blocks of at most SCAN_ROWS (the tuner picked 64 rows, steps of 32, on an H200): the loop
@@ -65,6 +93,8 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
                              dx_ptr, ddt_ptr, dD_part_ptr,
                              length, heads, groups, n_chunks, headdim, dstate,
                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
                              stride_seq_b, stride_seq_l,
                              HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
@@ -82,7 +112,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
     row_ok = s < chunk_end
     p_ok = p < headdim
-    x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
+    dy_base = dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h
     b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
     chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
     a_s = tl.load(dA_cumsum_ptr + chunk_base + m)
@@ -92,7 +122,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
-        to_end = tl.where(seq_s == seq_last, to_end, 0.0)
+        to_end = tl.where((seq_s == seq_last) & (seq_last >= 0), to_end, 0.0)
 
     # through the chunk state: dS B_s, decayed from s to the chunk end
     acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -120,18 +150,19 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
             keep &= seq_s[:, None] == seq_t[None, :]
         decay = tl.exp2(tl.where(keep, a2_t[None, :] - a2_s[:, None], float("-inf")))
-        dyt = tl.load(dy_ptr + x_base + t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+        dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                       mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
         acc += mm((CBT * decay).to(dyt.dtype), dyt, PRECISION)
 
-    offs = x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
     mask = row_ok[:, None] & p_ok[None, :]
-    xs = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rows = s[:, None].to(tl.int64)
+    xs = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + rows * stride_x_l + p[None, :] * stride_x_p,
+                 mask=mask, other=0.0).to(tl.float32)
     dt_s = tl.load(dt_ptr + chunk_base + m)
     tl.store(ddt_ptr + chunk_base + m, tl.sum(acc * xs, axis=1))
     dx = acc * dt_s[:, None]
     if HAS_D:
-        dys = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
         if D_PER_CHANNEL:
             D = tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)
             dx += dys * D[None, :]
@@ -142,26 +173,30 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         sums = tl.sum(tl.reshape(dys * xs, (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
         slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
-    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
+             dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune([config(BLOCK_M=64, HEAD_STAGES=3), config(BLOCK_M=64, HEAD_STAGES=4),
-           config(BLOCK_M=32, HEAD_STAGES=3), config(BLOCK_M=64, HEAD_STAGES=2),
-           config(BLOCK_M=128, HEAD_STAGES=2, num_warps=8, num_stages=2)],
-          config(BLOCK_M=16, HEAD_STAGES=1), key=["headdim", "CHUNK"], reset_to_zero=["da_ptr"])
+DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at the chunk), fixed at launch
+
+
+@autotune([config(HEAD_STAGES=3), config(HEAD_STAGES=4), config(HEAD_STAGES=2),
+           config(HEAD_STAGES=2, num_warps=8, num_stages=2)],
+          config(HEAD_STAGES=1), key=["headdim", "CHUNK", "BLOCK_M"])
 @triton.jit
-def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dCB_ptr, da_ptr,
+def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dCB_ptr, diag_ptr,
                               length, heads, groups, n_chunks, headdim,
-                              stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_seq_b, stride_seq_l,
+                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                              stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                              stride_seq_b, stride_seq_l,
                               HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_P: tl.constexpr, HEAD_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """dCB[t, s] = sum over the heads of a group of L[t, s] dt_s (dy_t . x_s), one (t, s) tile per
-    program; each head's W = CB * (its term) adds row sums to d a_t and takes column sums from d a_s.
+    program; each head's W = CB * (its term) gives row sums to d a_t and column sums, negated, to
+    d a_s, stored in the slots of that tile (see the module docstring).
 
     The loop over heads is software-pipelined (``tl.range`` stages): the next heads' tiles load
-    while this one computes. On an H200 (bfloat16, chunk 256) this took the dCB and dB dC kernels
-    together from 1.57 to 1.34 ms at (4, 4096, 80 heads, 64, 128) and from 2.55 to 2.18 ms at
-    (1, 65536, 32, 64, 128), against a plain loop under the kernel's num_stages."""
+    while this one computes."""
     n_m = CHUNK // BLOCK_M
     pid_t = tl.program_id(1) // n_m
     pid_s = tl.program_id(1) % n_m
@@ -186,15 +221,16 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         keep &= seq_t[:, None] == seq_s[None, :]
     cb_tile = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK + mt[:, None] * CHUNK + ms[None, :]
     CB = tl.where(keep, tl.load(CB_ptr + cb_tile), 0.0)
+    # on the diagonal tile rows and columns are the same positions: one slot takes both sums
+    off_diagonal = (ms * 0 + pid_t) > pid_s
     dCB = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     for i in tl.range(0, heads_per_group, num_stages=HEAD_STAGES):
         h = g * heads_per_group + i
-        x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
         chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
-        dyt = tl.load(dy_ptr + x_base + t[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
-                      mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-        xsT = tl.load(x_ptr + x_base + s[None, :].to(tl.int64) * stride_x_l + p[:, None] * stride_x_p,
-                      mask=s_ok[None, :] & p_ok[:, None], other=0.0)
+        dyt = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + t[:, None].to(tl.int64) * stride_dy_l
+                      + p[None, :] * stride_dy_p, mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        xsT = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + s[None, :].to(tl.int64) * stride_x_l
+                      + p[:, None] * stride_x_p, mask=s_ok[None, :] & p_ok[:, None], other=0.0)
         a_t = tl.load(dA_cumsum_ptr + chunk_base + mt)
         a_s = tl.load(dA_cumsum_ptr + chunk_base + ms)
         dt_s = tl.load(dt_ptr + chunk_base + ms)
@@ -202,31 +238,38 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
         dCB += term
         W = term * CB
-        tl.atomic_add(da_ptr + chunk_base + mt, tl.sum(W, axis=1), sem="relaxed")
-        tl.atomic_add(da_ptr + chunk_base + ms, -tl.sum(W, axis=0), sem="relaxed")
+        row_sums, col_sums = tl.sum(W, axis=1), tl.sum(W, axis=0)
+        slots = diag_ptr + chunk_base * n_m
+        tl.store(slots + pid_s * CHUNK + mt, row_sums - tl.where(off_diagonal, 0.0, col_sums))
+        tl.store(slots + pid_t * CHUNK + ms, -col_sums, mask=off_diagonal)
     tl.store(dCB_ptr + cb_tile, dCB)
 
 
-@autotune([config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
-           config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4),
-           config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=128, num_warps=8),
-           config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
-           config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=2)],
-          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK"],
-          reset_to_zero=["da_ptr"])
+DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
+               config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4),
+               config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=128, num_warps=8),
+               config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
+               config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=2)]
+DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
+
+
+@autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-                              seq_idx_ptr, dB_ptr, dC_ptr, da_ptr,
-                              length, heads, groups, n_chunks, headdim, dstate,
+                              seq_idx_ptr, dB_ptr, dC_ptr, state_ptr, to_end_ptr, carry_ptr,
+                              length, heads, groups, n_chunks, headdim, dstate, n_slots,
                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                              stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
                               stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                              stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                              stride_d_b, stride_d_l, stride_d_g, stride_d_n,
                               stride_seq_b, stride_seq_l,
                               HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PRECISION: tl.constexpr):
-    """dB and dC of rows r: the state terms per head (summed over the group's heads, with their
-    share of d a, and the carry's share of d a_last), then the diagonal-block terms once per group
-    from dCB."""
+                              SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dB and dC of rows r: the state terms per head (summed over the group's heads; their shares of
+    d a and the carry's share of d a_last go to this program's slots), then the diagonal-block
+    terms once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
@@ -240,22 +283,30 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
     r = c * CHUNK + m
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
     row_ok, n_ok, p_ok = r < chunk_end, n < dstate, p < headdim
-    bc_base = b.to(tl.int64) * stride_b_b + g * stride_b_g
-    bc_rows = bc_base + r[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n
-    Br = tl.load(B_ptr + bc_rows, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    Cr = tl.load(C_ptr + bc_rows, mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    rn_mask = row_ok[:, None] & n_ok[None, :]
+    b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
+    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
+    Br = tl.load(b_base + r[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n, mask=rn_mask,
+                 other=0.0).to(tl.float32)
+    Cr = tl.load(c_base + r[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n, mask=rn_mask,
+                 other=0.0).to(tl.float32)
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
-        seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
+        seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+    # this program's slots of d a: dstate blocks of SLOT_N, of which BLOCK_N spans BLOCK_N // SLOT_N
+    SLOTS: tl.constexpr = BLOCK_N // SLOT_N
+    slot = pid_n * SLOTS + tl.arange(0, SLOTS)
+    slot_ok = slot < n_slots
+    row_groups = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
     dB = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dC = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     state_mask = p_ok[:, None] & n_ok[None, :]
     for i in range(heads_per_group):
         h = g * heads_per_group + i
-        x_base = b.to(tl.int64) * stride_x_b + h * stride_x_h
-        chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+        chunk = (b * heads + h) * n_chunks + c
+        chunk_base = chunk.to(tl.int64) * CHUNK
         state_offs = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
         a_r = tl.load(dA_cumsum_ptr + chunk_base + m)
         a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
@@ -263,26 +314,32 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         to_end = tl.exp(a_last - a_r) * tl.load(dt_ptr + chunk_base + m)
         if HAS_SEQ_IDX:
             from_start = tl.where(seq_r == seq_carry, from_start, 0.0)
-            to_end = tl.where(seq_r == seq_last, to_end, 0.0)
-        rows = x_base + r[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p
-        dyr = tl.load(dy_ptr + rows, mask=row_ok[:, None] & p_ok[None, :], other=0.0)
-        xr = tl.load(x_ptr + rows, mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+            to_end = tl.where((seq_r == seq_last) & (seq_last >= 0), to_end, 0.0)
+        pr_mask = row_ok[:, None] & p_ok[None, :]
+        dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
+                      + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
+        xr = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + r[:, None].to(tl.int64) * stride_x_l
+                     + p[None, :] * stride_x_p, mask=pr_mask, other=0.0)
         H = tl.load(H_ptr + state_offs, mask=state_mask, other=0.0)
         dS = tl.load(dS_ptr + state_offs, mask=state_mask, other=0.0)
         dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * from_start[:, None]
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
         # the state term's a_last(c) - a_r: minus at r, and the same terms plus at the last slot
         # (their sum, not <dS, S_c>: the two then cancel exactly in the reverse cumsum of d a)
-        to_end_terms = tl.sum(Br * dB_h, axis=1)
-        tl.atomic_add(da_ptr + chunk_base + m, tl.sum(Cr * dC_h, axis=1) - to_end_terms, sem="relaxed")
-        # and the carry's <dS_c, gamma_c H_c>, once per dstate block: by the programs of the first
-        # rows (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
-        carry = a_last * 0.0
+        plus = tl.sum(tl.reshape(Cr * dC_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        minus = tl.sum(tl.reshape(Br * dB_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        slot_rows = chunk.to(tl.int64) * n_slots + slot[None, :]
+        tl.store(state_ptr + slot_rows * CHUNK + m[:, None], plus - minus, mask=slot_ok[None, :])
+        minus_by_16 = tl.sum(tl.reshape(minus, (BLOCK_M // 16, 16, SLOTS)), axis=1)
+        tl.store(to_end_ptr + slot_rows * (CHUNK // 16) + row_groups[:, None], minus_by_16, mask=slot_ok[None, :])
+        # and the carry's <dS_c, gamma_c H_c>, per slot: by the programs of the first rows
+        # (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
         if pid_m == 0:
-            carry = tl.exp(a_last) * tl.sum(H.to(tl.float32) * dS.to(tl.float32))
+            HdS = tl.sum(tl.reshape(H.to(tl.float32) * dS.to(tl.float32), (BLOCK_P, SLOTS, SLOT_N)), axis=2)
+            carry = tl.exp(a_last) * tl.sum(HdS, axis=0)
             if HAS_SEQ_IDX:
                 carry = tl.where(seq_last == seq_carry, carry, 0.0)
-        tl.atomic_add(da_ptr + chunk_base + CHUNK - 1, tl.sum(to_end_terms, axis=0) + carry, sem="relaxed")
+            tl.store(carry_ptr + chunk.to(tl.int64) * n_slots + slot, carry, mask=slot_ok)
         dC += dC_h
         dB += dB_h
     # diagonal blocks, once per group: dC_r += sum_{s <= r} dCB[r, s] B_s, dB_r += sum_{t >= r} dCB[t, r] C_t
@@ -291,27 +348,26 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         k = k0 + tl.arange(0, BLOCK_K)
         u = c * CHUNK + k
         u_ok = u < chunk_end
-        cols = bc_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n
         if k0 < (pid_m + 1) * BLOCK_M:
             tile = tl.load(cb_base + m[:, None] * CHUNK + k[None, :])
             tile = tl.where((k[None, :] <= m[:, None]) & u_ok[None, :], tile, 0.0)
-            Bu = tl.load(B_ptr + cols, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n,
+                         mask=u_ok[:, None] & n_ok[None, :], other=0.0)
             dC += mm(tile.to(Bu.dtype), Bu, PRECISION)
         if k0 + BLOCK_K > pid_m * BLOCK_M:
             tileT = tl.load(cb_base + k[None, :] * CHUNK + m[:, None])
             tileT = tl.where((k[None, :] >= m[:, None]) & u_ok[None, :], tileT, 0.0)
-            Cu = tl.load(C_ptr + cols, mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            Cu = tl.load(c_base + u[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
+                         mask=u_ok[:, None] & n_ok[None, :], other=0.0)
             dB += mm(tileT.to(Cu.dtype), Cu, PRECISION)
-    tl.store(dB_ptr + bc_rows, dB.to(dB_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-    tl.store(dC_ptr + bc_rows, dC.to(dC_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    out = b.to(tl.int64) * stride_d_b + g * stride_d_g + r[:, None].to(tl.int64) * stride_d_l + n[None, :] * stride_d_n
+    tl.store(dB_ptr + out, dB.to(dB_ptr.dtype.element_ty), mask=rn_mask)
+    tl.store(dC_ptr + out, dC.to(dC_ptr.dtype.element_ty), mask=rn_mask)
 
 
-def _block(dim, cap):
-    return max(16, min(cap, triton.next_power_of_2(dim)))
-
-
-def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx):
-    """Returns dx (like x), d dt direct (batch, heads, chunks, Q) float32 and dD (like D) or None."""
+def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=None):
+    """Returns dx (x's shape and dtype, contiguous), d dt direct (batch, heads, chunks, Q) float32
+    and dD (like D) or None. x, dy, B and seq_idx are addressed by their own strides; D contiguous."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
@@ -325,10 +381,10 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx):
     chunk_scan_bwd_dx_kernel[grid](
         CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,
         seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if D is not None else ddt,
-        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *B.stride(),
+        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *dy.stride(), *dx.stride(), *B.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_SEQ_IDX=seq_idx is not None,
-        CHUNK=chunk_size, BLOCK_P=_block(headdim, 128), PRECISION=dot_precision(x.dtype),
+        CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
     )
     dD = None
     if D is not None:
@@ -337,34 +393,49 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, D, seq_idx):
     return dx, ddt, dD
 
 
-def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, seq_idx):
-    """Returns dB, dC (like B) and d a (batch, heads, chunks, Q) float32.
+def dbc_slot_width():
+    """SLOT_N: the narrowest dstate block the dBC kernel's tuner tries (each wider one is a
+    multiple of it), so every configuration writes the same slots of d a."""
+    widths = [c.kwargs["BLOCK_N"] for c in chunk_scan_bwd_dbc_kernel.configs]
+    narrowest = min(widths)
+    if any(w % narrowest for w in widths):
+        raise AssertionError(f"chunk_scan_bwd_dbc: dstate blocks {widths} must be multiples of the narrowest")
+    return narrowest
 
-    states_in: H_c, the states entering each chunk; dS: their gradients (both like x, or float32)."""
+
+def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq_idx=None):
+    """Returns dB, dC (B's shape and dtype, contiguous) and the slots of d a: (diag, state, to_end,
+    carry) of :class:`DecayGradients`.
+
+    states_in: H_c, the states entering each chunk; dS: their gradients (both contiguous, in the
+    inputs' dtype or float32). x, dy, B, C and seq_idx are addressed by their own strides."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
     seq_args = (seq_idx if seq_idx is not None else dt_out,)
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
-    # d a gathers atomic adds: accumulators start at zero, one per kernel, because the autotuner
-    # zeroes a kernel's accumulator between its trial runs
-    d_a_diag = torch.zeros(dA_cumsum.shape, dtype=torch.float32, device=x.device)
-    d_a_state = torch.zeros(dA_cumsum.shape, dtype=torch.float32, device=x.device)
+    rows = min(DCB_ROWS, chunk_size)
     dCB = outputs.empty(CB.shape, torch.float32, x.device)
-    grid = lambda META: (batch * n_chunks * groups, (chunk_size // META["BLOCK_M"]) ** 2)  # noqa: E731
-    chunk_scan_bwd_dcb_kernel[grid](
-        x, dy, CB, dA_cumsum, dt_out, *seq_args, dCB, d_a_diag, length, heads, groups, n_chunks, headdim,
-        *x.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size,
-        BLOCK_P=_block(headdim, 128), PRECISION=dot_precision(x.dtype),
+    diag = outputs.empty((batch, heads, n_chunks, chunk_size // rows, chunk_size), torch.float32, x.device)
+    chunk_scan_bwd_dcb_kernel[(batch * n_chunks * groups, (chunk_size // rows) ** 2)](
+        x, dy, CB, dA_cumsum, dt_out, *seq_args, dCB, diag, length, heads, groups, n_chunks, headdim,
+        *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size,
+        BLOCK_M=rows, BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
     )
+    slot_n = dbc_slot_width()
+    n_slots = triton.cdiv(dstate, slot_n)
+    state = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size), torch.float32, x.device)
+    to_end = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size // 16), torch.float32, x.device)
+    carry = outputs.empty((batch, heads, n_chunks, n_slots), torch.float32, x.device)
     dB = outputs.empty(B.shape, B.dtype, B.device)
-    dC = outputs.empty(C.shape, C.dtype, C.device)
+    dC = outputs.empty(B.shape, C.dtype, C.device)
     grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
                          (chunk_size // META["BLOCK_M"]) * triton.cdiv(dstate, META["BLOCK_N"]))
     chunk_scan_bwd_dbc_kernel[grid](
-        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, d_a_state,
-        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *B.stride(), *seq_strides,
-        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=_block(headdim, 128),
-        PRECISION=dot_precision(x.dtype),
+        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, state, to_end, carry,
+        length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides,
+        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
+        SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
     )
-    return dB, dC, d_a_diag + d_a_state
+    return dB, dC, (diag, state, to_end, carry)

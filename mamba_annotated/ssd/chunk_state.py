@@ -10,8 +10,12 @@ Algorithm
                  * FROM_START: w_t = exp(a_t), u = dy, v = C: the gradient that the outputs of
                                chunk c send to the state entering it (the backward pass's twin).
                  With seq_idx, positions of another sequence than the one the state belongs to
-                 (TO_END: the chunk's last position; FROM_START: the position before the chunk)
-                 get w_t = 0.
+                 get w_t = 0: TO_END, the sequence of the chunk's last position (none at all if
+                 its id is negative, mamba_ssm's padding); FROM_START, the carried sequence, that
+                 of the position before the chunk (id 0 before the first chunk, as mamba_ssm).
+                 The matmuls multiply as :func:`..triton_ops.dot_precision` says: float32 tiles
+                 as torch.get_float32_matmul_precision() asks (exactly by default), 16-bit tiles
+                 on the tensor cores, accumulating in float32.
 
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
 heads, chunks, Q) float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
@@ -29,34 +33,14 @@ import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
+from ..triton_ops import block_size, dot_precision, mm
 from .tuning import autotune, config
-
-
-def dot_precision(dtype):
-    """How :func:`mm` multiplies tiles of ``dtype``.
-
-    float32 tiles multiply exactly ("ieee"), so a GPU agrees with the interpreter to 1e-5; 16-bit
-    tiles use the tensor cores. Triton 3.9's interpreter gets bfloat16 dots wrong, so there they
-    are upcast first ("upcast"): the products of 16-bit numbers are exact in float32 either way.
-    """
-    if dtype == torch.float32:
-        return "ieee"
-    return "upcast" if INTERPRETED and dtype == torch.bfloat16 else "tf32"
-
-
-@triton.jit
-def mm(a, b, PRECISION: tl.constexpr):
-    """tl.dot(a, b) with float32 accumulation, as :func:`dot_precision` chose."""
-    if PRECISION == "upcast":
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b, input_precision=PRECISION)
-    return out
 
 
 @triton.jit
 def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
-                    stride_b, stride_l, stride_g, stride_n,
+                    stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                    stride_b_b, stride_b_l, stride_b_g, stride_b_n,
                     SCAN_ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -68,13 +52,14 @@ def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
         return  # right of the diagonal block of SCAN_ROWS rows that holds these rows: never read
     t = c * CHUNK + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     s = c * CHUNK + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    base = b.to(tl.int64) * stride_b + g * stride_g
+    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
+    b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
     acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
     for n0 in range(0, dstate, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        Ct = tl.load(C_ptr + base + t[:, None].to(tl.int64) * stride_l + n[None, :] * stride_n,
+        Ct = tl.load(c_base + t[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                      mask=(t[:, None] < length) & (n[None, :] < dstate), other=0.0)
-        Bs = tl.load(B_ptr + base + s[None, :].to(tl.int64) * stride_l + n[:, None] * stride_n,
+        Bs = tl.load(b_base + s[None, :].to(tl.int64) * stride_b_l + n[:, None] * stride_b_n,
                      mask=(s[None, :] < length) & (n[:, None] < dstate), other=0.0)
         acc += mm(Ct, Bs, PRECISION)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -83,9 +68,8 @@ def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
     tl.store(CB_ptr + out + rows[:, None] * CHUNK + cols[None, :], acc)
 
 
-# The whole dstate (up to 128) in one tile, 4 warps: on an H200 (bfloat16, chunk 256, dstate 128)
-# steps of 32 with 4 stages took 0.118 ms (TO_END) and 0.107 (FROM_START), against 0.122 and 0.116
-# for steps of 64, 0.151 and 0.156 with 8 warps, 0.165 and 0.146 with half of dstate per tile.
+# First the whole dstate (up to 128) in one tile with 4 warps and steps of 32, the tuner's pick on
+# an H200 (bfloat16, chunk 256, dstate 128) over steps of 64, 8 warps and half of dstate per tile.
 @autotune([config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=32, num_stages=4),
            config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64),
            config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64, num_stages=2),
@@ -118,10 +102,12 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
     if HAS_SEQ_IDX:
         if TO_END:
-            owner = chunk_end - 1
+            seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + (chunk_end - 1) * stride_seq_l)
         else:
-            owner = tl.maximum(c * CHUNK - 1, 0)
-        seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + owner * stride_seq_l)
+            # the carried state's sequence: that of the previous chunk's last position, 0 for the
+            # first chunk (mamba_ssm's convention: initial_states belong to sequence 0)
+            seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + (c * CHUNK - 1) * stride_seq_l,
+                                mask=c > 0, other=0)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -135,14 +121,16 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
         if HAS_SEQ_IDX:
             seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
                           mask=in_seq, other=-1)
-            w = tl.where(seq == seq_owner, w, 0.0)
+            keep = seq == seq_owner
+            if TO_END:
+                keep &= seq_owner >= 0  # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm
+            w = tl.where(keep, w, 0.0)
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
                      mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
         vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
                      mask=in_seq[:, None] & (n[None, :] < dstate), other=0.0)
         # the weight scales u, the dot's first operand, which it reads from registers; scaled v
-        # would go back to shared memory first (0.139 -> 0.118 ms TO_END, 0.128 -> 0.107
-        # FROM_START on an H200 at (4, 4096, 80, 64, 128), bfloat16, chunk 256)
+        # would go back to shared memory first
         uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
         acc += mm(uw, vt, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
@@ -159,26 +147,24 @@ def check_row_blocks(configs, kernel):
         raise AssertionError(f"{kernel}: row blocks must divide SCAN_ROWS = {SCAN_ROWS}")
 
 
-def _block(dim, cap):
-    return max(16, min(cap, triton.next_power_of_2(dim)))
-
-
 def chunk_cb(C, B, chunk_size):
-    """C, B (batch, L, groups, dstate), same strides -> CB (batch, chunks, groups, Q, Q) float32."""
+    """C, B (batch, L, groups, dstate), any strides -> CB (batch, chunks, groups, Q, Q) float32."""
     batch, length, groups, dstate = C.shape
     n_chunks = triton.cdiv(length, chunk_size)
     CB = outputs.empty((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32, C.device)
     block = 16 if INTERPRETED else min(64, chunk_size)
-    block_n = _block(dstate, 16 if INTERPRETED else 64)
+    block_n = block_size(dstate, largest=16 if INTERPRETED else 64)
     grid = (batch * n_chunks * groups, chunk_size // block, chunk_size // block)
-    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(), SCAN_ROWS=SCAN_ROWS,
+    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(), *B.stride(), SCAN_ROWS=SCAN_ROWS,
                           CHUNK=chunk_size, BLOCK_M=block, BLOCK_K=block, BLOCK_N=block_n,
                           PRECISION=dot_precision(C.dtype), num_warps=4)
     return CB
 
 
-def chunk_state(u, v, dA_cumsum, dt_out, seq_idx, to_end):
-    """The chunk states (``to_end``) or the state gradients (not ``to_end``); see the docstring."""
+def chunk_state(u, v, dA_cumsum, dt_out, *, seq_idx=None, to_end):
+    """The chunk states (``to_end``) or the state gradients (not ``to_end``); see the docstring.
+
+    u, v and seq_idx are addressed by their own strides; the output is contiguous."""
     batch, length, heads, headdim = u.shape
     groups, dstate = v.shape[2], v.shape[3]
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]

@@ -8,19 +8,18 @@ Algorithm
               where dH_c is what chunk c's outputs send to the state entering it. G_0 is
               d initial_states.
     With seq_idx, gamma_c = 0 when chunk c ends in another sequence than the one the carried state
-    belongs to (the sequence of the previous chunk's last position, or of position 0 for c = 0):
-    no state crosses a sequence boundary.
+    belongs to: the sequence of the previous chunk's last position, and for c = 0 the sequence
+    with id 0 (mamba_ssm's convention: its carried sequence id starts at 0, so initial_states
+    belong to sequence 0). No state crosses a sequence boundary.
 
 Parallelism: one program per (batch, head, BLOCK elements of the headdim x dstate state); the loop
 over chunks is sequential, which is cheap because there are only L / Q chunks. Its loads do not
-depend on the carry, so they are prefetched a few chunks ahead (``tl.range`` stages): on an H200
-(bfloat16, chunk 256) 0.079 -> 0.073 ms at (4, 4096, 80 heads, 64, 128) and 0.150 -> 0.124 ms at
-(1, 65536, 32, 64, 128).
+depend on the carry, so they are prefetched a few chunks ahead (``tl.range`` stages).
 
-Shapes: states (batch, chunks, heads, headdim*dstate) float32, emitted in float32 or the inputs'
-16-bit dtype; initial_states and the final state (batch, heads, headdim*dstate). Bytes moved: each
-state read once (4 * headdim * dstate bytes per chunk and head) and written once (2 or 4 bytes
-per element).
+Shapes: states (batch, chunks, heads, headdim*dstate) float32, emitted in float32 or a 16-bit
+dtype; initial_states (batch, heads, headdim, dstate), any strides and float dtype; the final state
+(batch, heads, headdim, dstate) in the dtype asked for. Bytes moved: each state read once
+(4 * headdim * dstate bytes per chunk and head) and written once (2 or 4 bytes per element).
 """
 import torch
 import triton
@@ -31,7 +30,8 @@ from .. import outputs
 
 @triton.jit
 def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitted_ptr, final_ptr,
-                         length, heads, n_chunks, state_size, stride_seq_b, stride_seq_l,
+                         length, heads, n_chunks, dstate, state_size, stride_seq_b, stride_seq_l,
+                         stride_init_b, stride_init_h, stride_init_p, stride_init_n,
                          REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     pid_bh, pid_e = tl.program_id(0), tl.program_id(1)
@@ -40,7 +40,8 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
     mask = e < state_size
     bh = pid_bh.to(tl.int64) * state_size
     if HAS_INIT:
-        H = tl.load(init_ptr + bh + e, mask=mask, other=0.0).to(tl.float32)
+        H = tl.load(init_ptr + b.to(tl.int64) * stride_init_b + h * stride_init_h + (e // dstate) * stride_init_p
+                    + (e % dstate) * stride_init_n, mask=mask, other=0.0).to(tl.float32)
     else:
         H = tl.zeros([BLOCK], dtype=tl.float32)
     seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
@@ -54,20 +55,21 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
         gamma = tl.exp(tl.load(dA_cumsum_ptr + (pid_bh.to(tl.int64) * n_chunks + c) * CHUNK + CHUNK - 1))
         if HAS_SEQ_IDX:
             seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
-            seq_carry = tl.load(seq_row + tl.maximum(c * CHUNK - 1, 0) * stride_seq_l)
+            seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
             gamma = tl.where(seq_end == seq_carry, gamma, 0.0)
         H = gamma * H + tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
-    tl.store(final_ptr + bh + e, H, mask=mask)
+    tl.store(final_ptr + bh + e, H.to(final_ptr.dtype.element_ty), mask=mask)
 
 
-def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, out_dtype=torch.float32):
-    """Run the carry over chunks. states (batch, chunks, heads, headdim, dstate) float32.
+def state_passing(states, dA_cumsum, *, length, seq_idx=None, initial=None, reverse=False,
+                  out_dtype=torch.float32, final_dtype=torch.float32):
+    """Run the carry over chunks. states (batch, chunks, heads, headdim, dstate) float32, contiguous.
 
     The emitted states are stored in ``out_dtype``: the inputs' 16-bit dtype where the kernels that
-    read them round them to it anyway (the chunk scan's H_c, the backward's dS_c); the carry
-    stays float32.
+    read them round them to it anyway (the chunk scan's H_c, the backward's dS_c), or the state
+    dtype asked for; the carry stays float32. The last state is stored in ``final_dtype``.
 
-    Forward (``reverse=False``): returns (H_in per chunk, final state).
+    Forward (``reverse=False``, initial = initial_states or None): returns (H_in per chunk, final state).
     Backward (``reverse=True``, states = dH per chunk, initial = d final_states or None):
     returns (dS per chunk, d initial_states).
     """
@@ -75,12 +77,13 @@ def state_passing(states, dA_cumsum, seq_idx, length, initial, reverse=False, ou
     state_size = headdim * dstate
     block = 256  # many programs: each walks every chunk in turn, so latency, not bandwidth, binds
     emitted = outputs.empty(states.shape, out_dtype, states.device)
-    final = outputs.empty((batch, heads, headdim, dstate), torch.float32, states.device)
+    final = outputs.empty((batch, heads, headdim, dstate), final_dtype, states.device)
     state_passing_kernel[(batch * heads, triton.cdiv(state_size, block))](
         states, dA_cumsum, seq_idx if seq_idx is not None else dA_cumsum,
         initial if initial is not None else states, emitted, final,
-        length, heads, n_chunks, state_size,
+        length, heads, n_chunks, dstate, state_size,
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        *(initial.stride() if initial is not None else (0, 0, 0, 0)),
         REVERSE=reverse, HAS_INIT=initial is not None, HAS_SEQ_IDX=seq_idx is not None,
         CHUNK=dA_cumsum.shape[-1], BLOCK=block, num_warps=4,
     )

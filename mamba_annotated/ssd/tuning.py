@@ -6,8 +6,9 @@ GPU. Configurations whose row or column blocks exceed the chunk are dropped befo
 ``MAMBA_ANNOTATED_AUTOTUNE=0`` keeps only the first GPU configuration and the 16-wide one (quick
 test runs: tuning compiles every configuration for every new problem shape).
 The tuner's trial runs write the real output buffers, so a result must not depend on which
-configurations ran before: atomic accumulators go in ``reset_to_zero``, and partial results use a
-layout that every configuration writes in full (tests/test_ssd.py tunes in the interpreter too).
+configurations ran before: partial results use a layout that every configuration writes in full
+(the SSD kernels have no atomic accumulators; one would have to go in ``reset_to_zero``), and
+tests/test_ssd.py tunes in the interpreter too.
 """
 import os
 
@@ -18,7 +19,7 @@ from ..runtime import INTERPRETED
 CHUNK_BLOCKS = ("BLOCK_M", "BLOCK_K")
 
 
-def _fits_chunk(configs, named_args, **kwargs):
+def fits_chunk(configs, named_args, **kwargs):
     chunk = {**named_args, **kwargs}["CHUNK"]
     kept = [c for c in configs if all(c.kwargs.get(k, 0) <= chunk for k in CHUNK_BLOCKS)]
     if kept:
@@ -37,7 +38,7 @@ def autotune(gpu_configs, cpu_config, key, reset_to_zero=None):
     else:
         configs = gpu_configs
     return triton.autotune(configs=configs, key=key,
-                           reset_to_zero=reset_to_zero, prune_configs_by={"early_config_prune": _fits_chunk})
+                           reset_to_zero=reset_to_zero, prune_configs_by={"early_config_prune": fits_chunk})
 
 
 def config(num_warps=4, num_stages=3, **blocks):
