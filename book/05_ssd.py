@@ -24,8 +24,6 @@
 # It builds on chapter 4's [blocked scans with carries](04_blocked_carries.ipynb): there blocks of a scalar scan passed one number to the next block; here chunks pass a (headdim × dstate) state.
 
 # %%
-import math
-
 import matplotlib.pyplot as plt
 import torch
 
@@ -33,7 +31,7 @@ from mamba_annotated import runtime
 from mamba_annotated.bench import matmul_tflops, median_ms, print_table, tflops
 from mamba_annotated.figures import COLORS, show_source
 from mamba_annotated.ssd import ssd_chunk_scan
-from mamba_annotated.ssd.backward import ssd_backward
+from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, chunk_cumsum_kernel, dt_backward, dt_backward_kernel
 from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_kernel
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel
@@ -42,6 +40,7 @@ from mamba_annotated.ssd.forward import ssd_forward
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_matrix, ssd_quadratic_ref,
                                            ssd_recurrent_ref)
 from mamba_annotated.ssd.state_passing import state_passing, state_passing_kernel
+from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip
 from mamba_annotated.testing import assert_gradients_close, check, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
@@ -168,10 +167,11 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 show_source(chunk_cumsum_kernel)
 
 # %%
-dA_cumsum, dt_out = chunk_cumsum(inputs["dt"], inputs["A"], inputs["dt_bias"], True, (0.0, math.inf), chunk)
+dA_cumsum, dt_out = chunk_cumsum(inputs["dt"], inputs["A"], chunk, dt_bias=inputs["dt_bias"], dt_softplus=True)
 check("chunk_cumsum: a", dA_cumsum, steps["dA_cumsum"], tolerance(torch.float32))
 check("chunk_cumsum: dt", dt_out, steps["dt"], tolerance(torch.float32))
-dA_lim, dt_lim = chunk_cumsum(inputs["dt"], inputs["A"], inputs["dt_bias"], True, (0.3, 0.9), chunk)
+dA_lim, dt_lim = chunk_cumsum(inputs["dt"], inputs["A"], chunk, dt_bias=inputs["dt_bias"], dt_softplus=True,
+                              dt_limit=(0.3, 0.9))
 _, steps_lim = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, dt_limit=(0.3, 0.9), return_intermediates=True)
 check("chunk_cumsum with dt_limit (0.3, 0.9): dt", dt_lim, steps_lim["dt"], tolerance(torch.float32))
 
@@ -197,7 +197,7 @@ check("chunk_cb (lower triangle)", CB[..., lower], steps["CB"][..., lower], tole
 show_source(chunk_state_kernel.fn)  # .fn: the kernel inside its autotuner
 
 # %%
-states = chunk_state(inputs["x"], inputs["B"], dA_cumsum, dt_out, None, to_end=True)
+states = chunk_state(inputs["x"], inputs["B"], dA_cumsum, dt_out, to_end=True)
 check("chunk_state", states, steps["states"], tolerance(torch.float32))
 
 # %% [markdown]
@@ -209,7 +209,7 @@ check("chunk_state", states, steps["states"], tolerance(torch.float32))
 show_source(state_passing_kernel)
 
 # %%
-states_in, final = state_passing(states, dA_cumsum, None, length, inputs["initial_states"])
+states_in, final = state_passing(states, dA_cumsum, length=length, initial=inputs["initial_states"])
 check("state_passing: states entering each chunk", states_in, steps["states_in"], tolerance(torch.float32))
 check("state_passing: final state", final, steps["final_states"], tolerance(torch.float32))
 
@@ -230,13 +230,13 @@ check("state_passing: final state", final, steps["final_states"], tolerance(torc
 show_source(chunk_scan_kernel.fn)
 
 # %%
-out, _ = chunk_scan(CB, inputs["x"], inputs["z"], inputs["C"], states_in, dA_cumsum, dt_out, inputs["D"], None)
+out, _ = chunk_scan(CB, inputs["x"], inputs["C"], states_in, dA_cumsum, dt_out, z=inputs["z"], D=inputs["D"])
 check("chunk_scan = the whole forward pass", out, y_quadratic, tolerance(torch.float32))
 
 # %% [markdown]
 # ### The public function, every argument
 #
-# `ssd_chunk_scan` checks its inputs, runs the five kernels and wires the backward pass into autograd. It takes the arguments of mamba_ssm's `mamba_chunk_scan_combined`. With `seq_idx`, several sequences are packed into one row: no term $M_{ts}$ crosses a boundary, no state is carried into another sequence, and `initial_states` feeds the first sequence only.
+# `ssd_chunk_scan` checks its inputs, runs the five kernels and wires the backward pass into autograd. It takes the arguments of mamba_ssm's `mamba_chunk_scan_combined`. With `seq_idx`, several sequences are packed into one row: no term $M_{ts}$ crosses a boundary, no state is carried into another sequence, and `initial_states` belong to the sequence with id 0 (as in mamba_ssm, whose carried sequence id starts at 0). With `cu_seqlens` and `return_varlen_states=True` (batch 1) it also returns the state at the end of each packed sequence, computed as mamba_ssm computes it.
 
 # %%
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -273,9 +273,20 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #
 # **What the forward pass keeps.** The backward pass needs $a$, $\Delta$, $CB$ and the states $H_c$ entering each chunk. mamba_ssm recomputes them (a chunk-state pass and a state-passing pass); we keep them from the forward pass. $H_c$, stored in the inputs' dtype, is half the size of $x$ at $N = 128$, $Q = 256$ ($N/Q$ of it), and recomputing would allocate the float32 chunk states, twice that, so keeping them lowers the peak memory as well as the time. Likewise $dS_c$ is stored in the inputs' dtype: every kernel that reads it rounds it to that dtype for its matmuls anyway.
 #
-# Three kernels do the work: `chunk_scan_bwd_dx` (rows $s$, all of headdim), `chunk_scan_bwd_dcb` (one $(t, s)$ tile of $dCB$, looping over the heads of the group and sending each head's row and column sums of $CB \odot dCB^{(h)}$ to $\partial\mathcal L/\partial a$ by atomic adds) and `chunk_scan_bwd_dbc` (rows $r$, a block of dstate: the state terms per head, then the $dCB$ products once).
+# Three kernels do the work: `chunk_scan_bwd_dx` (rows $s$, all of headdim), `chunk_scan_bwd_dcb` (one $(t, s)$ tile of $dCB$, looping over the heads of the group and storing each head's row and column sums of $CB \odot dCB^{(h)}$, its share of $\partial\mathcal L/\partial a$, in slots of its own) and `chunk_scan_bwd_dbc` (rows $r$, a block of dstate: the state terms per head, then the $dCB$ products once).
 #
-# **Relaxed atomic adds.** `tl.atomic_add` defaults to acquire-release order, which makes every add a fence: the loads that the head loop prefetches for the next heads wait until the add has reached memory. Nothing reads $\partial\mathcal L/\partial a$ before the kernel ends, so `sem="relaxed"` is enough, and the adds become fire-and-forget reductions (`red.relaxed` in the PTX instead of `atom.acq_rel`). On an H200 (bfloat16, chunk 256) that alone took the two kernels from 1.35 to 0.88 ms at (4, 4096, 80 heads, 64, 128) and from 2.20 to 1.57 ms at (1, 65536, 32, 64, 128).
+# **Reproducible gradients.** Many programs contribute to each $\partial\mathcal L/\partial a_r$: every tile of $dCB$ in its row or column, every block of dstate in `chunk_scan_bwd_dbc`. Gathered by atomic adds, they would be summed in the order the programs happen to finish, and float32 addition is not associative: $dA$, $d\Delta$ and $d\,\mathrm{dt\_bias}$ would change in their last bits from run to run. So each program stores its share in a slot of its own (one per tile of the chunk, one per block of dstate; the row block of the $dCB$ kernel is fixed at launch, and the $dB\,dC$ kernel's slots are as wide as its narrowest tuned block, so every configuration writes the same slots), and `dt_backward_kernel`, which reads $\partial\mathcal L/\partial a$ anyway, adds the slots in a fixed order before its reverse cumulative sum. The gradients are then the same bits on every run.
+#
+# ```{admonition} Performance notes
+# :class: dropdown
+# Measurements on an H200 (bfloat16, chunk 256; the first shape is (4, 4096, 80 heads, 64, 128), the second (1, 65536, 32, 64, 128)) behind choices in the kernels:
+#
+# - `chunk_state` scales $x$ (the dot's register operand), not $B$: 0.139 → 0.118 ms for the chunk states, 0.128 → 0.107 for the state gradients, at the first shape. Its tuner picks the whole dstate (128) in one tile with 4 warps and steps of 32 (0.118 and 0.107 ms) over steps of 64 (0.122, 0.116), 8 warps (0.151, 0.156) and half of dstate per tile (0.165, 0.146).
+# - `chunk_scan`'s diagonal loop body (exp2 of pre-scaled $a$, one select, no end-of-chunk test): 0.389 → 0.330 ms at the first shape, 0.608 → 0.531 at the second. Steps of 32 through the diagonal block with 3 stages: 0.390 ms against 0.499 with steps of 64 (0.612 against 0.787 at the second shape). Row blocks of 128 measured 0.369 against 0.330 ms with that loop body.
+# - `state_passing` prefetches the next chunks' states (`tl.range` stages): 0.079 → 0.073 ms at the first shape, 0.150 → 0.124 at the second.
+# - The $dCB$ kernel's software-pipelined loop over heads took the $dCB$ and $dB\,dC$ kernels together from 1.57 to 1.34 ms at the first shape and from 2.55 to 2.18 ms at the second, against a plain loop.
+# - Before the slots, $\partial\mathcal L/\partial a$ gathered atomic adds. `tl.atomic_add` defaults to acquire-release order, which makes every add a fence that the head loop's prefetched loads wait behind; relaxed adds (`sem="relaxed"`) took the two kernels from 1.35 to 0.88 ms at the first shape and from 2.20 to 1.57 ms at the second. The slots replaced them for reproducibility.
+# ```
 
 # %%
 show_source(chunk_scan_bwd_dcb_kernel.fn)
@@ -307,7 +318,7 @@ for name, err in errors.items():
 # %% [markdown]
 # ### The reverse cumulative sum: flipped or in the kernel
 #
-# The reverse cumsum can be done in PyTorch, `flip(cumsum(flip(d_a)))`, which launches three kernels and writes two temporaries of the size of $\Delta$, or inside `dt_backward_kernel`, where the chunk's values are already in registers: `tl.associative_scan(..., reverse=True)`. Both give the same gradients:
+# The reverse cumsum can be done in PyTorch, `flip(cumsum(flip(d_a)))`, which launches three kernels and writes two temporaries of the size of $\Delta$, or inside `dt_backward_kernel`, where the chunk's values are already in registers: `tl.associative_scan(..., reverse=True)`. The first is the foil in `mamba_annotated/ssd/teaching.py` (`ssd_backward_flip`); both give the same gradients:
 
 # %%
 inp = make_inputs()
@@ -315,11 +326,12 @@ dy = randn(*inp["x"].shape)
 
 
 def backward_of(inp, dy, chunk_size, how):
-    """ssd_backward after the forward pass that saves what it needs (dt_softplus, no z, no limit)."""
+    """The backward pass after the forward pass that saves what it needs (dt_softplus, no z):
+    ssd_backward, or the foil from ssd/teaching.py that reverse-sums d a by flipping."""
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
-    saved = ssd_forward(*args, chunk_size, inp["D"], None, inp["dt_bias"], True, (0.0, math.inf), None, None).saved
-    return lambda: ssd_backward(dy, None, *args, inp["D"], inp["dt_bias"], True, (0.0, math.inf), None, None,
-                                saved, how)
+    saved = ssd_forward(*args, chunk_size, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True).saved
+    backward = ssd_backward if how == "kernel" else ssd_backward_flip
+    return lambda: backward(dy, *args, saved, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
 
 
 grads = {how: backward_of(inp, dy, chunk, how)() for how in ("kernel", "flip")}
@@ -336,13 +348,14 @@ chunk_t = runtime.size(gpu=256, cpu=16)
 big = make_inputs(**size)
 big.pop("z"), big.pop("initial_states")
 dy = randn(*big["x"].shape, dtype=big["x"].dtype)
-lim = (0.0, math.inf)
-dA_b, dt_b = chunk_cumsum(big["dt"], big["A"], big["dt_bias"], True, lim, chunk_t)
-d_a, d_step = torch.randn_like(dA_b), torch.randn_like(dA_b)
+saved_b = ssd_forward(big["x"], big["dt"], big["A"], big["B"], big["C"], chunk_t, D=big["D"], dt_bias=big["dt_bias"],
+                      dt_softplus=True).saved
+_, decay = chunk_gradients(dy, big["x"], big["B"], big["C"], saved_b, D=big["D"])  # d a, in its slots
 rows = []
-for how in ("kernel", "flip"):
+for how, step_backward in (("kernel", dt_backward), ("flip", dt_backward_flip)):
     rows.append(dict(reverse_cumsum=how,
-                     alone_ms=median_ms(lambda: dt_backward(big["dt"], big["A"], big["dt_bias"], True, lim, dt_b, d_a, d_step, how)),
+                     alone_ms=median_ms(lambda: step_backward(big["dt"], big["A"], saved_b.dt_out, decay,
+                                                              dt_bias=big["dt_bias"], dt_softplus=True)),
                      whole_backward_ms=median_ms(backward_of(big, dy, chunk_t, how))))
 print(f"device: {runtime.device_name()}")
 print_table(rows)
@@ -358,15 +371,15 @@ fwd = lambda c: ssd_chunk_scan(big["x"], big["dt"], big["A"], big["B"], big["C"]
 chunk_sizes = runtime.size(gpu=[32, 64, 128, 256], cpu=[16, 32])
 rows = []
 for c in chunk_sizes:
-    dA_c, dt_c = chunk_cumsum(big["dt"], big["A"], big["dt_bias"], True, lim, c)
-    S_c = chunk_state(big["x"], big["B"], dA_c, dt_c, None, True)
-    H_c, _ = state_passing(S_c, dA_c, None, big["x"].shape[1], None)
+    dA_c, dt_c = chunk_cumsum(big["dt"], big["A"], c, dt_bias=big["dt_bias"], dt_softplus=True)
+    S_c = chunk_state(big["x"], big["B"], dA_c, dt_c, to_end=True)
+    H_c, _ = state_passing(S_c, dA_c, length=big["x"].shape[1])
     CB_c = chunk_cb(big["C"], big["B"], c)
     rows.append(dict(chunk=c, forward_ms=median_ms(lambda: fwd(c)),
                      cb_ms=median_ms(lambda: chunk_cb(big["C"], big["B"], c)),
-                     chunk_state_ms=median_ms(lambda: chunk_state(big["x"], big["B"], dA_c, dt_c, None, True)),
-                     state_passing_ms=median_ms(lambda: state_passing(S_c, dA_c, None, big["x"].shape[1], None)),
-                     chunk_scan_ms=median_ms(lambda: chunk_scan(CB_c, big["x"], None, big["C"], H_c, dA_c, dt_c, big["D"], None))))
+                     chunk_state_ms=median_ms(lambda: chunk_state(big["x"], big["B"], dA_c, dt_c, to_end=True)),
+                     state_passing_ms=median_ms(lambda: state_passing(S_c, dA_c, length=big["x"].shape[1])),
+                     chunk_scan_ms=median_ms(lambda: chunk_scan(CB_c, big["x"], big["C"], H_c, dA_c, dt_c, D=big["D"]))))
 print_table(rows)
 fig, ax = plt.subplots(figsize=(6.4, 3.6))
 for key, colour in (("cb_ms", COLORS["decay"]), ("chunk_state_ms", COLORS["h"]),
