@@ -19,7 +19,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
-from mamba_annotated.ssd.backward import ssd_backward  # noqa: E402
+from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
 from mamba_annotated.ssd.chunk_scan import chunk_scan  # noqa: E402
@@ -27,6 +27,7 @@ from mamba_annotated.ssd import chunk_scan as chunk_scan_module, chunk_scan_bwd 
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc, chunk_scan_bwd_dx  # noqa: E402
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing  # noqa: E402
+from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
@@ -129,30 +130,28 @@ def run_shape(shape, peer_fn):
 def breakdown(inp, dy):
     """Median time of each kernel of the forward and backward pass, on the same inputs."""
     x, dt, A, B, C, D, bias = (inp[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-    L, lim = x.shape[1], (0.0, float("inf"))
-    saved = ssd_forward(x, dt, A, B, C, CHUNK, D, None, bias, True, lim, None, None).saved
+    L = x.shape[1]
+    saved = ssd_forward(x, dt, A, B, C, CHUNK, D=D, dt_bias=bias, dt_softplus=True).saved
     dA, dt_out, CB, H = saved.tensors()
-    S = chunk_state(x, B, dA, dt_out, None, True)
-    dH = chunk_state(dy, C, dA, dt_out, None, False)
-    dS, _ = state_passing(dH, dA, None, L, None, reverse=True, out_dtype=x.dtype)
-    _, ddt, _ = chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None)
-    _, _, d_a = chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None)
+    S = chunk_state(x, B, dA, dt_out, to_end=True)
+    dH = chunk_state(dy, C, dA, dt_out, to_end=False)
+    dS, _ = state_passing(dH, dA, length=L, reverse=True, out_dtype=x.dtype)
+    _, decay = chunk_gradients(dy, x, B, C, saved, D=D)
+    step = dict(dt_bias=bias, dt_softplus=True)
     stages = {
-        "fwd chunk_cumsum": lambda: chunk_cumsum(dt, A, bias, True, lim, CHUNK),
+        "fwd chunk_cumsum": lambda: chunk_cumsum(dt, A, CHUNK, **step),
         "fwd chunk_cb": lambda: chunk_cb(C, B, CHUNK),
-        "fwd chunk_state": lambda: chunk_state(x, B, dA, dt_out, None, True),
-        "fwd state_passing": lambda: state_passing(S, dA, None, L, None, out_dtype=x.dtype),
-        "fwd chunk_scan": lambda: chunk_scan(CB, x, None, C, H, dA, dt_out, D, None),
-        "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, None, False),
-        "bwd state_passing": lambda: state_passing(dH, dA, None, L, None, reverse=True, out_dtype=x.dtype),
-        "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D, None),
-        "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out, None),
-        "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "kernel"),
-        "bwd dt (flip rev cumsum)": lambda: dt_backward(dt, A, bias, True, lim, dt_out, d_a, ddt, "flip"),
-        "whole bwd, in-kernel rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, D, bias, True, lim,
-                                                                None, None, saved, "kernel"),
-        "whole bwd, flip rev cumsum": lambda: ssd_backward(dy, None, x, dt, A, B, C, D, bias, True, lim,
-                                                           None, None, saved, "flip"),
+        "fwd chunk_state": lambda: chunk_state(x, B, dA, dt_out, to_end=True),
+        "fwd state_passing": lambda: state_passing(S, dA, length=L, out_dtype=x.dtype),
+        "fwd chunk_scan": lambda: chunk_scan(CB, x, C, H, dA, dt_out, D=D),
+        "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, to_end=False),
+        "bwd state_passing": lambda: state_passing(dH, dA, length=L, reverse=True, out_dtype=x.dtype),
+        "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D=D),
+        "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out),
+        "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, dt_out, decay, **step),
+        "bwd dt (flip rev cumsum)": lambda: dt_backward_flip(dt, A, dt_out, decay, **step),
+        "whole bwd, in-kernel rev cumsum": lambda: ssd_backward(dy, x, dt, A, B, C, saved, D=D, **step),
+        "whole bwd, flip rev cumsum": lambda: ssd_backward_flip(dy, x, dt, A, B, C, saved, D=D, **step),
     }
     return [dict(stage=k, ms=bench.median_ms(f)) for k, f in stages.items()]
 
