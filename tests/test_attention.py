@@ -193,7 +193,7 @@ def test_large_negative_scores_leave_the_gradients_finite():
     k = 1.0 + 0.1 * k
     q = q - 30.0  # every score about -120 after the 1/4 scale, so lse < -89 and exp(-lse) overflows
     inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
-    grad_out = torch.randn(q.shape, dtype=torch.float64)
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
     ours = gradients(lambda q, k, v: attention(q, k, v), inputs, grad_out)
     ref = gradients(lambda q, k, v: attention_ref(q, k, v)[0],
                     {name: t.detach().double().requires_grad_() for name, t in inputs.items()}, grad_out)
