@@ -23,7 +23,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import outputs
 from ..triton_ops import LOG2E, block_size, dot_precision, mm
-from .api import attention, attention_gradients, attention_outputs, check_attention_inputs, check_real, last_dim_contiguous
+from .api import (attention, attention_gradients, attention_outputs, check_attention_inputs, check_real,
+                  last_dim_contiguous)
 from .backward import (attention_backward, backward_config, backward_preprocess, batch_row_head_strides,
                        dkdv_program, dq_program)
 from .forward import cast
@@ -140,7 +141,8 @@ def attention_bwd_atomic_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_p
         head = kv_head * group + g
         row_tile = lo.to(tl.int64) + tl.arange(0, BLOCK_M)[:, None]
         q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
-        do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
+        do_ptrs = (dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom
+                   + offs_d[None, :])
         dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
         lse2_ptrs = lse2_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
         delta_ptrs = delta_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
