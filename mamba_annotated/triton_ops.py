@@ -4,9 +4,9 @@
   matrices: exactly ("ieee") while ``torch.get_float32_matmul_precision()`` is "highest" (PyTorch's
   default), on TF32 tensor cores once the caller allows it ("high" or "medium",
   ``torch.backends.cuda.matmul.allow_tf32 = True``). 16-bit tiles always use the tensor cores with
-  float32 accumulation. Triton 3.9's interpreter gets bfloat16 dots wrong, so there 16-bit tiles
-  are widened to float32 first ("widen"): the products of 16-bit numbers are exact in float32, so
-  the result is the one a GPU computes.
+  float32 accumulation. Triton 3.9's interpreter gets bfloat16 dots wrong, so there bfloat16
+  tiles are widened to float32 first ("widen"): the products of 16-bit numbers are exact in
+  float32, so the result is the one a GPU computes. :func:`cast` rounds the way a GPU does.
 * exp2/log2 constants: kernels take exponentials base 2 (``exp2`` is one instruction; ``tl.exp``
   multiplies its argument by log2(e) first), with the factor folded into a scale computed once.
   They are constexpr: in a kernel ``x * LOG2E``, on the host ``x * LOG2E.value``.
@@ -30,7 +30,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     """How :func:`mm` multiplies tiles of ``dtype`` under the policy above (read at each launch)."""
     if dtype == torch.float32:
         return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    return "widen" if INTERPRETED else "tf32"  # "tf32" is ignored for 16-bit operands
+    return "widen" if INTERPRETED and dtype == torch.bfloat16 else "tf32"  # "tf32": ignored for 16-bit
 
 
 @triton.jit
@@ -44,17 +44,16 @@ def mm(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def round_for_cast(x, PRECISION: tl.constexpr):
-    """``x``, ready for a cast to a 16-bit dtype. Under "widen" (the interpreter) it is first
-    rounded to bfloat16's nearest even on the bits: the interpreter's float32 -> bfloat16 cast
-    truncates where a GPU rounds to nearest even. Elsewhere it is ``x`` itself."""
+def cast(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
+    """``x.to(dtype)``, rounded to nearest even as a GPU rounds. The interpreter's float32 ->
+    bfloat16 cast truncates instead, so under "widen" (the interpreter, bfloat16) ``x`` is first
+    rounded to bfloat16's nearest even on the bits; its float16 casts round correctly."""
     if PRECISION == "widen":
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        out = bits.to(tl.float32, bitcast=True)
-    else:
-        out = x
-    return out
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit

@@ -36,8 +36,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, dot_precision, mm
-from .forward import cast
+from ..triton_ops import LOG2E, block_size, cast, dot_precision, mm
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:

@@ -43,17 +43,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, LOG2E, block_size, dot_precision, mm, round_for_cast
-
-
-@triton.jit
-def cast(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
-    """``x.to(dtype)``, rounded to nearest even as a GPU rounds. :func:`round_for_cast` rounds to
-    bfloat16's precision, so only a cast to bfloat16 goes through it (the interpreter rounds a
-    cast to float16 correctly)."""
-    if dtype == tl.bfloat16:
-        x = round_for_cast(x, PRECISION)
-    return x.to(dtype)
+from ..triton_ops import LN2, LOG2E, block_size, cast, dot_precision, mm
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:

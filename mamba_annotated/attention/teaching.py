@@ -22,12 +22,11 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .. import outputs
-from ..triton_ops import LOG2E, block_size, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cast, dot_precision, mm
 from .api import (attention, attention_gradients, attention_outputs, check_attention_inputs, check_real,
                   last_dim_contiguous)
 from .backward import (attention_backward, backward_config, backward_preprocess, batch_row_head_strides,
                        dkdv_program, dq_program)
-from .forward import cast
 
 
 @triton.jit
