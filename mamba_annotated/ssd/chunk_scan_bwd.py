@@ -80,9 +80,11 @@ class DecayGradients:
 
 
 # Row blocks of at most SCAN_ROWS (the tuner picked 64 rows, steps of 32, on an H200): the loop
-# below reads whole CB tiles and needs every entry finite (see chunk_scan's diagonal loop).
+# below reads whole CB tiles and needs every entry finite (see chunk_scan's diagonal loop). Steps
+# divide the row block: the loop runs from a row block's edge to the chunk's end, and a step of 64
+# after a row block of 32 read CB rows of the next chunk (NaN in dx on an H100 at chunk 128).
 DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8, num_stages=2),
-              config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4), config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64)]
+              config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4), config(BLOCK_M=32, BLOCK_K=32, BLOCK_N=64)]
 DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 check_row_blocks(DX_CONFIGS + [DX_CPU_CONFIG], "chunk_scan_bwd_dx")
 

@@ -142,9 +142,13 @@ SCAN_ROWS = 64  # the tallest row block of the kernels that read CB tiles whole 
 
 
 def check_row_blocks(configs, kernel):
-    """Every row block (BLOCK_M) of ``kernel`` divides SCAN_ROWS, so it reads only CB that is written."""
+    """Every row block (BLOCK_M) of ``kernel`` divides SCAN_ROWS, so it reads only CB that is written,
+    and every step (BLOCK_K) of its loop over the diagonal block divides BLOCK_M, so a loop that
+    starts at a row block's edge ends at the chunk's (a wider step would read the next chunk's CB)."""
     if any(SCAN_ROWS % c.kwargs["BLOCK_M"] for c in configs):
         raise AssertionError(f"{kernel}: row blocks must divide SCAN_ROWS = {SCAN_ROWS}")
+    if any(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] for c in configs):
+        raise AssertionError(f"{kernel}: steps (BLOCK_K) must divide the row block (BLOCK_M)")
 
 
 def chunk_cb(C, B, chunk_size):
