@@ -6,7 +6,7 @@ import torch
 import triton
 
 from ..library import absent, define_op, traced_or_captured
-from ..validation import check_same, check_tensor
+from ..validation import check_same, check_same_device, check_tensor
 from .backward import ssd_backward
 from .forward import Saved, ssd_forward
 
@@ -14,12 +14,6 @@ CHUNK_SIZES = (16, 32, 64, 128, 256)
 MAX_HEADDIM = 128  # the backward kernels hold a whole row of headdim in registers
 STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def check_on_device(name, value, x):
-    """``value`` must be on x's device, index included."""
-    if value.device != x.device:
-        raise ValueError(f"{name} must be on the device of x ({x.device}); got {value.device}")
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -42,9 +36,9 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     if headdim > MAX_HEADDIM:
         raise NotImplementedError(f"x: headdim {headdim} > {MAX_HEADDIM} is not supported")
     check_tensor("dt", dt, shape=(batch, length, heads))
-    check_on_device("dt", dt, x)
+    check_same_device("dt", dt, "x", x)
     check_tensor("A", A, shape=(heads,))
-    check_on_device("A", A, x)
+    check_same_device("A", A, "x", x)
     check_tensor("B", B, ndim=4)
     groups, dstate = B.shape[2], B.shape[3]
     if B.shape[:2] != x.shape[:2] or groups == 0 or heads % groups != 0 or dstate == 0:
@@ -52,7 +46,7 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
                          f"with groups dividing heads = {heads} and dstate >= 1; got {tuple(B.shape)}")
     if B.dtype != x.dtype:
         raise TypeError(f"B must have the dtype of x ({x.dtype}); got {B.dtype}")
-    check_on_device("B", B, x)
+    check_same_device("B", B, "x", x)
     check_tensor("C", C)
     check_same("C", C, "B", B)
     chunk_size = check_chunk_size(chunk_size)
@@ -60,19 +54,19 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
         check_tensor("D", D)
         if tuple(D.shape) not in ((heads,), (heads, headdim)):
             raise ValueError(f"D must have shape ({heads},) or ({heads}, {headdim}); got {tuple(D.shape)}")
-        check_on_device("D", D, x)
+        check_same_device("D", D, "x", x)
     if z is not None:
         check_tensor("z", z)
         check_same("z", z, "x", x)
     if dt_bias is not None:
         check_tensor("dt_bias", dt_bias, shape=(heads,))
-        check_on_device("dt_bias", dt_bias, x)
+        check_same_device("dt_bias", dt_bias, "x", x)
     if initial_states is not None:
         check_tensor("initial_states", initial_states, shape=(batch, heads, headdim, dstate))
-        check_on_device("initial_states", initial_states, x)
+        check_same_device("initial_states", initial_states, "x", x)
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, dtypes=INDEX_DTYPES, shape=(batch, length))
-        check_on_device("seq_idx", seq_idx, x)
+        check_same_device("seq_idx", seq_idx, "x", x)
         # reading the values synchronises with the device: not while torch.compile traces or a
         # CUDA graph captures
         if length > 1 and not traced_or_captured() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
@@ -81,7 +75,7 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
         if cu_seqlens is None:
             raise ValueError("cu_seqlens must be given when return_varlen_states is True")
         check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
-        check_on_device("cu_seqlens", cu_seqlens, x)
+        check_same_device("cu_seqlens", cu_seqlens, "x", x)
         if cu_seqlens.shape[0] == 0:
             raise ValueError("cu_seqlens must hold at least one offset (sequences + 1 of them); got none")
         if batch != 1:
