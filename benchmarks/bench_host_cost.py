@@ -12,11 +12,16 @@ box, so selective_scan is timed alone.
 Then each op's forward and backward are captured in one CUDA graph, replayed, and compared with
 an eager run bit for bit; the replay time per call is printed beside the eager one.
 
-Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200]
+With ``--profile`` it also prints where the host time of each op's forward+backward goes
+(cProfile, the functions with the most time of their own).
+
+Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200] [--profile]
 """
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -143,10 +148,22 @@ def graph_replay(fn, inputs):
     return graph.replay, same
 
 
+def profile(fn, calls):
+    """The 15 functions with the most time of their own over ``calls`` calls of ``fn``."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     print(f"device: {device_name()}, torch {torch.__version__}")
     rows = []
@@ -163,6 +180,8 @@ def main():
                 replay, same = graph_replay(ours, make(True))
                 row.update(graph_us=per_call_us(replay, args.calls), graph_equals_eager=same)
             rows.append(row)
+            if grad and args.profile:
+                profile(wrap(ours, inputs), args.calls)
             print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
     if args.json:
