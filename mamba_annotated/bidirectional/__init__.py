@@ -1,0 +1,1 @@
+"""Chapter 6: bidirectional SSMs as quasiseparable matrices."""
