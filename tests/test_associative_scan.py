@@ -47,10 +47,10 @@ def test_tuple_scan_forward_and_backward(dtype, length, reverse, with_h0):
     b = randn(rows, length, dtype=dtype)
     h0 = randn(rows) if with_h0 else None
     tol = tolerance(dtype)
-    h = tuple_scan_forward(a, b, h0, reverse)
+    h = tuple_scan_forward(a, b, h0, reverse=reverse)
     assert_close(h, linear_scan_ref(a, b, h0, reverse), tol, "h")
     grad_h = randn(rows, length, dtype=dtype).double()  # the values the kernel receives, for both
-    grad_a, grad_b, grad_h0 = tuple_scan_backward(a, h, h0, grad_h.to(dtype), reverse)
+    grad_a, grad_b, grad_h0 = tuple_scan_backward(a, h, h0, grad_h.to(dtype), reverse=reverse)
     inputs = dict(a=a.double().requires_grad_(), b=b.double().requires_grad_())
     if with_h0:
         inputs["h0"] = h0.double().requires_grad_()

@@ -35,10 +35,10 @@ PATHS = [(256, None), (16, 1000), (16, 1), (16, 2), (16, 3), (4, 1)]
 def test_every_path_forward_and_backward(block, blocks_per_segment, length, reverse):
     a, b, h0 = random_scan_inputs((2, length), torch.float32, with_h0=True)
     tol = tolerance(torch.float32)
-    h = linear_scan_forward(a, b, h0, reverse, block=block, blocks_per_segment=blocks_per_segment)
+    h = linear_scan_forward(a, b, h0, reverse=reverse, block=block, blocks_per_segment=blocks_per_segment)
     assert_close(h, linear_scan_ref(a, b, h0, reverse), tol, "h")
     grad_h = randn(2, length, dtype=torch.float64)
-    got = linear_scan_backward(a, h, h0, grad_h.float(), reverse, block=block, blocks_per_segment=blocks_per_segment)
+    got = linear_scan_backward(a, h, h0, grad_h.float(), reverse=reverse, block=block, blocks_per_segment=blocks_per_segment)
     inputs = dict(a=a.double().requires_grad_(), b=b.double().requires_grad_(), h0=h0.double().requires_grad_())
     want = gradients(lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, grad_h)
     for name, value in zip(("a", "b", "h0"), got):
@@ -112,11 +112,11 @@ def blocked_reference(a, b, h0, reverse, block=1024):
 def test_long_rows_forward_and_backward(dtype, reverse, rows, length):
     a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)
-    h = linear_scan_forward(a, b, h0, reverse)
+    h = linear_scan_forward(a, b, h0, reverse=reverse)
     assert_close(h, blocked_reference(a, b, h0, reverse), tol, "h")
     # the adjoint is the reverse scan of (a one step later, g): check db and da = db * h_{t-1}
     grad_h = randn(rows, length, dtype=dtype)
-    grad_a, grad_b, grad_h0 = linear_scan_backward(a, h, h0, grad_h, reverse)
+    grad_a, grad_b, grad_h0 = linear_scan_backward(a, h, h0, grad_h, reverse=reverse)
     shift = 1 if reverse else -1  # where "one forward step later" sits, as a roll of the time axis
     a_later = torch.roll(a.double(), shift, dims=-1)
     a_later[:, -1 if not reverse else 0] = 0.0

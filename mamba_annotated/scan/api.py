@@ -27,14 +27,14 @@ def rows(x):
 
 def first_order_scan_op(name, forward_launcher, backward_launcher):
     """The op h = scan(a, b) for one family of launchers. Both families share one contract:
-    forward(a, b, h0, reverse) -> h and backward(a, h, h0, grad_h, reverse) -> (grad_a, grad_b,
+    forward(a, b, h0, *, reverse) -> h and backward(a, h, h0, grad_h, *, reverse) -> (grad_a, grad_b,
     grad_h0 or None), on (rows, L) contiguous tensors."""
 
     def forward(a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor], reverse: bool) -> torch.Tensor:
         if a.numel() == 0:
             return torch.empty_like(a, memory_format=torch.contiguous_format)
         h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
-        return forward_launcher(rows(a), rows(b), h0_rows, reverse).view(a.shape)
+        return forward_launcher(rows(a), rows(b), h0_rows, reverse=reverse).view(a.shape)
 
     def fake_forward(a, b, h0, reverse):
         return torch.empty_like(a, memory_format=torch.contiguous_format)
@@ -45,7 +45,7 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
             grad_h0 = torch.zeros_like(h0) if h0 is not None else absent(a)
             return torch.zeros_like(a), torch.zeros_like(a), grad_h0
         h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
-        grad_a, grad_b, grad_h0 = backward_launcher(rows(a), rows(h), h0_rows, rows(grad_h), reverse)
+        grad_a, grad_b, grad_h0 = backward_launcher(rows(a), rows(h), h0_rows, rows(grad_h), reverse=reverse)
         grad_h0 = grad_h0.view(h0.shape) if h0 is not None else absent(a)
         return grad_a.view(a.shape), grad_b.view(a.shape), grad_h0
 

@@ -102,7 +102,7 @@ def _block(length):
     return triton.next_power_of_2(length)
 
 
-def tuple_scan_forward(a, b, h0=None, reverse=False):
+def tuple_scan_forward(a, b, h0=None, *, reverse=False):
     """a, b: (rows, L) contiguous, same dtype, L <= MAX_LENGTH; h0: (rows,) or None. Returns h like a."""
     rows, length = a.shape
     block = _block(length)
@@ -113,7 +113,7 @@ def tuple_scan_forward(a, b, h0=None, reverse=False):
     return h
 
 
-def tuple_scan_backward(a, h, h0, grad_h, reverse=False):
+def tuple_scan_backward(a, h, h0, grad_h, *, reverse=False):
     """Gradients (da, db, dh0) of the forward pass that produced ``h``; dh0 is None without h0."""
     rows, length = a.shape
     block = _block(length)

@@ -74,14 +74,14 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 def check_scan_gradients(name, forward, backward, a, b, h0, reverse, **launcher_args):
     """Notebook check of a first-order scan's backward launcher (chapters 1, 2 and 4).
 
-    Runs ``forward(a, b, h0, reverse)`` then ``backward(a, h, h0, grad_h, reverse)`` with a random
+    Runs ``forward(a, b, h0, reverse=reverse)`` then ``backward(a, h, h0, grad_h, reverse=reverse)`` with a random
     upstream gradient and compares (grad a, grad b, grad h0) with autograd through the float64
     loop; prints one line per gradient, raises on failure.
     """
-    h = forward(a, b, h0, reverse, **launcher_args)
+    h = forward(a, b, h0, reverse=reverse, **launcher_args)
     # rounded to a's dtype, as the kernel receives it, so that both sides see the same values
     grad_h = torch.randn(a.shape, dtype=torch.float64, device=a.device).to(a.dtype).double()
-    got = backward(a, h, h0, grad_h.to(a.dtype), reverse, **launcher_args)
+    got = backward(a, h, h0, grad_h.to(a.dtype), reverse=reverse, **launcher_args)
     leaves = [x.double().requires_grad_() for x in (a, b, h0)]
     want = torch.autograd.grad(linear_scan_ref(*leaves, reverse=reverse), leaves, grad_h)
     for arg, g, w in zip(("a", "b", "h0"), got, want):

@@ -82,7 +82,7 @@ def sequential_scan_bwd_kernel(a_ptr, h_ptr, h0_ptr, grad_h_ptr, grad_a_ptr, gra
         tl.store(grad_h0_ptr + rows, (a_next * lam).to(grad_h0_ptr.dtype.element_ty), mask=row_mask)
 
 
-def sequential_scan_forward(a, b, h0, reverse):
+def sequential_scan_forward(a, b, h0=None, *, reverse=False):
     """a, b: (channels, L) contiguous, same dtype; h0: (channels,) or None. Returns h like a."""
     channels, length = a.shape
     h = outputs.empty(a.shape, a.dtype, a.device)
@@ -94,7 +94,7 @@ def sequential_scan_forward(a, b, h0, reverse):
     return h
 
 
-def sequential_scan_backward(a, h, h0, grad_h, reverse):
+def sequential_scan_backward(a, h, h0, grad_h, *, reverse=False):
     """Gradients (da, db, dh0) of the forward pass that produced ``h``; dh0 is None without h0."""
     channels, length = a.shape
     grad_a = outputs.empty(a.shape, a.dtype, a.device)
