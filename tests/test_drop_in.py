@@ -27,6 +27,7 @@ from mamba_annotated.testing import assert_close, assert_gradients_close, randn,
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
 TOL = tolerance(torch.float32)
+SUM_TOL = 10 * TOL  # gradients that are sums over every position (dA, dD, d dt_bias)
 
 
 def mamba_ssm_module(submodule):
@@ -98,7 +99,10 @@ def test_mamba2_call_site(return_final_states):
     out = ours(**leaves)
     assert isinstance(out, tuple) == return_final_states
     assert_close(flat(out), flat(ref(**leaves)), TOL, "y (and final state)")
-    assert_gradients_close(lambda **a: flat(ours(**a)), lambda **a: flat(ref(**a)), leaves, TOL)
+    errors = assert_gradients_close(lambda **a: flat(ours(**a)), lambda **a: flat(ref(**a)), leaves, SUM_TOL)
+    # the gradients of A_log, D and dt_bias are sums over every position of terms of both signs
+    # (tests/test_ssd.py's grad_tol says why their float32 bound is wider); zxbcdt's is not
+    assert errors["zxbcdt"] < TOL, errors
 
 
 def test_mamba2_call_site_with_packed_sequences_and_varlen_states():
