@@ -68,7 +68,7 @@ runtime.describe()
 #
 # **The initial state** is one more map: $h_{-1}$ folds into the first element as $b_0 \leftarrow b_0 + a_0 h_{-1}$.
 #
-# **Why this gives $O(\log L)$ depth.** The prefix $P_t = e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds every prefix is known. Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
+# **Why this gives $O(\log L)$ depth.** The prefix $P_t = e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds the whole sequence's composition is known, and with it the compositions of aligned blocks of every power-of-two size. The prefixes that are not such a block come from a second pass of $\log_2 L$ rounds back down the tree (Blelloch, below), or from overlapping combines in every round (Hillis–Steele). Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
 #
 # The implementation in the package, in Triton and in PyTorch (`mamba_annotated/scan/combine.py`):
 
@@ -310,7 +310,7 @@ plt.tight_layout()
 #
 # The step of the recurrence is an affine map; composing affine maps is associative with identity $(1, 0)$; so the recurrence is a scan, computable in $O(\log L)$ depth. One `tl.associative_scan` over the tuple $(a, b)$ is the whole forward kernel, and the backward pass is the same scan run the other way over $(a_{t+1}, g_t)$. Working on pairs keeps float32 precision at any length, where the log-space rewrite loses accuracy linearly with length.
 #
-# Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps, all in registers) by chaining blocks with carries.
+# Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps in one program: 131072 32-bit values, twice the register file of an H100 SM, so the block does not even fit in registers) by chaining blocks with carries.
 #
 # **Exercises** (the tests in `tests/test_associative_scan.py` check the answers):
 #

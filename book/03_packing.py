@@ -196,7 +196,7 @@ plt.tight_layout()
 #
 # Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs packing forces 16-bit accumulation, and its error grows with length where the tuple scan's does not. The tuple scan stays our building block.
 #
-# Both one-block kernels stop at 65536 steps, the most one program can hold in registers. Chapter 4 chains blocks with carries to scan any length.
+# Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 SM. Chapter 4 chains blocks with carries to scan any length.
 #
 # **Exercises** (the tests in `tests/test_packed_scan.py` check the answers):
 #

@@ -221,7 +221,7 @@ for name, inputs in cases.items():
 #
 # and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + b)$, summed over batch and time for `delta_bias`. The identity $a_t h_{t-1} = h_t - x_t$ saves computing $h_{t-1}$, which would need either a third exponential or a shifted scan.
 #
-# The backward kernel needs $h_t$, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 ($L/$`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
+# The backward kernel needs $h_t$, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
 
 # %%
 show_source(selective_scan_bwd_kernel)

@@ -58,7 +58,7 @@ runtime.describe()
 # S = \tau\, Q K^\top, \qquad P_{ij} = \frac{e^{S_{ij}}}{\sum_{j'} e^{S_{ij'}}}, \qquad O = P V .
 # $$
 #
-# Written this way, $S$ and $P$ are $N_q \times N_k$ per head, and autograd keeps $P$ for the backward pass: at $N = 16384$, 16 heads and a batch of 4, that is 64 GiB in bfloat16 for one layer. *Causal* attention lets query $i$ see key $j$ only if $j \le i + N_k - N_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
+# Written this way, $S$ and $P$ are $N_q \times N_k$ per head, and autograd keeps $P$ for the backward pass: at $N = 16384$, 16 heads and a batch of 4, that is 32 GiB in bfloat16 for one layer ($4 \cdot 16 \cdot 16384^2$ entries of 2 bytes). *Causal* attention lets query $i$ see key $j$ only if $j \le i + N_k - N_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
 #
 # The float64 reference does exactly what the formulas say, in the layout of `flash_attn_func`: `(batch, seqlen, heads, head_dim)`. It also returns the log-sum-exp of every query row, $\mathrm{lse}_i = \log \sum_j e^{S_{ij}}$, which will matter below.
 
@@ -369,7 +369,7 @@ ax.set(title="kept for the backward pass (bfloat16)", xlabel="sequence length N"
 ax.legend();
 
 # %% [markdown]
-# The naive line grows as $N^2$, the other two as $N$: at $N = 16384$, 16 heads and a batch of 4, the benchmark below measures this kernel's peak memory over a whole forward and backward pass beside SDPA's flash backend.
+# The naive line is `naive_attention` as shown above, and it keeps more than the textbook's one bfloat16 copy of $P$: autograd also saves a float32 copy of the scores (for the log-sum-exp) and a second copy of $P$ (the output of `nan_to_num`), 8 bytes per entry against 2, so the measured curve is about four times what a minimal naive implementation keeps; its $N^2$ shape is the point. The naive line grows as $N^2$, the other two as $N$: at $N = 16384$, 16 heads and a batch of 4, the benchmark below measures this kernel's peak memory over a whole forward and backward pass beside SDPA's flash backend.
 #
 # ## Speed
 #
