@@ -194,7 +194,7 @@ plt.tight_layout()
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs packing forces 16-bit accumulation, and its error grows with length where the tuple scan's does not. The tuple scan stays our building block.
+# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs, packing a pair into one 32-bit word keeps the scan's arithmetic in 16 bits, and its error grows with length where the tuple scan's does not; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, at twice the word width and twice the shuffle traffic. The trade is word width and shuffle cost, not accuracy alone. The tuple scan stays our building block.
 #
 # Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 SM. Chapter 4 chains blocks with carries to scan any length.
 #

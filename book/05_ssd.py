@@ -363,7 +363,7 @@ print_table(rows)
 # %% [markdown]
 # ## Speed
 #
-# How the time splits as the chunk size varies: the diagonal blocks cost $O(L Q (N + P))$ and grow with $Q$; the states cost $O(L N P)$ whatever $Q$, and the sequential carry has $L/Q$ steps, so it shrinks with $Q$. We time the forward pass per chunk size (bfloat16 on a GPU).
+# How the time splits as the chunk size varies: the diagonal blocks cost $O(L Q (N + P))$ and grow with $Q$; the states cost $O(L N P)$ FLOPs whatever $Q$, but they are bound by bytes, not FLOPs: `chunk_state` writes one float32 state of $P \times N$ per chunk and head, $L/Q$ of them, so its time too falls as $Q$ grows; and the sequential carry has $L/Q$ steps, so it shrinks with $Q$. We time the forward pass per chunk size (bfloat16 on a GPU).
 
 # %% tags=["nbval-ignore-output"]
 fwd = lambda c: ssd_chunk_scan(big["x"], big["dt"], big["A"], big["B"], big["C"], c, D=big["D"],
