@@ -197,8 +197,12 @@ def test_large_negative_scores_leave_the_gradients_finite():
     ours = gradients(lambda q, k, v: attention(q, k, v), inputs, grad_out)
     ref = gradients(lambda q, k, v: attention_ref(q, k, v)[0],
                     {name: t.detach().double().requires_grad_() for name, t in inputs.items()}, grad_out)
-    for name in ("q", "k", "v"):  # P = exp(S - lse) with |lse| ~ 100 carries 100 x float32's rounding of lse
-        assert_close(ours[name], ref[name], 1e-4, f"grad {name}")
+    # The point is that the gradients are finite. Their accuracy is bounded by the scores' size:
+    # P = exp2(S log2(e) - lse2) with |S log2(e)| ~ 170 carries 170 x float32's rounding (1e-5) in
+    # every entry, and dS = P (dP - delta) cancels on top (1.2e-4 for grad k for one draw, against
+    # 1e-7 at ordinary scores, where test_forward_lse_and_gradients holds the kernel to 2 x PyTorch's error)
+    for name in ("q", "k", "v"):
+        assert_close(ours[name], ref[name], 1e-3, f"grad {name}")
 
 
 @pytest.mark.parametrize("shape", [dict(batch=0), dict(seqlen_q=0), dict(seqlen_k=0), dict(heads=0, kv_heads=0),
