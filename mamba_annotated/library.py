@@ -5,13 +5,12 @@ registered as a pair of custom ops, ``mamba_annotated::NAME`` and ``mamba_annota
 each with a fake (meta) function that gives its outputs' shapes, and the forward op's autograd
 formula calls the backward op. ``torch.library.opcheck`` tests the pair (tests/test_drop_in.py).
 
-Going through the dispatcher costs host time on every call (about four times an
-``autograd.Function``'s, measured by ``benchmarks/bench_host_cost.py``), which a model with dozens of
-layers pays at every step. So eager calls take an ``autograd.Function`` that runs the very same
+Going through the dispatcher costs host time on every call, several times what an
+``autograd.Function`` costs, and a model with dozens of layers pays it at every step. So eager calls take an ``autograd.Function`` that runs the very same
 forward, ``save`` and ``grads`` functions, and only a call that torch.compile is tracing goes
 through the custom op. Both paths run the same kernels; tests/test_drop_in.py compares them.
 
-Each op is described by five functions:
+Each op is described by six functions:
 
     forward(*inputs) -> tuple of tensors        runs the kernels; its annotations give the schema
     fake_forward(*inputs) -> tuple of tensors   empty tensors of the outputs' shapes and dtypes
