@@ -6,9 +6,11 @@ each with a fake (meta) function that gives its outputs' shapes, and the forward
 formula calls the backward op. ``torch.library.opcheck`` tests the pair (tests/test_drop_in.py).
 
 Going through the dispatcher costs host time on every call, several times what an
-``autograd.Function`` costs, and a model with dozens of layers pays it at every step. So eager calls take an ``autograd.Function`` that runs the very same
-forward, ``save`` and ``grads`` functions, and only a call that torch.compile is tracing goes
-through the custom op. Both paths run the same kernels; tests/test_drop_in.py compares them.
+``autograd.Function`` costs, and a model with dozens of layers pays it at every step. So eager
+calls take an ``autograd.Function`` that runs the very same forward, ``save`` and ``grads``
+functions (or, when no input requires a gradient or grad mode is off, the forward function
+alone: autograd would record nothing), and only a call that torch.compile is tracing goes
+through the custom op. All paths run the same kernels; tests/test_drop_in.py compares them.
 
 Each op is described by six functions:
 
@@ -67,7 +69,9 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
         if torch.compiler.is_compiling():
             return forward_op(*inputs)
         with on_device_of(inputs[0]):
-            return Eager.apply(*inputs)
+            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+                return Eager.apply(*inputs)
+            return forward(*inputs)  # nothing to differentiate: autograd would record nothing
 
     apply.op, apply.backward_op = forward_op, backward_op
     return apply

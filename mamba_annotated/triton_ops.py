@@ -82,8 +82,20 @@ def sigmoid(x):
     return tl.where(x >= 0, 1.0, e) / (1.0 + e)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host's launch arithmetic. (``triton.cdiv`` and ``triton.next_power_of_2``
+    are constexpr functions in Triton 3.6, whose wrapper costs the host about a microsecond per call;
+    an op plans its launches with a dozen of them.)"""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), on the host (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def block_size(dim: int, smallest: int = 16, largest: int | None = None) -> int:
     """The power of two that covers ``dim`` (``tl.arange`` and ``tl.dot`` need one), clamped to
     [smallest, largest]."""
-    block = max(smallest, triton.next_power_of_2(dim))
+    block = max(smallest, next_power_of_2(dim))
     return min(block, largest) if largest is not None else block

@@ -35,8 +35,9 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, cast, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -67,6 +68,7 @@ def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
                 dq=dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1))
 
 
+@lean_launch
 @triton.jit
 def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_ptr,
                                     stride_ob, stride_om, stride_oh, stride_db, stride_dm, stride_dh,
@@ -281,6 +283,7 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
         tl.store(dq_ptrs, cast(dq, dq_ptr.dtype.element_ty, PRECISION), mask=row_mask)
 
 
+@lean_launch
 @triton.jit
 def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -300,6 +303,7 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr
                  CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
+@lean_launch
 @triton.jit
 def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
                             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -322,7 +326,7 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, 
 def batch_row_head_strides(*tensors):
     """The (batch, row, head) strides of each (batch, seqlen, heads, d) tensor, in order: every
     tensor a kernel addresses is passed its own."""
-    return [s for t in tensors for s in (t.stride(0), t.stride(1), t.stride(2))]
+    return [s for t in tensors for s in t.stride()[:3]]
 
 
 def backward_preprocess(out, dout, lse):
@@ -332,7 +336,7 @@ def backward_preprocess(out, dout, lse):
     delta = outputs.empty((batch, heads, seqlen_q), torch.float32, out.device)
     lse2 = outputs.empty((batch, heads, seqlen_q), torch.float32, out.device)
     block_m = 16 if block_d > 128 else 64  # rows x d of two tensors in registers
-    attention_bwd_preprocess_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+    attention_bwd_preprocess_kernel[(cdiv(seqlen_q, block_m), batch * heads)](
         out, dout, lse, delta, lse2, *batch_row_head_strides(out, dout), seqlen_q, heads, head_dim,
         BLOCK_M=block_m, BLOCK_D=block_d)
     return delta, lse2
@@ -356,10 +360,10 @@ def attention_backward(q, k, v, out, lse, dout, *, causal, softmax_scale, config
     dv = outputs.empty(v.shape, v.dtype, v.device)
     common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E.value, softmax_scale)
     flags = dict(CAUSAL=causal, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype), BLOCK_D=block_d)
-    attention_bwd_dkdv_kernel[(triton.cdiv(seqlen_k, bn), batch * kv_heads)](
+    attention_bwd_dkdv_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dk, dv, *batch_row_head_strides(q, k, v, dout, dk, dv), *common,
         EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
-    attention_bwd_dq_kernel[(triton.cdiv(seqlen_q, bm2), batch * heads)](
+    attention_bwd_dq_kernel[(cdiv(seqlen_q, bm2), batch * heads)](
         q, k, v, dout, lse2, delta, dq, *batch_row_head_strides(q, k, v, dout, dq), *common,
         EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2, **flags, **dq_cfg)
     return dq, dk, dv

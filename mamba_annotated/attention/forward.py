@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, LOG2E, block_size, cast, dot_precision, mm
+from ..triton_ops import LN2, LOG2E, block_size, cast, cdiv, dot_precision, mm
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -67,6 +68,7 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+@lean_launch
 @triton.jit
 def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
@@ -176,11 +178,10 @@ def attention_forward(q, k, v, *, causal, softmax_scale, config=None):
     block_d = block_size(head_dim)
     out = outputs.empty(q.shape, q.dtype, q.device)
     lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    grid = (cdiv(seqlen_q, block_m), batch * heads)
     attention_fwd_kernel[grid](
         q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, softmax_scale * LOG2E.value,
         CAUSAL=causal, SCALE_FIRST=softmax_scale <= 0, EVEN_M=seqlen_q % block_m == 0,
         EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),

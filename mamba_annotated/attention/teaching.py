@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .. import outputs
-from ..triton_ops import LOG2E, block_size, cast, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
 from .api import (attention, attention_gradients, attention_outputs, check_attention_inputs, check_real,
                   last_dim_contiguous)
 from .backward import (attention_backward, backward_config, backward_preprocess, batch_row_head_strides,
@@ -170,7 +170,7 @@ def attention_backward_fused(q, k, v, out, lse, dout, *, causal, softmax_scale, 
     dq = outputs.empty(q.shape, q.dtype, q.device)
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
-    grid = (max(triton.cdiv(seqlen_k, bn), triton.cdiv(seqlen_q, bm2)), batch * kv_heads)
+    grid = (max(cdiv(seqlen_k, bn), cdiv(seqlen_q, bm2)), batch * kv_heads)
     attention_bwd_fused_kernel[grid](
         q, k, v, dout, lse2, delta, dq, dk, dv, *batch_row_head_strides(q, k, v, dout, dq, dk, dv),
         seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E.value, softmax_scale,
@@ -192,7 +192,7 @@ def attention_backward_atomic(q, k, v, out, lse, dout, *, causal, softmax_scale,
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # an accumulator: must start at 0
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
-    attention_bwd_atomic_kernel[(triton.cdiv(seqlen_k, bn), batch * kv_heads)](
+    attention_bwd_atomic_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](
         q, k, v, dout, lse2, delta, dq, dk, dv, *batch_row_head_strides(q, k, v, dout, dq, dk, dv),
         seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E.value, softmax_scale,
         CAUSAL=causal, EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, EVEN_D=head_dim == block_d,

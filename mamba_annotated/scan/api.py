@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, define_op, traced_or_captured
+from ..library import absent, define_op
 from ..validation import check_same, check_same_device, check_tensor
 from .blocked import linear_scan_backward, linear_scan_forward
 from .selective import selective_scan_backward, selective_scan_forward

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
+from ..triton_ops import next_power_of_2
 from .combine import first_order_combine
 
 MAX_LENGTH = 1 << 16
@@ -31,6 +33,7 @@ def warps_for(block):
     return max(1, min(16, block // 256))  # about 8 elements per thread
 
 
+@lean_launch
 @triton.jit
 def tuple_scan_fwd_kernel(a_ptr, b_ptr, h0_ptr, h_ptr, length,
                           HAS_H0: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
@@ -47,6 +50,7 @@ def tuple_scan_fwd_kernel(a_ptr, b_ptr, h0_ptr, h_ptr, length,
     tl.store(h_ptr + row_start + t, h.to(h_ptr.dtype.element_ty), mask=inside)
 
 
+@lean_launch
 @triton.jit
 def tuple_scan_bwd_kernel(a_ptr, h_ptr, h0_ptr, grad_h_ptr, grad_a_ptr, grad_b_ptr, grad_h0_ptr, length,
                           HAS_H0: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
@@ -78,6 +82,7 @@ def tuple_scan_bwd_kernel(a_ptr, h_ptr, h0_ptr, grad_h_ptr, grad_a_ptr, grad_b_p
         tl.store(grad_h0_ptr + row, (a_first * lam_first).to(grad_h0_ptr.dtype.element_ty))
 
 
+@lean_launch
 @triton.jit
 def combine_bracketings_kernel(a_ptr, b_ptr, left_ptr, right_ptr, N: tl.constexpr):
     """For triples x, y, z (rows 0, 1, 2 of a and b): (x o y) o z into left, x o (y o z) into right."""
@@ -99,7 +104,7 @@ def _block(length):
     if length > MAX_LENGTH:
         raise ValueError(f"the one-block tuple scan takes at most {MAX_LENGTH} steps; got {length} "
                          "(linear_scan chains blocks for any length)")
-    return triton.next_power_of_2(length)
+    return next_power_of_2(length)
 
 
 def tuple_scan_forward(a, b, h0=None, *, reverse=False):

@@ -48,7 +48,9 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import DEVICE, size, sm_count
+from ..triton_ops import cdiv, next_power_of_2
 from .combine import first_order_combine
 
 # (largest block, warps) of each kind of scan, chosen by a sweep on an H200 beside accelerated_scan
@@ -207,6 +209,7 @@ def scan_block(a_ptr, b_ptr, row_start, t, length, carry, ADJOINT: tl.constexpr,
     return decay, state, map_a, map_b
 
 
+@lean_launch
 @triton.jit
 def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr, grad_a_ptr,
                         length, num_segments, blocks_per_segment,
@@ -254,6 +257,7 @@ def chained_scan_kernel(a_ptr, b_ptr, init_ptr, ends_ptr, out_ptr, h_ptr, h0_ptr
             carry = _last_in_scan_order(state, t, block * BLOCK, DESCENDING, BLOCK)
 
 
+@lean_launch
 @triton.jit
 def segment_totals_kernel(a_ptr, b_ptr, totals_a_ptr, totals_b_ptr, length, num_segments, blocks_per_segment,
                           ADJOINT: tl.constexpr, DESCENDING: tl.constexpr, BLOCK: tl.constexpr,
@@ -289,12 +293,12 @@ SHORT_ROW_BLOCKS = 4
 def plan(rows, length, block=None, blocks_per_segment=None, max_block=ASCENDING_FLOAT32[0]):
     """(block, blocks_per_segment, num_segments): one segment per row unless rows are too few to
     fill the GPU and long enough to be worth cutting."""
-    block = block or min(max_block, triton.next_power_of_2(length))  # short rows: no idle lanes
-    n_blocks = triton.cdiv(length, block)
+    block = block or min(max_block, next_power_of_2(length))  # short rows: no idle lanes
+    n_blocks = cdiv(length, block)
     if blocks_per_segment is None:
-        segments = 1 if n_blocks <= SHORT_ROW_BLOCKS else min(n_blocks, triton.cdiv(target_programs(), rows))
-        blocks_per_segment = triton.cdiv(n_blocks, segments)
-    return block, blocks_per_segment, triton.cdiv(n_blocks, blocks_per_segment)
+        segments = 1 if n_blocks <= SHORT_ROW_BLOCKS else min(n_blocks, cdiv(target_programs(), rows))
+        blocks_per_segment = cdiv(n_blocks, segments)
+    return block, blocks_per_segment, cdiv(n_blocks, blocks_per_segment)
 
 
 def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
@@ -313,10 +317,10 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
             a, b, totals_a, totals_b, length, num_segments, blocks_per_segment,
             ADJOINT=adjoint, DESCENDING=descending, BLOCK=block, ROW=row, num_warps=num_warps)
         # phase 2: the totals are a (rows, num_segments) recurrence of their own; one segment each
-        totals_block = min(block, triton.next_power_of_2(num_segments))
+        totals_block = min(block, next_power_of_2(num_segments))
         ends = _scan(totals_a, totals_b, init, outputs.empty(totals_a.shape, torch.float32, a.device),
                      adjoint=False, descending=descending, block=totals_block,
-                     blocks_per_segment=triton.cdiv(num_segments, totals_block))
+                     blocks_per_segment=cdiv(num_segments, totals_block))
     dummy = a  # stands in for pointers a constexpr flag says are unused
     chained_scan_kernel[(rows, num_segments)](
         a, b, init if init is not None else dummy, ends if ends is not None else dummy, out,

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
+from ..triton_ops import next_power_of_2
 from .associative import MAX_LENGTH, warps_for
 from .combine import first_order_combine
 
@@ -64,6 +66,7 @@ def combine_float16_words(left, right):
     return combine_words(left, right, tl.float16, tl.uint16, tl.uint32, 16)
 
 
+@lean_launch
 @triton.jit
 def packed_scan_kernel(a_ptr, b_ptr, h_ptr, length, BLOCK: tl.constexpr):
     t = tl.arange(0, BLOCK)
@@ -92,7 +95,7 @@ def packed_scan_forward(a, b):
     rows, length = a.shape
     if length > MAX_LENGTH:
         raise ValueError(f"the one-block packed scan takes at most {MAX_LENGTH} steps; got {length}")
-    block = triton.next_power_of_2(length)
+    block = next_power_of_2(length)
     h = outputs.empty(a.shape, a.dtype, a.device)
     packed_scan_kernel[(rows,)](a, b, h, length, BLOCK=block, num_warps=warps_for(block))
     return h

@@ -46,8 +46,9 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, sigmoid, softplus
+from ..triton_ops import LOG2E, cdiv, next_power_of_2, sigmoid, softplus
 from .combine import first_order_combine
 
 # Chunks are long on a GPU (fewer carry hand-offs) and short in the interpreter, so tiny CPU tests
@@ -87,6 +88,7 @@ def first_column(tile, steps):
     return tl.sum(tl.where(steps[None, None, :] == 0, tile, 0.0), axis=2)
 
 
+@lean_launch
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr,
@@ -147,6 +149,7 @@ def selective_scan_fwd_kernel(
     tl.store(last_state_ptr + last_offsets[:, None] + states[None, :], h, mask=state_mask[None, :])
 
 
+@lean_launch
 @triton.jit
 def selective_scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, chunk_states_ptr,
@@ -274,7 +277,7 @@ def channel_block(channels_per_group, largest):
 
 def chunk_states_shape(batch, dim, dstate, length):
     """The shape of the chunk start states that the forward pass stores for the backward pass."""
-    return batch, triton.cdiv(length, BWD_BLOCK_L), dim, dstate
+    return batch, cdiv(length, BWD_BLOCK_L), dim, dstate
 
 
 def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, store_chunk_states):
@@ -301,7 +304,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplu
         dim, dstate, length, groups, dim // groups,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         DELTA_SOFTPLUS=delta_softplus, STORE_CHUNK_STATES=store_chunk_states,
-        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(dstate), BLOCK_L=block_l, num_warps=FWD_NUM_WARPS,
+        BLOCK_D=block_d, BLOCK_N=next_power_of_2(dstate), BLOCK_L=block_l, num_warps=FWD_NUM_WARPS,
     )
     return y, last_state, chunk_states
 
@@ -331,7 +334,7 @@ def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softpl
         dim, dstate, length, groups, dim // groups,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         DELTA_SOFTPLUS=delta_softplus, HAS_GRAD_LAST_STATE=grad_last_state is not None,
-        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(dstate), BLOCK_L=BWD_BLOCK_L, num_warps=BWD_NUM_WARPS,
+        BLOCK_D=block_d, BLOCK_N=next_power_of_2(dstate), BLOCK_L=BWD_BLOCK_L, num_warps=BWD_NUM_WARPS,
     )
     # sum the per-program partials: over batch for A, D, delta_bias; over a group's blocks for B, C
     per_group = (batch, groups, blocks // groups, dstate, length)

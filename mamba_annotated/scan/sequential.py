@@ -22,11 +22,14 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
+from ..triton_ops import cdiv
 
 BLOCK_C = 32   # one warp of channels per program: small blocks give more programs to fill the SMs
 NUM_WARPS = 1
 
 
+@lean_launch
 @triton.jit
 def sequential_scan_fwd_kernel(a_ptr, b_ptr, h0_ptr, h_ptr, channels, length,
                                HAS_H0: tl.constexpr, REVERSE: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -48,6 +51,7 @@ def sequential_scan_fwd_kernel(a_ptr, b_ptr, h0_ptr, h_ptr, channels, length,
         tl.store(h_ptr + row_start + t, h.to(h_ptr.dtype.element_ty), mask=row_mask)
 
 
+@lean_launch
 @triton.jit
 def sequential_scan_bwd_kernel(a_ptr, h_ptr, h0_ptr, grad_h_ptr, grad_a_ptr, grad_b_ptr, grad_h0_ptr,
                                channels, length,
@@ -86,7 +90,7 @@ def sequential_scan_forward(a, b, h0=None, *, reverse=False):
     """a, b: (channels, L) contiguous, same dtype; h0: (channels,) or None. Returns h like a."""
     channels, length = a.shape
     h = outputs.empty(a.shape, a.dtype, a.device)
-    grid = (triton.cdiv(channels, BLOCK_C),)
+    grid = (cdiv(channels, BLOCK_C),)
     sequential_scan_fwd_kernel[grid](
         a, b, h0 if h0 is not None else a, h, channels, length,
         HAS_H0=h0 is not None, REVERSE=reverse, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS,
@@ -100,7 +104,7 @@ def sequential_scan_backward(a, h, h0, grad_h, *, reverse=False):
     grad_a = outputs.empty(a.shape, a.dtype, a.device)
     grad_b = outputs.empty(a.shape, a.dtype, a.device)
     grad_h0 = outputs.empty(h0.shape, h0.dtype, h0.device) if h0 is not None else None
-    grid = (triton.cdiv(channels, BLOCK_C),)
+    grid = (cdiv(channels, BLOCK_C),)
     sequential_scan_bwd_kernel[grid](
         a, h, h0 if h0 is not None else a, grad_h, grad_a, grad_b,
         grad_h0 if h0 is not None else grad_a, channels, length,

@@ -3,10 +3,10 @@ import operator
 from typing import Optional
 
 import torch
-import triton
 
 from ..library import absent, define_op, traced_or_captured
 from ..validation import check_same, check_same_device, check_tensor
+from ..triton_ops import cdiv
 from .backward import ssd_backward
 from .forward import Saved, ssd_forward
 
@@ -122,7 +122,7 @@ def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, make):
     """The eight outputs of :func:`ssd_forward_op`, each made by ``make(shape, dtype)``."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
-    n_chunks = triton.cdiv(length, chunk_size)
+    n_chunks = cdiv(length, chunk_size)
     stored, final = state_dtype or x.dtype, state_dtype or torch.float32  # mamba_ssm's dtypes by default
     chunk_shape = (batch, heads, n_chunks, chunk_size)
     return (make(x.shape, x.dtype), make((batch, heads, headdim, dstate), final),
@@ -151,6 +151,15 @@ def fake_ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
 INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
+def gate_backward(d_out, y, z, dtype):
+    """out = y * silu(z): (dy = d_out * silu(z) in ``dtype``, dz = d_out * y * silu'(z) in z's dtype,
+    contiguous), computed in float32."""
+    zf, gate = z.float(), torch.sigmoid(z.float())
+    dy = (d_out.float() * zf * gate).to(dtype)
+    dz = (d_out.float() * y.float() * gate * (1 + zf * (1 - gate))).to(z.dtype).contiguous()
+    return dy, dz
+
+
 def ssd_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                     chunk_size: int, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
                     dt_bias: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
@@ -167,14 +176,7 @@ def ssd_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         if initial_states is not None and d_final is not None and x.shape[1] == 0:
             grads[-1].copy_(d_final)  # after no step the final state is the initial one
         return grads
-    dz = None
-    if z is not None:
-        # out = y * silu(z): dy = d_out * silu(z), dz = d_out * y * silu'(z)
-        zf, gate = z.float(), torch.sigmoid(z.float())
-        dy = (d_out.float() * zf * gate).to(x.dtype)
-        dz = (d_out.float() * y.float() * gate * (1 + zf * (1 - gate))).to(z.dtype).contiguous()
-    else:
-        dy = d_out
+    dy, dz = gate_backward(d_out, y, z, x.dtype) if z is not None else (d_out, None)
     grads = ssd_backward(dy, x, dt, A.contiguous(), B, C, Saved(dA_cumsum, dt_out, CB, states_in), D=contiguous(D),
                          dt_bias=contiguous(dt_bias), initial_states=initial_states, seq_idx=seq_idx,
                          d_final=d_final, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))

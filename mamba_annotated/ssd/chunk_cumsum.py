@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from ..triton_ops import sigmoid, softplus
+from ..launch import lean_launch
+from ..triton_ops import cdiv, sigmoid, softplus
 
 BLOCK_H = 8
 
@@ -50,6 +51,7 @@ def add(a, b):
     return a + b
 
 
+@lean_launch
 @triton.jit
 def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
                         length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h, dt_min, dt_max,
@@ -125,6 +127,7 @@ def step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_d
         tl.store(grad_bias_part_ptr + part, tl.sum(d_dt, axis=1), mask=h < heads)
 
 
+@lean_launch
 @triton.jit
 def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, diag_ptr, state_ptr, to_end_ptr, carry_ptr,
                        grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr,
@@ -152,10 +155,10 @@ def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit
 
     A and dt_bias must be contiguous (the public function makes them so)."""
     batch, length, heads = dt.shape
-    n_chunks = triton.cdiv(length, chunk_size)
+    n_chunks = cdiv(length, chunk_size)
     dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
     dt_out = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
-    grid = (batch, n_chunks, triton.cdiv(heads, BLOCK_H))
+    grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     chunk_cumsum_kernel[grid](
         dt, A, dt_bias if dt_bias is not None else A, dA_cumsum, dt_out,
         length, heads, n_chunks, *dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
@@ -180,7 +183,7 @@ def dt_backward(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, dt_lim
     batch, length, heads = dt.shape
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
-    grid = (batch, n_chunks, triton.cdiv(heads, BLOCK_H))
+    grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     dt_backward_kernel[grid](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, decay.diag, decay.state,
         decay.to_end, decay.carry, grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,

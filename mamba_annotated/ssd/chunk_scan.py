@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from ..triton_ops import LOG2E, dot_precision, mm, sigmoid
+from ..launch import lean_launch
+from ..triton_ops import LOG2E, cdiv, dot_precision, mm, sigmoid
 from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
@@ -50,6 +51,7 @@ CPU_CONFIG = config(BLOCK_M=16, BLOCK_P=16, BLOCK_N=16, BLOCK_K=16)
 check_row_blocks(CONFIGS + [CPU_CONFIG], "chunk_scan")
 
 
+@lean_launch
 @autotune(CONFIGS, CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "HAS_Z"])
 @triton.jit
 def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
@@ -155,7 +157,7 @@ def chunk_scan(CB, x, C, H_in, dA_cumsum, dt_out, *, z=None, D=None, seq_idx=Non
     out = outputs.empty(x.shape, x.dtype, x.device)
     y = outputs.empty(x.shape, x.dtype, x.device) if z is not None else None
     grid = lambda META: (batch * n_chunks * heads * (chunk_size // META["BLOCK_M"]),  # noqa: E731
-                         triton.cdiv(headdim, META["BLOCK_P"]))
+                         cdiv(headdim, META["BLOCK_P"]))
     chunk_scan_kernel[grid](
         CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
         D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,

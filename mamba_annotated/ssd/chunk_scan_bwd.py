@@ -55,8 +55,9 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
 from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
@@ -89,6 +90,7 @@ DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 check_row_blocks(DX_CONFIGS + [DX_CPU_CONFIG], "chunk_scan_bwd_dx")
 
 
+@lean_launch
 @autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
@@ -182,6 +184,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
 DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at the chunk), fixed at launch
 
 
+@lean_launch
 @autotune([config(HEAD_STAGES=3), config(HEAD_STAGES=4), config(HEAD_STAGES=2),
            config(HEAD_STAGES=2, num_warps=8, num_stages=2)],
           config(HEAD_STAGES=1), key=["headdim", "CHUNK", "BLOCK_M"])
@@ -255,6 +258,7 @@ DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
 DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 
 
+@lean_launch
 @autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
@@ -425,14 +429,14 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
         BLOCK_M=rows, BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
     )
     slot_n = dbc_slot_width()
-    n_slots = triton.cdiv(dstate, slot_n)
+    n_slots = cdiv(dstate, slot_n)
     state = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size), torch.float32, x.device)
     to_end = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size // 16), torch.float32, x.device)
     carry = outputs.empty((batch, heads, n_chunks, n_slots), torch.float32, x.device)
     dB = outputs.empty(B.shape, B.dtype, B.device)
     dC = outputs.empty(B.shape, C.dtype, C.device)
     grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
-                         (chunk_size // META["BLOCK_M"]) * triton.cdiv(dstate, META["BLOCK_N"]))
+                         (chunk_size // META["BLOCK_M"]) * cdiv(dstate, META["BLOCK_N"]))
     chunk_scan_bwd_dbc_kernel[grid](
         x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, state, to_end, carry,
         length, heads, groups, n_chunks, headdim, dstate, n_slots,

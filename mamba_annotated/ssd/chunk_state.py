@@ -32,11 +32,13 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import block_size, dot_precision, mm
+from ..triton_ops import block_size, cdiv, dot_precision, mm
 from .tuning import autotune, config
 
 
+@lean_launch
 @triton.jit
 def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
                     stride_c_b, stride_c_l, stride_c_g, stride_c_n,
@@ -70,6 +72,7 @@ def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
 
 # First the whole dstate (up to 128) in one tile with 4 warps and steps of 32, the tuner's pick on
 # an H200 (bfloat16, chunk 256, dstate 128) over steps of 64, 8 warps and half of dstate per tile.
+@lean_launch
 @autotune([config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=32, num_stages=4),
            config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64),
            config(BLOCK_P=64, BLOCK_N=128, BLOCK_K=64, num_stages=2),
@@ -154,7 +157,7 @@ def check_row_blocks(configs, kernel):
 def chunk_cb(C, B, chunk_size):
     """C, B (batch, L, groups, dstate), any strides -> CB (batch, chunks, groups, Q, Q) float32."""
     batch, length, groups, dstate = C.shape
-    n_chunks = triton.cdiv(length, chunk_size)
+    n_chunks = cdiv(length, chunk_size)
     CB = outputs.empty((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32, C.device)
     block = 16 if INTERPRETED else min(64, chunk_size)
     block_n = block_size(dstate, largest=16 if INTERPRETED else 64)
@@ -174,7 +177,7 @@ def chunk_state(u, v, dA_cumsum, dt_out, *, seq_idx=None, to_end):
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
     out = outputs.empty((batch, n_chunks, heads, headdim, dstate), torch.float32, u.device)
     grid = lambda META: (batch * n_chunks * heads,  # noqa: E731
-                         triton.cdiv(headdim, META["BLOCK_P"]) * triton.cdiv(dstate, META["BLOCK_N"]))
+                         cdiv(headdim, META["BLOCK_P"]) * cdiv(dstate, META["BLOCK_N"]))
     chunk_state_kernel[grid](
         u, v, dA_cumsum, dt_out, seq_idx if seq_idx is not None else dA_cumsum, out,
         length, heads, groups, n_chunks, headdim, dstate, *u.stride(), *v.stride(),

@@ -26,8 +26,11 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
+from ..triton_ops import cdiv
 
 
+@lean_launch
 @triton.jit
 def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitted_ptr, final_ptr,
                          length, heads, n_chunks, dstate, state_size, stride_seq_b, stride_seq_l,
@@ -78,7 +81,7 @@ def state_passing(states, dA_cumsum, *, length, seq_idx=None, initial=None, reve
     block = 256  # many programs: each walks every chunk in turn, so latency, not bandwidth, binds
     emitted = outputs.empty(states.shape, out_dtype, states.device)
     final = outputs.empty((batch, heads, headdim, dstate), final_dtype, states.device)
-    state_passing_kernel[(batch * heads, triton.cdiv(state_size, block))](
+    state_passing_kernel[(batch * heads, cdiv(state_size, block))](
         states, dA_cumsum, seq_idx if seq_idx is not None else dA_cumsum,
         initial if initial is not None else states, emitted, final,
         length, heads, n_chunks, dstate, state_size,

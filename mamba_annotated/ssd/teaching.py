@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..triton_ops import cdiv
 from .backward import chunk_gradients, step_gradients_by_name
 from .chunk_cumsum import BLOCK_H, step_gradient_buffers, step_gradients
 
@@ -46,7 +47,7 @@ def dt_backward_flip(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, d
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     d_dA = reverse_cumsum_by_flip(decay.total())
     grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
-    dt_backward_from_cumulative_kernel[(batch, n_chunks, triton.cdiv(heads, BLOCK_H))](
+    dt_backward_from_cumulative_kernel[(batch, n_chunks, cdiv(heads, BLOCK_H))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, d_dA,
         grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,
         length, heads, n_chunks, *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),

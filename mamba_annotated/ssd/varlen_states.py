@@ -24,10 +24,12 @@ import triton
 import triton.language as tl
 
 from .. import outputs
+from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import block_size, dot_precision, mm
+from ..triton_ops import block_size, cdiv, dot_precision, mm
 
 
+@lean_launch
 @triton.jit
 def varlen_states_kernel(x_ptr, B_ptr, dA_cumsum_ptr, dt_ptr, H_ptr, cu_seqlens_ptr, out_ptr,
                          length, heads, groups, n_chunks, headdim, dstate,
@@ -78,7 +80,7 @@ def varlen_states(x, B, dA_cumsum, dt_out, states_in, cu_seqlens):
     out = outputs.empty((n_seqs, heads, headdim, dstate), states_in.dtype, x.device)
     block_p = block_size(headdim, largest=16 if INTERPRETED else 64)
     block_n = block_size(dstate, largest=16 if INTERPRETED else 64)
-    grid = (n_seqs * heads, triton.cdiv(headdim, block_p) * triton.cdiv(dstate, block_n))
+    grid = (n_seqs * heads, cdiv(headdim, block_p) * cdiv(dstate, block_n))
     varlen_states_kernel[grid](
         x, B, dA_cumsum, dt_out, states_in, cu_seqlens, out, length, heads, groups, n_chunks, headdim, dstate,
         *x.stride()[1:], *B.stride()[1:], CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n,

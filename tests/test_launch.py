@@ -1,0 +1,86 @@
+"""The lean launch path (mamba_annotated/launch.py): its cache key is at least as fine as Triton's
+specialization, it binds arguments as Triton does, and on a GPU it launches the very kernel
+Triton's own path would, with the same results."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from mamba_annotated.launch import LeanLaunch, classify
+from mamba_annotated.runtime import DEVICE
+
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="the lean path runs only on a GPU")
+
+
+def add_kernel(x_ptr, y_ptr, out_ptr, n, stride, SCALE: tl.constexpr, BLOCK: tl.constexpr = 64):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = tl.load(x_ptr + offsets * stride, mask=inside)
+    y = tl.load(y_ptr + offsets * stride, mask=inside)
+    tl.store(out_ptr + offsets, x + SCALE * y, mask=inside)
+
+
+def one(value, constexpr=False):
+    return classify([value], [constexpr])[0]
+
+
+def test_integer_classes_separate_what_triton_specializes_on():
+    # == 1, multiple of 16, and the 32/64-bit ranges each change the compiled kernel in Triton
+    values = [1, 2, 16, 17, 2 ** 31 - 16, 2 ** 31, 2 ** 63 - 16, 2 ** 63, -16, -1]
+    classes = [one(v) for v in values]
+    assert classes[0] != classes[1] and classes[2] != classes[3]
+    assert classes[4] != classes[5] and classes[6] != classes[7]
+    assert one(32) == one(48) == one(2 ** 20) == one(-16)
+    assert one(3) == one(5) == one(-1)
+
+
+def test_argument_classes():
+    t = torch.zeros(8)
+    assert one(t) == (torch.float32, True)
+    assert one(t[1:]) == (torch.float32, False)        # 4 bytes off: not 16-aligned
+    assert one(t[4:]) == (torch.float32, True)
+    assert one(t.half())[0] == torch.float16
+    assert one(True) is True and one(1) != one(True) and one(None) is None
+    assert one(7, constexpr=True) == 7 and one(7, constexpr=True) != one(9, constexpr=True)
+    assert one(0.5) == one(2.5)                         # floats are not specialized
+
+
+def test_binding_follows_the_signature():
+    launcher = LeanLaunch(JITFunction(add_kernel))
+    x = torch.zeros(4)
+    values, options = launcher.bind((x, x, x, 4), dict(stride=1, SCALE=2.0, num_warps=2))
+    assert values == [x, x, x, 4, 1, 2.0, 64] and options == ("num_warps",)  # BLOCK's default filled in
+    values, _ = launcher.bind((x, x, x), dict(SCALE=3.0, n=5, stride=2, BLOCK=128))
+    assert values == [x, x, x, 5, 2, 3.0, 128]
+
+
+@gpu_only
+def test_lean_path_launches_the_kernel_triton_would():
+    jit = triton.jit(add_kernel)
+    launcher = LeanLaunch(jit)
+    x, y = torch.randn(1000, device=DEVICE), torch.randn(1000, device=DEVICE)
+    for n, stride, views in ((1000, 1, (x, y)), (999, 1, (x[1:], y[1:])), (499, 2, (x, y))):
+        expected = torch.empty(n, device=DEVICE)
+        jit[(triton.cdiv(n, 64),)](*views, expected, n, stride, SCALE=2.0)
+        for _ in range(3):  # the first call takes Triton's path and caches, the others the lean one
+            out = torch.full((n,), float("nan"), device=DEVICE)
+            launcher[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](*views, out, n, stride, SCALE=2.0)
+            torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # aligned contiguous, misaligned contiguous, and a stride of 2 are three specializations
+    assert len(launcher.compiled) == 3
+
+
+@gpu_only
+def test_lean_path_keeps_the_tuned_configuration():
+    tuned = triton.autotune([triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 128})], key=["n"])(
+        triton.jit(add_kernel))
+    launcher = LeanLaunch(tuned)
+    x, y = torch.randn(777, device=DEVICE), torch.randn(777, device=DEVICE)
+    expected = x + 0.5 * y
+    for _ in range(3):
+        out = torch.full_like(x, float("nan"))
+        launcher[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](x, y, out, 777, 1, SCALE=0.5)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    (_, blocks), = launcher.compiled.values()
+    assert blocks == tuned.best_config.kwargs
