@@ -236,6 +236,18 @@ def test_torch_compile_fullgraph_matches_eager():
         assert_close(got, want, TOL, f"grad {name}")
 
 
+def test_forward_without_autograd_gives_the_same_bits():
+    """With nothing to differentiate (no_grad, or no input requiring a gradient) an op skips its
+    autograd.Function (library.define_op) and runs the same forward: the same result, bit for bit."""
+    inputs = all_four_inputs()
+    with_grad, _ = loss_and_gradients(all_four_ops, inputs)
+    with torch.no_grad():
+        without_grad = all_four_ops(**inputs)
+    plain = all_four_ops(**inputs)  # grad mode on, no input requires a gradient
+    assert torch.equal(with_grad.detach(), without_grad) and torch.equal(without_grad, plain)
+    assert without_grad.grad_fn is None and plain.grad_fn is None
+
+
 @gpu_only
 def test_cuda_graph_capture_of_forward_and_backward():
     inputs = {k: v.requires_grad_() for k, v in all_four_inputs().items()}
