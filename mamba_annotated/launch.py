@@ -1,9 +1,8 @@
 """Kernel launches with less host time: ``@lean_launch`` over ``@triton.jit`` (or ``@triton.autotune``).
 
-``kernel[grid](*args, **kwargs)`` costs the host 20-40 microseconds in Triton 3.6 (an H100 box:
-book/data/host_cost.json), most of it before the launch proper: binding the arguments to the
-kernel's signature, classifying each one (dtype, 16-byte alignment, divisibility by 16, == 1) into
-the key of the compiled kernel, and looking that key up. An op of a few launches then costs more
+``kernel[grid](*args, **kwargs)`` costs the host tens of microseconds in Triton 3.6, most of it
+before the launch proper: binding the arguments to the kernel's signature, classifying each one
+(dtype, 16-byte alignment, divisibility by 16, == 1) into the key of the compiled kernel, and looking that key up. An op of a few launches then costs more
 host time than a small problem costs the GPU, and a model pays it in every layer at every step.
 
 The wrapper keeps the compiled kernel of each specialization in a dictionary of its own, keyed by
