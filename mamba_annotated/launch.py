@@ -2,8 +2,9 @@
 
 ``kernel[grid](*args, **kwargs)`` costs the host tens of microseconds in Triton 3.6, most of it
 before the launch proper: binding the arguments to the kernel's signature, classifying each one
-(dtype, 16-byte alignment, divisibility by 16, == 1) into the key of the compiled kernel, and looking that key up. An op of a few launches then costs more
-host time than a small problem costs the GPU, and a model pays it in every layer at every step.
+(dtype, 16-byte alignment, divisibility by 16, == 1) into the key of the compiled kernel, and
+looking that key up. An op of a few launches then costs more host time than a small problem costs
+the GPU, and a model pays it in every layer at every step.
 
 The wrapper keeps the compiled kernel of each specialization in a dictionary of its own, keyed by
 a classification that is at least as fine as Triton's (so a cached kernel is exactly the one
