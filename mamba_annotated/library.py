@@ -77,13 +77,15 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
     return apply
 
 
+STAY = contextlib.nullcontext()  # reusable: made once, not at every call
+
+
 def on_device_of(tensor):
     """Triton launches on the current CUDA device, so a call on tensors of another GPU makes it
     current for the call (and a no-op context when it already is, or on the CPU)."""
-    device = tensor.device
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return STAY
 
 
 def traced_or_captured() -> bool:
