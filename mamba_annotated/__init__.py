@@ -6,8 +6,10 @@ CUDA device it turns on Triton's interpreter, which must happen before any kerne
 """
 from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET before kernels are defined)
 from .attention import attention
+from .bidirectional import bidirectional_chunk_scan
 from .scan import linear_scan, selective_scan, sequential_scan
 from .ssd import ssd_chunk_scan
 
-__all__ = ["sequential_scan", "linear_scan", "selective_scan", "ssd_chunk_scan", "attention"]
+__all__ = ["sequential_scan", "linear_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
+           "attention"]
 __version__ = "0.1.0"

@@ -1,19 +1,27 @@
-"""Chapter 6's ground truth and foil: the float64 quasiseparable reference against an independent
-recurrence (both directions, packed sequences), the matrix's rank structure and diagonal, packed
-batches against separate runs, and the two-call composition of chapter 5's SSD against the
-reference, forward and every gradient."""
+"""Chapter 6's ground truth, foil and fused kernel: the float64 quasiseparable reference against an
+independent recurrence (both directions, packed sequences), the matrix's rank structure and
+diagonal, packed batches against separate runs, the two-call composition of chapter 5's SSD against
+the reference, forward and every gradient; then the fused ``bidirectional_chunk_scan`` against the
+reference: both forms, shared and separate reverse parameters, every gradient, packed sequences
+(seq_idx and cu_seqlens), dtypes, odd lengths and sizes, views, empty and bad inputs, reproducible
+gradients, agreement with the two-call foil, and torch.library's opcheck."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.runtime.interpreter
 
+from mamba_annotated import bidirectional_chunk_scan
+from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_seq_idx, quasiseparable_matrix,
                                                      reverse_within_sequences, shift_within_sequences)
-from mamba_annotated.runtime import DEVICE
+from mamba_annotated.runtime import DEVICE, INTERPRETED
 from mamba_annotated.ssd.reference import process_dt
-from mamba_annotated.testing import assert_close, assert_gradients_close, randn, tolerance, uniform
+from mamba_annotated.testing import (assert_close, assert_gradients_close, assert_within_same_computation, gradients,
+                                     randn, tolerance, uniform)
 
 REVERSE = ("dt_rev", "B_rev", "C_rev")
 TIME_ARGS = ("x", "dt", "B", "C", "z") + REVERSE  # the arguments indexed by position (dim 1)
@@ -57,6 +65,9 @@ def recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, 
     """Two plain loops over time in float64, one per direction, the state reset where a sequence
     starts (forwards) or ends (backwards); with shift each loop emits the previous step's output."""
     batch, length, heads, headdim = x.shape
+    device = x.device  # the loops run on the CPU (one small step at a time)
+    x, dt, A, B, C, D, z, dt_bias, dt_rev, B_rev, C_rev = (
+        t.cpu() if t is not None else None for t in (x, dt, A, B, C, D, z, dt_bias, dt_rev, B_rev, C_rev))
     x = x.double()
     seq = torch.zeros(batch, length, dtype=torch.long) if seq_idx is None else seq_idx.long().cpu()
 
@@ -89,7 +100,7 @@ def recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, 
                  C if C_rev is None else C_rev)
     if D is not None:
         y = y + x * (D.double()[:, None] if D.dim() == 1 else D.double())
-    return y if z is None else y * F.silu(z.double())
+    return (y if z is None else y * F.silu(z.double())).to(device)
 
 
 @pytest.mark.parametrize("separate", [True, False])
@@ -115,7 +126,7 @@ def test_reference_smallest_lengths(length):
 
 def test_reversal_and_shift_within_sequences():
     seq_idx = packed_ids(2, 37)
-    t = torch.arange(2 * 37, dtype=torch.float64).reshape(2, 37, 1)
+    t = torch.arange(2 * 37, dtype=torch.float64, device=DEVICE).reshape(2, 37, 1)
     rev, shifted = reverse_within_sequences(t, seq_idx), shift_within_sequences(t, seq_idx)
     for b in range(2):
         ids = seq_idx[b].tolist()
@@ -276,3 +287,375 @@ def test_two_calls_gradients(shift, packed, chunk_size):
     assert set(errors) == set(inputs)
     for name, err in errors.items():
         assert err < grad_tol(name), f"grad {name}: relative error {err:.3e}"
+
+
+# ---------------------------------------------------------------- the fused kernel
+
+
+ALL_GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias") + REVERSE
+
+
+def fused_grad_tol(name, dtype):
+    """tests/test_ssd.py's rule: dA, d dt_bias and dD are sums over every (batch, position) of terms
+    of both signs, so they get one digit more than the per-dtype bound (5x for 16-bit tiles)."""
+    if name in ("A", "dt_bias", "D"):
+        return tolerance(dtype) * (10 if dtype == torch.float32 else 5)
+    return tolerance(dtype)
+
+
+def check_fused(inputs, dtype=torch.float32, chunk_size=16, **kw):
+    """The fused op against the float64 reference, forward and the gradient of every float input."""
+    inputs = {k: (v.requires_grad_() if v is not None and k in ALL_GRADS else v) for k, v in inputs.items()}
+    out = bidirectional_chunk_scan(**inputs, chunk_size=chunk_size, **kw)
+    assert out.dtype == dtype and out.shape == inputs["x"].shape
+    assert_close(out, bidirectional_ref(**inputs, **kw), tolerance(dtype), "out")
+    errors = assert_gradients_close(lambda **a: bidirectional_chunk_scan(**a, chunk_size=chunk_size, **kw),
+                                    lambda **a: bidirectional_ref(**a, **kw), inputs, tol=1.0)
+    assert set(errors) == {k for k, v in inputs.items() if v is not None and k in ALL_GRADS}
+    for name, err in errors.items():
+        assert err < fused_grad_tol(name, dtype), f"grad {name}: relative error {err:.3e}"
+
+
+# (shift, separate reverse parameters, packed, chunk_size, D's shape): each pair of the values of
+# shift, separate and packed appears once, and each with both chunk sizes but separate; lengths 37
+# (chunk 16: groups of two heads) and 45 (chunk 32: one head per group, fewer programs for the
+# interpreter) end mid-chunk
+FUSED_CASES = [(False, False, False, 16, "channel"), (False, True, True, 32, "head"),
+               (True, True, False, 32, "channel"), (True, False, True, 16, "head")]
+
+
+@pytest.mark.parametrize("shift, separate, packed, chunk_size, D_shape", FUSED_CASES)
+def test_fused_forward_and_every_gradient(shift, separate, packed, chunk_size, D_shape):
+    length, heads, groups = {16: (37, 4, 2), 32: (45, 2, 2)}[chunk_size]
+    inputs = make_inputs(length=length, heads=heads, groups=groups, D_shape=D_shape, separate=separate)
+    if packed:  # slow decays: a state that leaked across a boundary would change the output by O(1)
+        inputs["A"] = -uniform(heads, low=0.02, high=0.1)
+    check_fused(inputs, chunk_size=chunk_size, dt_softplus=True, dt_limit=(0.05, 1.0) if packed else (0.0, math.inf),
+                seq_idx=packed_ids(2, length) if packed else None, shift=shift)
+
+
+@pytest.mark.parametrize("name", REVERSE)
+def test_fused_one_reverse_parameter_of_its_own(name):
+    """dt_rev, B_rev, C_rev each default to the forward one on its own: one given, two shared."""
+    inputs = make_inputs(batch=1, heads=2, groups=1, separate=True)
+    inputs.update({k: None for k in REVERSE if k != name})
+    check_fused(inputs, dt_softplus=True, shift=name == "C_rev")
+
+
+@pytest.mark.parametrize("dtype, shift", [(torch.float16, False), (torch.bfloat16, True)])
+def test_fused_half_precision(dtype, shift):
+    """Forward and every gradient within the 16-bit bounds; and the step gradients within 3x the
+    error of chapter 5's SSD called twice. Defect: the column sums of the decay gradients came from
+    the dx kernel's 16-bit tiles and the row sums from float32, so the two signs of each term did
+    not cancel in the reverse cumsum: bfloat16 dA had 30-100x the two calls' error (3x, not 2x:
+    the ratio of two independent rounding errors reached 2.0 over seeds)."""
+    inputs = make_inputs(batch=1, heads=4, groups=2, dtype=dtype, separate=shift)
+    inputs = {k: v.requires_grad_() for k, v in inputs.items() if v is not None}
+    kw = dict(dt_softplus=True, seq_idx=packed_ids(1, 37), shift=shift)
+    out = bidirectional_chunk_scan(**inputs, chunk_size=16, **kw)
+    assert out.dtype == dtype
+    assert_close(out, bidirectional_ref(**inputs, **kw), tolerance(dtype), "out")
+    grad_out = randn(*inputs["x"].shape, dtype=dtype)
+    ours = gradients(lambda **a: bidirectional_chunk_scan(**a, chunk_size=16, **kw), inputs, grad_out)
+    foil = gradients(lambda **a: bidirectional_two_calls(**a, chunk_size=16, **kw), inputs, grad_out)
+    as64 = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    want = gradients(lambda **a: bidirectional_ref(**a, **kw), as64, grad_out.double())
+    assert set(ours) == set(want) == {k for k in inputs if k in ALL_GRADS}
+    for name in ours:
+        assert_close(ours[name], want[name], fused_grad_tol(name, dtype), f"grad {name}")
+    for name in ("dt", "A", "dt_bias") + (("dt_rev",) if shift else ()):
+        assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype, factor=3.0)
+
+
+@pytest.mark.parametrize("length", [1, 2, 15, 16, 17])
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_odd_lengths_minimal_arguments(length, shift):
+    """No optional argument: one group, no D, z or bias; lengths around the chunk."""
+    inputs = make_inputs(batch=1, length=length, heads=2, groups=1, D_shape=None, separate=False, z=False)
+    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
+    assert_close(bidirectional_chunk_scan(x, dt, A, B, C, 16, shift=shift),
+                 bidirectional_ref(x, dt, A, B, C, shift=shift), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("chunk_size, headdim, dstate", [(64, 24, 12), (32, 40, 40)])
+def test_fused_sizes_that_are_not_blocks(chunk_size, headdim, dstate):
+    """headdim and dstate that no block divides, several blocks of each, a chunk of several row
+    blocks, a length 17 past the first chunk."""
+    length = chunk_size + 17
+    inputs = make_inputs(batch=1, length=length, heads=2, headdim=headdim, groups=1, dstate=dstate,
+                         separate=chunk_size != 64)
+    kw = dict(dt_softplus=True, shift=chunk_size == 32)
+    assert_close(bidirectional_chunk_scan(**inputs, chunk_size=chunk_size, **kw), bidirectional_ref(**inputs, **kw),
+                 tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_cu_seqlens_is_seq_idx_and_separate_runs(shift):
+    """cu_seqlens (an empty sequence among them) gives what the seq_idx it implies gives, and what
+    each sequence gives alone; boundaries inside chunks and on a chunk's edge, slow decays (a leak
+    across a boundary would be large)."""
+    inputs = make_inputs(batch=1, heads=2, groups=1)
+    inputs["A"] = -uniform(2, low=0.02, high=0.1)
+    offsets = [0, 5, 5, 6, 16, 27, 37]
+    cu_seqlens = torch.tensor(offsets, dtype=torch.int64, device=DEVICE)
+    kw = dict(chunk_size=16, dt_softplus=True, shift=shift)
+    by_offsets = bidirectional_chunk_scan(**inputs, cu_seqlens=cu_seqlens, **kw)
+    by_ids = bidirectional_chunk_scan(**inputs, seq_idx=packed_seq_idx(None, cu_seqlens, 37).to(torch.int32), **kw)
+    assert torch.equal(by_offsets, by_ids)
+    alone = torch.cat([run_alone(bidirectional_chunk_scan, inputs, s, e, **kw)
+                       for s, e in zip(offsets[:-1], offsets[1:]) if e > s], dim=1)
+    assert_close(by_offsets, alone, tolerance(torch.float32))
+    assert_close(by_offsets, bidirectional_ref(**inputs, cu_seqlens=cu_seqlens, dt_softplus=True, shift=shift),
+                 tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_views_forward_and_gradients(shift):
+    """Every tensor a view: x, z, B, C, B', C' and both steps split out of one projection (as a
+    Hydra or Mamba-2 layer does), x also time-major transposed; the gradients reach the projection."""
+    batch, length, heads, headdim, groups, dstate = 2, 37, 2, 8, 1, 8
+    widths = [heads * headdim] * 2 + [groups * dstate] * 4 + [heads] * 2
+    leaves = dict(proj=randn(batch, length, sum(widths)), xt=randn(length, batch, heads, headdim),
+                  A=-uniform(heads, low=0.5, high=2.0), D=randn(heads), dt_bias=randn(heads, scale=0.5))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+
+    def call(fn):
+        def run(proj, xt, A, D, dt_bias):
+            z, x, B, C, B_rev, C_rev, dt, dt_rev = torch.split(proj, widths, dim=-1)
+            heads_of = lambda t: t.unflatten(-1, (-1, headdim))  # noqa: E731
+            groups_of = lambda t: t.unflatten(-1, (groups, dstate))  # noqa: E731
+            return fn(heads_of(x) + xt.transpose(0, 1), dt, A, groups_of(B), groups_of(C), D=D, z=heads_of(z),
+                      dt_bias=dt_bias, dt_softplus=True, shift=shift, dt_rev=dt_rev, B_rev=groups_of(B_rev),
+                      C_rev=groups_of(C_rev))
+        return run
+
+    ours = call(lambda *a, **k: bidirectional_chunk_scan(*a[:5], 16, **k))
+    ref = call(bidirectional_ref)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(torch.float32))
+    errors = assert_gradients_close(ours, ref, leaves, tol=1.0)
+    for name, err in errors.items():
+        assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_agrees_with_two_calls(shift):
+    """The fused pipeline and the naive composition of two causal SSD calls compute the same function."""
+    inputs = make_inputs(length=45, heads=2, groups=1, separate=shift)
+    kw = dict(dt_softplus=True, seq_idx=packed_ids(2, 45), shift=shift)
+    assert_close(bidirectional_chunk_scan(**inputs, chunk_size=32, **kw),
+                 bidirectional_two_calls(**inputs, chunk_size=32, **kw), 2 * tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_zero_B_and_C_give_D_x(shift):
+    """The chapter's exercise on the kernel: with B = C = 0 only the skip is left, y = D x exactly."""
+    inputs = make_inputs(D_shape="channel", separate=False, z=False)
+    inputs["B"], inputs["C"] = torch.zeros_like(inputs["B"]), torch.zeros_like(inputs["C"])
+    out = bidirectional_chunk_scan(**inputs, chunk_size=16, shift=shift)
+    assert torch.equal(out, inputs["x"] * inputs["D"])
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch (in the interpreter) fails."""
+    def refuse(*grid):
+        raise AssertionError(f"a kernel was launched on grid {grid}")
+    monkeypatch.setattr(triton.runtime.interpreter.interpreter_builder, "set_grid_dim", refuse)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="counts launches in the interpreter")
+@pytest.mark.parametrize("batch, length, heads", [(1, 0, 2), (0, 5, 2), (2, 5, 0)])
+def test_fused_empty_inputs_give_empty_outputs_and_zero_gradients(no_launch, batch, length, heads):
+    inputs = make_inputs(batch=batch, length=length, heads=heads, groups=1, D_shape="head")
+    inputs = {k: v.requires_grad_() for k, v in inputs.items()}
+    out = bidirectional_chunk_scan(**inputs, chunk_size=16, dt_softplus=True, shift=True)
+    assert out.shape == inputs["x"].shape
+    out.sum().backward()
+    for name, v in inputs.items():
+        assert v.grad.shape == v.shape and not v.grad.any(), name
+
+
+def run_programs_in_reverse_order(monkeypatch):
+    """The interpreter runs a grid's programs one after another in order: from here on, last to first."""
+    builder = triton.runtime.interpreter.interpreter_builder
+    in_order = builder.set_grid_idx
+    monkeypatch.setattr(builder, "set_grid_idx",
+                        lambda x, y, z: in_order(*(n - 1 - i for n, i in zip(builder.grid_dim, (x, y, z)))))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="reorders the programs of the interpreter")
+def test_fused_gradients_are_the_same_bits_whatever_order_the_programs_run_in():
+    inputs = make_inputs(batch=1, length=41, heads=2, groups=1, dstate=24)
+    inputs = {k: (v.requires_grad_() if k in ALL_GRADS else v) for k, v in inputs.items()}
+
+    def fn(**args):
+        return bidirectional_chunk_scan(**args, chunk_size=32, dt_softplus=True, seq_idx=packed_ids(1, 41),
+                                        shift=True)
+
+    grad_out = randn(*inputs["x"].shape)
+    first, again = gradients(fn, inputs, grad_out), gradients(fn, inputs, grad_out)
+    with pytest.MonkeyPatch.context() as reverse:
+        run_programs_in_reverse_order(reverse)
+        backwards = gradients(fn, inputs, grad_out)
+    for name in first:
+        assert torch.equal(first[name], again[name]) and torch.equal(first[name], backwards[name]), name
+
+
+def op_args(optional, shift):
+    """Arguments of the registered op (mamba_annotated::bidirectional_chunk_scan), small."""
+    i = make_inputs(batch=1, length=17, heads=2, groups=1, separate=optional)
+    i = {k: (v.requires_grad_() if v is not None else v) for k, v in i.items()}
+    seq_idx = packed_ids(1, 17) if optional else None
+    if optional:
+        return (i["x"], i["dt"], i["A"], i["B"], i["C"], 16, i["D"], i["z"], i["dt_bias"], seq_idx, True, 0.0,
+                math.inf, shift, i["dt_rev"], i["B_rev"], i["C_rev"])
+    return (i["x"], i["dt"], i["A"], i["B"], i["C"], 16, None, None, None, None, False, 0.0, math.inf, shift,
+            None, None, None)
+
+
+@pytest.mark.parametrize("optional, shift", [(False, False), (True, True)], ids=["bare", "every_argument"])
+def test_fused_opcheck(optional, shift):
+    torch.library.opcheck(bidirectional_chunk_scan_op.op, op_args(optional, shift))
+
+
+def test_fused_torch_compile_fullgraph_matches_eager():
+    inputs = make_inputs(batch=1, length=21, heads=2, groups=1)
+    inputs = {k: v.requires_grad_() for k, v in inputs.items()}
+    seq_idx = packed_ids(1, 21)
+
+    def fn(x, dt, A, B, C, D, z, dt_bias, dt_rev, B_rev, C_rev):
+        y = bidirectional_chunk_scan(x, dt, A, B, C, 16, D, z, dt_bias, True, seq_idx=seq_idx, shift=True,
+                                     dt_rev=dt_rev, B_rev=B_rev, C_rev=C_rev)
+        return (2 * y).square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager_loss, compiled_loss = fn(**inputs), compiled(**inputs)
+    want = torch.autograd.grad(eager_loss, list(inputs.values()))
+    got = torch.autograd.grad(compiled_loss, list(inputs.values()))
+    assert_close(compiled_loss, eager_loss, 1e-6, "loss")
+    for name, g, w in zip(inputs, got, want):
+        assert_close(g, w, 1e-6, f"grad {name}")
+
+
+def first_row(inputs):
+    return {k: (v[:1] if k in TIME_ARGS else v) for k, v in inputs.items()}
+
+
+def bad_seq_idx(i):
+    return torch.arange(37, 0, -1, dtype=torch.int32, device=DEVICE).expand(2, -1)
+
+
+BAD_INPUTS = [
+    (lambda i: dict(i, x=i["x"].double()), TypeError, "x must have dtype"),
+    (lambda i: dict(i, x=i["x"][0]), ValueError, "x must have 4 dimensions"),
+    (lambda i: dict(i, x=torch.zeros(2, 37, 4, 256, device=DEVICE)), NotImplementedError, "headdim 256"),
+    (lambda i: dict(i, dt=i["dt"][:, :-1]), ValueError, "dt must have shape"),
+    (lambda i: dict(i, A=i["A"][:-1]), ValueError, "A must have shape"),
+    (lambda i: dict(i, B=i["B"].half()), TypeError, "B must have the dtype of x"),
+    (lambda i: dict(i, C=i["C"][..., :-1]), ValueError, "C must have the shape of B"),
+    (lambda i: dict(i, chunk_size=24), ValueError, "chunk_size must be one of"),
+    (lambda i: dict(i, chunk_size=512), ValueError, "chunk_size must be one of"),
+    (lambda i: dict(i, chunk_size=16.0), TypeError, "chunk_size must be an integer"),
+    (lambda i: dict(i, D=i["D"][:, :-1]), ValueError, "D must have shape"),
+    (lambda i: dict(i, z=i["z"][:, :-1]), ValueError, "z must have the shape of x"),
+    (lambda i: dict(i, dt_bias=i["dt_bias"][None]), ValueError, "dt_bias must have shape"),
+    (lambda i: dict(i, dt_limit=(1.0, 0.5)), ValueError, "dt_limit must be a pair"),
+    (lambda i: dict(i, dt_rev=i["dt_rev"][:, :-1]), ValueError, "dt_rev must have shape"),
+    (lambda i: dict(i, dt_rev=i["dt_rev"].long()), TypeError, "dt_rev must have dtype"),
+    (lambda i: dict(i, B_rev=i["B_rev"][..., :-1]), ValueError, "B_rev must have the shape of B"),
+    (lambda i: dict(i, C_rev=i["C_rev"].half()), TypeError, "C_rev must have the dtype of B"),
+    (lambda i: dict(i, C_rev=i["C_rev"].cpu().numpy()), TypeError, "C_rev must be a torch.Tensor"),
+    (lambda i: dict(i, seq_idx=torch.zeros(2, 37, device=DEVICE)), TypeError, "seq_idx must have dtype"),
+    (lambda i: dict(i, seq_idx=torch.zeros(2, 36, dtype=torch.int32, device=DEVICE)), ValueError,
+     "seq_idx must have shape"),
+    (lambda i: dict(i, seq_idx=bad_seq_idx(i)), ValueError, "seq_idx must be nondecreasing"),
+    (lambda i: dict(i, cu_seqlens=torch.tensor([0, 37], device=DEVICE)), ValueError, "cu_seqlens needs batch 1"),
+    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0.0, 37.0], device=DEVICE)), TypeError,
+     "cu_seqlens must have dtype"),
+    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0, 20, 38], device=DEVICE)), ValueError,
+     "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([3, 20, 37], device=DEVICE)), ValueError,
+     "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0, 37], device=DEVICE),
+                    seq_idx=torch.zeros(1, 37, dtype=torch.int32, device=DEVICE)), ValueError,
+     "seq_idx or cu_seqlens, not both"),
+]
+
+
+@pytest.mark.parametrize("build, error, message", BAD_INPUTS)
+def test_fused_bad_inputs_raise_clear_errors(build, error, message):
+    inputs = dict(make_inputs(), chunk_size=16)
+    with pytest.raises(error, match=message):
+        bidirectional_chunk_scan(**build(inputs))
+
+
+# ---------------------------------------------------------------- GPU: real sizes, the tuned configurations
+
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="real sizes need compiled kernels")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("chunk, headdim, dstate, groups, dtype, shift", [
+    (32, 32, 16, 1, torch.float32, False),
+    (64, 64, 64, 2, torch.bfloat16, True),
+    (128, 128, 128, 4, torch.float16, False),
+    (256, 64, 256, 1, torch.bfloat16, False),
+    (256, 128, 128, 2, torch.float32, True),
+])
+def test_fused_real_sizes_against_reference(chunk, headdim, dstate, groups, dtype, shift):
+    """Every gradient at real sizes, with the tuned configurations; the 16-bit step gradients
+    (sums over every position of terms of both signs) within 3x the two-call composition's error."""
+    length = 3 * chunk + 37
+    inputs = make_inputs(batch=2, length=length, heads=8, headdim=headdim, groups=groups, dstate=dstate, dtype=dtype,
+                         separate=shift)
+    inputs = {k: v.requires_grad_() for k, v in inputs.items() if v is not None}
+    kw = dict(dt_softplus=True, dt_limit=(0.01, 2.0), seq_idx=packed_ids(2, length), shift=shift)
+    assert_close(bidirectional_chunk_scan(**inputs, chunk_size=chunk, **kw), bidirectional_ref(**inputs, **kw),
+                 tolerance(dtype), "out")
+    grad_out = randn(*inputs["x"].shape, dtype=dtype)
+    ours = gradients(lambda **a: bidirectional_chunk_scan(**a, chunk_size=chunk, **kw), inputs, grad_out)
+    as64 = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+    want = gradients(lambda **a: bidirectional_ref(**a, **kw), as64, grad_out.double())
+    steps = ("dt", "A", "dt_bias", "dt_rev")
+    for name in ours:
+        if dtype == torch.float32 or name not in steps:
+            assert_close(ours[name], want[name], fused_grad_tol(name, dtype), f"grad {name}")
+    if dtype != torch.float32:
+        foil = gradients(lambda **a: bidirectional_two_calls(**a, chunk_size=chunk, **kw), inputs, grad_out)
+        for name in set(steps) & set(ours):
+            assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype, factor=3.0)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_fused_backward_is_the_same_bits_on_every_run_at_real_sizes():
+    inputs = make_inputs(batch=2, length=3 * 256 + 37, heads=8, headdim=64, groups=2, dstate=128,
+                         dtype=torch.bfloat16)
+    inputs = {k: (v.requires_grad_() if k in ALL_GRADS else v) for k, v in inputs.items()}
+
+    def fn(**args):
+        return bidirectional_chunk_scan(**args, chunk_size=256, dt_softplus=True, seq_idx=packed_ids(2, 805),
+                                        shift=True)
+
+    grad_out = randn(*inputs["x"].shape, dtype=torch.bfloat16)
+    first = gradients(fn, inputs, grad_out)
+    for _ in range(3):
+        again = gradients(fn, inputs, grad_out)
+        for name in first:
+            assert torch.equal(first[name], again[name]), name
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_fused_64_bit_indexing():
+    """x with more than 2^31 elements; the last 300 positions form their own sequence, so their
+    outputs can be checked against the reference run on that slice alone."""
+    batch, length, heads, headdim, dstate, tail = 1, 2**19, 72, 64, 16, 300
+    inputs = make_inputs(batch=batch, length=length, heads=heads, headdim=headdim, groups=1, dstate=dstate,
+                         dtype=torch.bfloat16, D_shape="head", separate=False, z=False)
+    assert inputs["x"].numel() > 2**31
+    seq_idx = (torch.arange(length, device=DEVICE) >= length - tail).to(torch.int32)[None]
+    out = bidirectional_chunk_scan(**inputs, chunk_size=256, seq_idx=seq_idx, dt_softplus=True)
+    sliced = {k: (v[:, -tail:] if k in TIME_ARGS and v is not None else v) for k, v in inputs.items()}
+    assert_close(out[:, -tail:], bidirectional_ref(**sliced, dt_softplus=True), tolerance(torch.bfloat16))

@@ -1,0 +1,497 @@
+"""Chapter 6, backward kernels: dx, the direct step gradients, dD; dG and the decays' gradients; dB, dC.
+
+Notation of :mod:`.decays`: in chunk c of head h, W(t, s) = G[t, s] w(t, s) is M's entry without
+the skip; dy the gradient of y (before the gate); H, H' the states entering the chunk from the left
+and the right, dS, dS' their gradients (:mod:`.state_passing`, run the other way).
+
+dx kernel, for each column position s (its rows) and all of headdim:
+    F_s = exp(a_last - a_s) [own] B_s dS  +  sum_{t: forward} G[t, s] exp(r_t - a_s) dy_t
+    R_s = exp(e_s) [own'] B'_s dS'  +  sum_{t: reverse} G[t, s] exp(e_s - rho_t) dy_t  (+ Gd_s dy_s)
+    dx_s = dt_s F_s + dt'_s R_s + D dy_s;  d dt_s (direct) = x_s . F_s;  d dt'_s (direct) = x_s . R_s
+    and the state terms of the column decays: d a_s = -dt_s x_s . (F_s's state term), which
+    a_last gets with a plus sign (exp(a_last - a_s)), and d e_s = dt'_s x_s . (R_s's state term).
+dG kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share the
+scores): dG[t, s] = sum_h w(t, s) (dy_t . x_s), and per head, of V = G * that term, the row sums
+(to d r_t for the forward triangle, minus to d rho_t for the reverse one) and the column sums
+(minus to d a_s, plus to d e_s); Gd's gradient dGd_t = sum_h dt'_t (dy_t . x_t) on the diagonal
+tiles. Row and column sums come from the same float32 V: in the reverse cumulative sum of d a
+the two signs of each term cancel (column sums from the dx kernel's 16-bit tiles left bfloat16
+dA 30x the two-call composition's error).
+dBC kernel, for rows r and a block of dstate (q_r = C_r or C_{r-1}, q'_r = C'_r or C'_{r+1}):
+    dq_r  = sum_h exp(r_r) [own] dy_r H  +  sum_{s: forward} dG[r, s] B_s
+    dq'_r = sum_h exp(b_last - rho_r) [own'] dy_r H'  +  sum_{s: reverse} dG[r, s] B'_s  (+ dGd_r B'_r)
+    dB_r  = sum_h exp(a_last - a_r) dt_r [own] x_r dS  +  sum_{t: forward} dG[t, r] q_t
+    dB'_r = sum_h exp(e_r) dt'_r [own'] x_r dS'  +  sum_{t: reverse} dG[t, r] q'_t  (+ dGd_r q'_r)
+    and per head the state terms of the row decays, d r_r += q_r . (its dq_r term), d rho_r -=
+    q'_r . (its dq'_r term) (which b_last gets with a plus sign), and the carries
+    <dS, exp(a_last) H>, <dS', exp(b_last) H'> (H_{c+1} = gamma_c H_c + S_c holds a_last(c)).
+:mod:`.step_backward` turns these into the gradients of dt, dt_rev, A and dt_bias.
+
+Deterministic: no atomic adds. Every program writes its partial sums to slots of its own, whose
+layout the launch fixes (the dG and dBC kernels are not autotuned), and they are added in a fixed
+order. With the shift, dq_t belongs to C_{t-1} and dq'_t to C'_{t+1}: the dBC kernel stores both
+in float32 and :mod:`.backward` adds them one row over.
+
+Shapes as the forward kernels. x, dy, B, C, B', C' are addressed by their own strides; dx, dB, dC
+are allocated contiguous. Per-position float32 outputs (batch, heads, chunks, Q): the dx kernel's
+four planes (DIRECT ... STATE_COLUMN_REV), the dG kernel's row and column sums (4, batch, heads,
+chunks, Q / TILE, Q), the dBC kernel's state terms (2, batch, heads, chunks, dstate blocks, Q) and
+carries (2, batch, heads, chunks, dstate blocks).
+Bytes moved: like chapter 5's backward, with both triangles of each diagonal block (twice the
+score work) and two states per chunk instead of one.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import outputs
+from ..launch import lean_launch
+from ..runtime import INTERPRETED
+from ..ssd.tuning import autotune, config
+from ..triton_ops import block_size, cdiv, dot_precision, mm
+from .decays import pair_weight, row_decays
+
+# the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
+# they share the step), d dt'_rev direct, the state terms of d a_s and d e_s
+DIRECT, DIRECT_REV, STATE_COLUMN, STATE_COLUMN_REV = range(4)
+# the dG kernel's slots: row sums (d r, d rho) and column sums (d a, d e) of its tile
+ROW, ROW_REV, COLUMN, COLUMN_REV = range(4)
+TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
+
+
+@dataclass
+class DecaySlots:
+    """The backward kernels' partial sums of the decay and step gradients, all float32."""
+    rows: torch.Tensor      # (4, batch, heads, chunks, Q): the dx kernel's (DIRECT ... STATE_COLUMN_REV)
+    diag: torch.Tensor      # (4, batch, heads, chunks, Q // TILE, Q): the dG kernel's row and column sums
+    state: torch.Tensor     # (2, batch, heads, chunks, n-blocks, Q): the dBC kernel's state terms of d r, d rho
+    carry: torch.Tensor     # (2, batch, heads, chunks, n-blocks): <dS, gamma H> and <dS', gamma' H'>
+
+
+@lean_launch
+@autotune([config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
+           config(BLOCK_M=32, BLOCK_K=32, BLOCK_N=64)],
+          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK", "SHIFT"])
+@triton.jit
+def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
+                             dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
+                             state_column_ptr, state_column_rev_ptr, dD_part_ptr,
+                             length, heads, groups, n_chunks, headdim, dstate,
+                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+                             stride_seq_b, stride_seq_l,
+                             HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
+                             SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr, CHUNK: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % heads
+    c = (pid // heads) % n_chunks
+    b = pid // (heads * n_chunks)
+    g = h // (heads // groups)
+    pid_m = tl.program_id(1)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_P)
+    s = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok = s < chunk_end
+    p_ok = p < headdim
+    dy_base = dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h
+    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+    A = tl.load(A_ptr + h).to(tl.float32)
+    a_s = tl.load(a_ptr + chunk_base + m)
+    dt_s = tl.load(dt_ptr + chunk_base + m)
+    dtr_s = tl.load(dtr_ptr + chunk_base + m)
+    e_s = tl.load(b_ptr + chunk_base + m) - A * dtr_s
+    to_end = tl.exp(tl.load(a_ptr + chunk_base + CHUNK - 1) - a_s)
+    from_start = tl.exp(e_s)
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
+        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
+        seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        to_end = tl.where(seq_s == seq_last, to_end, 0.0)
+        from_start = tl.where(seq_s == seq_before, from_start, 0.0)
+
+    # through the chunk states: dS B_s decayed from s to the chunk's end, dS' B'_s to its start
+    F = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    R = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    state_base = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < dstate
+        Bs = tl.load(B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g + s[:, None].to(tl.int64) * stride_b_l
+                     + n[None, :] * stride_b_n, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+        Brs = tl.load(Br_ptr + b.to(tl.int64) * stride_br_b + g * stride_br_g + s[:, None].to(tl.int64) * stride_br_l
+                      + n[None, :] * stride_br_n, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+        state = state_base + p[None, :] * dstate + n[:, None]
+        state_mask = p_ok[None, :] & n_ok[:, None]
+        F += mm(Bs, tl.load(dS_ptr + state, mask=state_mask, other=0.0).to(Bs.dtype), PRECISION)
+        R += mm(Brs, tl.load(dSr_ptr + state, mask=state_mask, other=0.0).to(Brs.dtype), PRECISION)
+    F *= to_end[:, None]
+    R *= from_start[:, None]
+    mask = row_ok[:, None] & p_ok[None, :]
+    rows = s[:, None].to(tl.int64)
+    xs = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + rows * stride_x_l + p[None, :] * stride_x_p,
+                 mask=mask, other=0.0).to(tl.float32)
+    state_column = -dt_s * tl.sum(F * xs, axis=1)
+    state_column_rev = dtr_s * tl.sum(R * xs, axis=1)
+
+    # through the diagonal block: the rows t of column s, the forward ones at or after s (the
+    # row blocks from this one on), the reverse ones before it (the row blocks up to this one)
+    G_base = G_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    for k0 in range(0, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        t = c * CHUNK + k
+        t_ok = t < chunk_end
+        GT = tl.load(G_base + k[None, :] * CHUNK + m[:, None])      # G[t, s] as an (s, t) tile
+        r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
+                                tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
+        keep = t_ok[None, :]
+        if HAS_SEQ_IDX:
+            seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-2)
+            keep = keep & (seq_s[:, None] == seq_t[None, :])
+        w, forward = pair_weight(k[None, :], m[:, None], r_t[None, :], rho_t[None, :], a_s[:, None], e_s[:, None],
+                                 1.0, 1.0, keep, SHIFT)
+        W = GT * w
+        dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
+                      mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        if k0 + BLOCK_K > pid_m * BLOCK_M:
+            F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
+        if k0 < (pid_m + 1) * BLOCK_M:
+            R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
+
+    dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
+    if not SHIFT:
+        Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
+        R += Gd_s[:, None] * dys
+    direct = tl.sum(F * xs, axis=1)
+    direct_rev = tl.sum(R * xs, axis=1)
+    if SHARED_STEP:  # one step for both directions: its direct gradient is the sum
+        direct += direct_rev
+    out = chunk_base + m
+    tl.store(direct_ptr + out, direct)
+    tl.store(direct_rev_ptr + out, direct_rev)
+    tl.store(state_column_ptr + out, state_column)
+    tl.store(state_column_rev_ptr + out, state_column_rev)
+    dx = F * dt_s[:, None] + R * dtr_s[:, None]
+    if HAS_D:
+        if D_PER_CHANNEL:
+            dx += dys * tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            dx += dys * tl.load(D_ptr + h).to(tl.float32)
+        # one partial sum per 16 rows of the chunk, whatever BLOCK_M is (chapter 5's layout)
+        sums = tl.sum(tl.reshape(dys * xs, (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+        slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+        tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
+    tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
+             dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+                                  dG_ptr, dGd_ptr, row_ptr, row_rev_ptr, column_ptr, column_rev_ptr,
+                                  length, heads, groups, n_chunks, headdim,
+                                  stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                                  stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                                  stride_seq_b, stride_seq_l,
+                                  HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+    """dG[t, s] = sum over the heads of a group of w(t, s) (dy_t . x_s), one (t, s) tile per
+    program, both triangles; each head's row sums of G * (its term) go to slot pid_s of the rows
+    t, its column sums to slot pid_t of the columns s."""
+    n_m = CHUNK // BLOCK_M
+    pid_i = tl.program_id(1) // n_m
+    pid_j = tl.program_id(1) % n_m
+    pid = tl.program_id(0)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    heads_per_group = heads // groups
+    i = pid_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = pid_j * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_P)
+    t, s = c * CHUNK + i, c * CHUNK + j
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    t_ok, s_ok, p_ok = t < chunk_end, s < chunk_end, p < headdim
+    keep = t_ok[:, None] & s_ok[None, :]
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-1)
+        seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
+        keep &= seq_t[:, None] == seq_s[None, :]
+    block = ((b * n_chunks + c) * groups + g).to(tl.int64)
+    tile = block * CHUNK * CHUNK + i[:, None] * CHUNK + j[None, :]
+    G = tl.load(G_ptr + tile)
+    dG = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
+    dGd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for hh in range(heads_per_group):
+        h = g * heads_per_group + hh
+        chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+        A = tl.load(A_ptr + h).to(tl.float32)
+        dyt = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + t[:, None].to(tl.int64) * stride_dy_l
+                      + p[None, :] * stride_dy_p, mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        xsT = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + s[None, :].to(tl.int64) * stride_x_l
+                      + p[:, None] * stride_x_p, mask=s_ok[None, :] & p_ok[:, None], other=0.0)
+        r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + i), tl.load(dt_ptr + chunk_base + i),
+                                tl.load(b_ptr + chunk_base + i), tl.load(dtr_ptr + chunk_base + i), A, SHIFT)
+        dtr_s = tl.load(dtr_ptr + chunk_base + j)
+        w, forward = pair_weight(i[:, None], j[None, :], r_t[:, None], rho_t[:, None],
+                                 tl.load(a_ptr + chunk_base + j)[None, :],
+                                 (tl.load(b_ptr + chunk_base + j) - A * dtr_s)[None, :],
+                                 tl.load(dt_ptr + chunk_base + j)[None, :], dtr_s[None, :], keep, SHIFT)
+        dyx = mm(dyt, xsT, PRECISION)
+        term = dyx * w
+        dG += term
+        W = term * G
+        W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
+        rows = chunk_base * n_m + pid_j * CHUNK + i
+        columns = chunk_base * n_m + pid_i * CHUNK + j
+        tl.store(row_ptr + rows, tl.sum(W_forward, axis=1))
+        tl.store(row_rev_ptr + rows, -tl.sum(W_reverse, axis=1))
+        tl.store(column_ptr + columns, -tl.sum(W_forward, axis=0))
+        tl.store(column_rev_ptr + columns, tl.sum(W_reverse, axis=0))
+        if not SHIFT:
+            dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
+    tl.store(dG_ptr + tile, dG)
+    if not SHIFT:
+        if pid_i == pid_j:
+            tl.store(dGd_ptr + block * CHUNK + i, dGd)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+                              dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+                              dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, carry_ptr,
+                              carry_rev_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                              stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                              stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                              stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+                              stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+                              stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+                              stride_seq_b, stride_seq_l,
+                              HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+                              SHARED_C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dB, dC (and dB', dC') of rows r for one block of dstate: the state terms per head, then the
+    diagonal-block terms once per group from dG. The four gradient outputs are allocated alike
+    (one set of strides, stride_d_*); with the shift, dC and dC' receive the query gradients dq, dq'
+    (float32), which :mod:`.backward` moves one row over."""
+    pid = tl.program_id(0)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    n_m = CHUNK // BLOCK_M
+    pid_m, pid_n = tl.program_id(1) % n_m, tl.program_id(1) // n_m
+    heads_per_group = heads // groups
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p = tl.arange(0, BLOCK_P)
+    r = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok, n_ok, p_ok = r < chunk_end, n < dstate, p < headdim
+    b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
+    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
+    br_base = Br_ptr + b.to(tl.int64) * stride_br_b + g * stride_br_g
+    cr_base = Cr_ptr + b.to(tl.int64) * stride_cr_b + g * stride_cr_g
+    q_row, qr_row = r - SHIFT, r + SHIFT
+    # in the inputs' dtype until used (the same values, half the registers of float32 copies)
+    q = tl.load(c_base + q_row[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
+                mask=(row_ok & (q_row >= 0))[:, None] & n_ok[None, :], other=0.0)
+    q_r = tl.load(cr_base + qr_row[:, None].to(tl.int64) * stride_cr_l + n[None, :] * stride_cr_n,
+                  mask=(row_ok & (qr_row < length))[:, None] & n_ok[None, :], other=0.0)
+    if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+        seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
+        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
+        seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+    dq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dq_r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dB = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    dB_r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    state_mask = p_ok[:, None] & n_ok[None, :]
+    pr_mask = row_ok[:, None] & p_ok[None, :]
+    for hh in range(heads_per_group):
+        h = g * heads_per_group + hh
+        chunk = (b * heads + h) * n_chunks + c
+        chunk_base = chunk.to(tl.int64) * CHUNK
+        A = tl.load(A_ptr + h).to(tl.float32)
+        a = tl.load(a_ptr + chunk_base + m)
+        dt = tl.load(dt_ptr + chunk_base + m)
+        bb = tl.load(b_ptr + chunk_base + m)
+        dtr = tl.load(dtr_ptr + chunk_base + m)
+        a_last = tl.load(a_ptr + chunk_base + CHUNK - 1)
+        b_last = tl.load(b_ptr + chunk_base + CHUNK - 1)
+        r_r, rho_r = row_decays(a, dt, bb, dtr, A, SHIFT)
+        from_left = tl.exp(r_r)
+        from_right = tl.exp(b_last - rho_r)
+        to_end = tl.exp(a_last - a) * dt
+        to_start = tl.exp(bb - A * dtr) * dtr
+        gamma = tl.exp(a_last)
+        gamma_r = tl.exp(b_last)
+        if HAS_SEQ_IDX:
+            from_left = tl.where(seq_r == seq_before, from_left, 0.0)
+            from_right = tl.where(seq_r == seq_last, from_right, 0.0)
+            to_end = tl.where(seq_r == seq_last, to_end, 0.0)
+            to_start = tl.where(seq_r == seq_before, to_start, 0.0)
+            # chapter 5's state passing carries a state through chunk c only within one sequence
+            gamma = tl.where(seq_last == seq_before, gamma, 0.0)
+            gamma_r = tl.where(seq_last == seq_before, gamma_r, 0.0)
+        dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
+                      + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
+        xr = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + r[:, None].to(tl.int64) * stride_x_l
+                     + p[None, :] * stride_x_p, mask=pr_mask, other=0.0)
+        state = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
+        H = tl.load(H_ptr + state, mask=state_mask, other=0.0)
+        Hr = tl.load(Hr_ptr + state, mask=state_mask, other=0.0)
+        dS = tl.load(dS_ptr + state, mask=state_mask, other=0.0)
+        dSr = tl.load(dSr_ptr + state, mask=state_mask, other=0.0)
+        dq_h = mm(dyr, H.to(dyr.dtype), PRECISION) * from_left[:, None]
+        dqr_h = mm(dyr, Hr.to(dyr.dtype), PRECISION) * from_right[:, None]
+        dq += dq_h
+        dq_r += dqr_h
+        dB += mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
+        dB_r += mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
+        slot = chunk.to(tl.int64) * n_slots + pid_n
+        tl.store(state_ptr + slot * CHUNK + m, tl.sum(q.to(tl.float32) * dq_h, axis=1))
+        tl.store(state_rev_ptr + slot * CHUNK + m, -tl.sum(q_r.to(tl.float32) * dqr_h, axis=1))
+        if pid_m == 0:  # the carries, by the programs of the chunk's first rows
+            tl.store(carry_ptr + slot, gamma * tl.sum(H.to(tl.float32) * dS.to(tl.float32)))
+            tl.store(carry_rev_ptr + slot, gamma_r * tl.sum(Hr.to(tl.float32) * dSr.to(tl.float32)))
+
+    # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'
+    dG_base = dG_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    for k0 in range(0, CHUNK, BLOCK_M):
+        k = k0 + tl.arange(0, BLOCK_M)
+        u = c * CHUNK + k
+        u_ok = u < chunk_end
+        un_mask = u_ok[:, None] & n_ok[None, :]
+        if SHIFT:
+            forward = k[None, :] < m[:, None]       # (r, u): u before r
+            forward_T = k[None, :] > m[:, None]     # (r, u): r before u
+        else:
+            forward = k[None, :] <= m[:, None]
+            forward_T = k[None, :] >= m[:, None]
+        tile = tl.load(dG_base + m[:, None] * CHUNK + k[None, :])       # dG[r, u]
+        tileT = tl.load(dG_base + k[None, :] * CHUNK + m[:, None])      # dG[u, r]
+        Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n, mask=un_mask, other=0.0)
+        Bru = tl.load(br_base + u[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n, mask=un_mask,
+                      other=0.0)
+        qu_row, qru_row = u - SHIFT, u + SHIFT
+        qu = tl.load(c_base + qu_row[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
+                     mask=(u_ok & (qu_row >= 0))[:, None] & n_ok[None, :], other=0.0)
+        qru = tl.load(cr_base + qru_row[:, None].to(tl.int64) * stride_cr_l + n[None, :] * stride_cr_n,
+                      mask=(u_ok & (qru_row < length))[:, None] & n_ok[None, :], other=0.0)
+        dq += mm(tl.where(forward, tile, 0.0).to(Bu.dtype), Bu, PRECISION)
+        dq_r += mm(tl.where(k[None, :] > m[:, None], tile, 0.0).to(Bru.dtype), Bru, PRECISION)
+        dB += mm(tl.where(forward_T, tileT, 0.0).to(qu.dtype), qu, PRECISION)
+        dB_r += mm(tl.where(k[None, :] < m[:, None], tileT, 0.0).to(qru.dtype), qru, PRECISION)
+    if not SHIFT:  # the reverse diagonal: Gd_r = C'_r . B'_r
+        dGd = tl.load(dGd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
+        Brr = tl.load(br_base + r[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n,
+                      mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        dq_r += dGd[:, None] * Brr
+        dB_r += dGd[:, None] * q_r.to(tl.float32)
+    if SHARED_B:
+        dB += dB_r
+    if SHARED_C and not SHIFT:
+        dq += dq_r
+    rn_mask = row_ok[:, None] & n_ok[None, :]
+    out = b.to(tl.int64) * stride_d_b + g * stride_d_g + r[:, None].to(tl.int64) * stride_d_l + n[None, :] * stride_d_n
+    tl.store(dB_ptr + out, dB.to(dB_ptr.dtype.element_ty), mask=rn_mask)
+    tl.store(dC_ptr + out, dq.to(dC_ptr.dtype.element_ty), mask=rn_mask)
+    if not SHARED_B:
+        tl.store(dBr_ptr + out, dB_r.to(dBr_ptr.dtype.element_ty), mask=rn_mask)
+    if SHIFT or not SHARED_C:
+        tl.store(dCr_ptr + out, dq_r.to(dCr_ptr.dtype.element_ty), mask=rn_mask)
+
+
+def chunk_scan_bwd_dx(G, Gd, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A, *, D=None, seq_idx=None,
+                      shift=False, shared_step=True):
+    """Returns dx (x's shape and dtype, contiguous), the per-position planes (4, batch, heads,
+    chunks, Q) float32 (DIRECT ... STATE_COLUMN_REV) and dD (like D) or None."""
+    batch, length, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    n_chunks, chunk_size = a.shape[2], a.shape[3]
+    dx = outputs.empty(x.shape, x.dtype, x.device)
+    rows = outputs.empty((4,) + tuple(a.shape), torch.float32, x.device)
+    dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
+                            x.device) if D is not None else None
+    grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
+    chunk_scan_bwd_dx_kernel[grid](
+        G, Gd if Gd is not None else G, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A,
+        D if D is not None else a, seq_idx if seq_idx is not None else a, dx, rows[DIRECT], rows[DIRECT_REV],
+        rows[STATE_COLUMN], rows[STATE_COLUMN_REV], dD_part if D is not None else rows,
+        length, heads, groups, n_chunks, headdim, dstate,
+        *x.stride(), *dy.stride(), *dx.stride(), *B.stride(), *B_rev.stride(),
+        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_SEQ_IDX=seq_idx is not None,
+        SHIFT=int(shift), SHARED_STEP=shared_step, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
+        PRECISION=dot_precision(x.dtype),
+    )
+    dD = None
+    if D is not None:
+        dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))
+        dD = (dD if D.dim() == 2 else dD.sum(dim=-1)).to(D.dtype)
+    return dx, rows, dD
+
+
+def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A, *,
+                       seq_idx=None, shift=False):
+    """Returns (dB, dC, dB_rev or None, dC_rev or None, slots): the gradients of B, C (and of B',
+    C' where they are not B, C), in B's shape and dtype, contiguous; with the shift dC and dC_rev
+    are float32 query gradients that :mod:`.backward` moves one row over. ``slots``: the
+    (diag, state, carry) partial sums of :class:`DecaySlots`."""
+    batch, length, heads, headdim = x.shape
+    groups, dstate = B.shape[2], B.shape[3]
+    n_chunks, chunk_size = a.shape[2], a.shape[3]
+    tile = min(TILE, chunk_size)
+    seq_args = (seq_idx if seq_idx is not None else a,)
+    seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
+    block_p = block_size(headdim, largest=128)
+    dG = outputs.empty(G.shape, torch.float32, x.device)
+    dGd = None if shift else outputs.empty((batch, n_chunks, groups, chunk_size), torch.float32, x.device)
+    diag = outputs.empty((4,) + tuple(a.shape[:3]) + (chunk_size // tile, chunk_size), torch.float32, x.device)
+    chunk_scan_bwd_dscores_kernel[(batch * n_chunks * groups, (chunk_size // tile) ** 2)](
+        G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[ROW],
+        diag[ROW_REV], diag[COLUMN], diag[COLUMN_REV], length, heads, groups, n_chunks, headdim, *x.stride(),
+        *dy.stride(), *seq_strides,
+        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
+        PRECISION=dot_precision(x.dtype), num_warps=8,  # six tiles of the tile size live through the head loop
+    )
+    # float32 tiles of a headdim above 64 overflowed shared memory with the loops pipelined in three
+    # stages (327 KB asked of an H100's 227 KB at chunk 256): one stage and narrower state slots there
+    wide_float32 = x.element_size() == 4 and headdim > 64
+    block_n = block_size(dstate, largest=16 if INTERPRETED else 32 if wide_float32 else 64)
+    n_slots = cdiv(dstate, block_n)
+    state = outputs.empty((2,) + tuple(a.shape[:3]) + (n_slots, chunk_size), torch.float32, x.device)
+    carry = outputs.empty((2,) + tuple(a.shape[:3]) + (n_slots,), torch.float32, x.device)
+    query_dtype = torch.float32 if shift else C.dtype
+    shared_b, shared_c = B_rev is B, C_rev is C
+    dB = outputs.empty(B.shape, B.dtype, B.device)
+    dC = outputs.empty(C.shape, query_dtype, C.device)
+    dB_rev = None if shared_b else outputs.empty(B.shape, B.dtype, B.device)
+    dC_rev = None if shared_c and not shift else outputs.empty(C.shape, query_dtype, C.device)
+    # 64 rows keep four float32 accumulators and two query tiles in registers for 16-bit inputs of
+    # headdim <= 64; float32 tiles or a wider headdim spilled 17 KB per thread (ptxas, sm_90) there
+    rows = tile if INTERPRETED or (x.element_size() == 2 and headdim <= 64) else min(32, chunk_size)
+    chunk_scan_bwd_dbc_kernel[(batch * n_chunks * groups, (chunk_size // rows) * n_slots)](
+        x, dy, B, C, B_rev, C_rev, H, H_rev, dS, dS_rev, dG, dGd if dGd is not None else dG, a, dt_out, b,
+        dt_rev_out, A, *seq_args, dB, dC, dB_rev if dB_rev is not None else dB, dC_rev if dC_rev is not None else dC,
+        state[0], state[1], carry[0], carry[1], length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *B_rev.stride(), *C_rev.stride(), *dB.stride(),
+        *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_B=shared_b, SHARED_C=shared_c,
+        CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+        num_warps=8,  # four accumulators (dq, dq', dB, dB') and two query tiles live through the loops
+        num_stages=1 if wide_float32 else 3,
+    )
+    return dB, dC, dB_rev, dC_rev, (diag, state, carry)
