@@ -418,7 +418,7 @@ else:
 #
 # Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels, and four backward ones beside the forward's chunk-state and state-passing kernels run again on gradients, implement it, each checked against a float64 reference; the gradient of the decays reduces to $C \cdot dC - B \cdot dB$ followed by a reverse cumulative sum.
 #
-# Chapter 6 runs the same kernels in both directions for the bidirectional (quasiseparable) models.
+# [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional (quasiseparable) SSMs of Hydra and Bi-Mamba2, both directions computed on one grid of chunks by one fused pipeline.
 #
 # **Exercises** (the tests in `tests/test_ssd.py` check both):
 #

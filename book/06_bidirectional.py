@@ -1,0 +1,533 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.1
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Bidirectional SSMs: quasiseparable matrices
+#
+# In this chapter you will learn:
+#
+# - how a bidirectional SSM is a multiplication by a *quasiseparable* matrix, a lower semiseparable triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ only on that diagonal;
+# - why the reverse direction needs no second cumulative sum: its decays are the forward ones read one position earlier, so both directions share one chunk grid;
+# - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ and $B$, both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
+#
+# It builds on [chapter 5](05_ssd.ipynb): there a causal SSM was a lower-triangular semiseparable matrix $M$, multiplied chunk by chunk, quadratic inside a chunk and through $P \times N$ states across chunks. Here a second matrix of the same kind runs backwards in time and both are multiplied in one pass.
+#
+# ```{admonition} Notation (as in chapter 5)
+# | symbol | meaning |
+# |---|---|
+# | $x_t \in \mathbb{R}^P$ | input of one head at position $t$ ($P$: headdim) |
+# | $\Delta_t$, $\Delta'_t$ | step of the forward and of the reverse direction (after bias, softplus, clamp) |
+# | $A$ | one negative number per head; a step decays the state by $e^{\Delta_t A}$ |
+# | $B_t, C_t \in \mathbb{R}^N$ | input and readout maps ($N$: dstate); $B'_t, C'_t$ those of the reverse direction |
+# | $a_t = A \sum_{k \le t} \Delta_k$ | cumulative log-decay (forward); $a'_t$ the same with $\Delta'$ |
+# | $D$ | the skip, per head (or per channel) |
+# | $L$, $Q$ | sequence length, chunk size |
+# ```
+
+# %%
+import json
+import pathlib
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import Rectangle
+
+from mamba_annotated import runtime
+from mamba_annotated.bench import median_ms, print_table
+from mamba_annotated.bidirectional import bidirectional_chunk_scan
+from mamba_annotated.bidirectional.backward import bidirectional_backward
+from mamba_annotated.bidirectional.chunk_outputs import chunk_outputs_kernel
+from mamba_annotated.bidirectional.chunk_scores import chunk_scores_kernel
+from mamba_annotated.bidirectional.chunk_states import chunk_states, chunk_states_kernel
+from mamba_annotated.bidirectional.decays import pair_weight, row_decays
+from mamba_annotated.bidirectional.forward import bidirectional_forward
+from mamba_annotated.bidirectional.naive import bidirectional_two_calls
+from mamba_annotated.bidirectional.state_passing import state_passing_kernel
+from mamba_annotated.bidirectional.reference import (bidirectional_ref, quasiseparable_matrix,
+                                                     reverse_within_sequences, shift_within_sequences)
+from mamba_annotated.exercises import check as check_exercise
+from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.ssd import ssd_chunk_scan
+from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum
+from mamba_annotated.ssd.reference import process_dt
+from mamba_annotated.testing import assert_gradients_close, check, randn, seed_everything, tolerance, uniform
+
+seed_everything(0)
+device = runtime.DEVICE
+
+# %% tags=["nbval-ignore-output"]
+runtime.describe()
+
+# %% [markdown]
+# ## Two directions, one matrix
+#
+# A causal SSM lets position $t$ see the positions $s \le t$. Models that read a whole sequence at once (masked language models, DNA, images cut into patches) want every position to see both sides, and the bidirectional SSMs get there by adding a second SSM that walks time backwards {cite}`hwang2024hydra,schiff2024caduceus,zhu2024vision`. Per head, with its own step $\Delta'$ and maps $B'$, $C'$:
+#
+# $$
+# \begin{aligned}
+# h_t &= e^{\Delta_t A} h_{t-1} + \Delta_t\, x_t B_t^\top, & y^{\rightarrow}_t &= h_t C_t,\\
+# g_t &= e^{\Delta'_t A} g_{t+1} + \Delta'_t\, x_t B'^{\top}_t, & y^{\leftarrow}_t &= g_t C'_t .
+# \end{aligned}
+# $$
+#
+# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular $\mathcal L$; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = a'_{s-1} - a'_{t-1}$:
+#
+# $$
+# \begin{aligned}
+# \mathcal L_{ts} &= (C_t \cdot B_s)\, e^{a_t - a_s}\, \Delta_s, && s \le t,\\
+# \mathcal U_{ts} &= (C'_t \cdot B'_s)\, e^{a'_{s-1} - a'_{t-1}}\, \Delta'_s, && s \ge t .
+# \end{aligned}
+# $$
+#
+# Both are semiseparable: every block strictly below the diagonal of $\mathcal L$ (above, for $\mathcal U$) has rank at most $N$. Their sum plus a diagonal is a **quasiseparable** matrix {cite}`eidelman1999new`, and the two published models are two ways of forming it:
+#
+# $$
+# \begin{aligned}
+# M_{\text{Bi-Mamba2}} &= \mathcal L + \mathcal U + \operatorname{diag}(D),\\
+# M_{\text{Hydra}} &= Z \mathcal L + Z^\top \mathcal U + \operatorname{diag}(D),
+# \end{aligned}
+# $$
+#
+# where $Z$ shifts down by one row ($Z\mathcal L$'s row $t$ is $\mathcal L$'s row $t-1$, zero at a sequence start, and $Z^\top \mathcal U$'s row $t$ is $\mathcal U$'s row $t+1$): each direction's output moves one step along its own direction of travel before the two are added. The package calls Hydra's form `shift=True` and Bi-Mamba2's {cite}`repo_bimamba2` `shift=False`.
+#
+# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it, so it is counted twice, and it is tied to the same $B$ and $C$ that set every other entry of $M$. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. The only path from $x_t$ to $y_t$ is then $D$, a free parameter, while the blocks off the diagonal keep rank $\le N$: a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`.
+#
+# Inputs are chapter 5's (`x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)`), plus the reverse direction's `dt_rev`, `B_rev`, `C_rev`, which default to `dt`, `B`, `C` (Bi-Mamba2 shares them; Hydra has its own).
+
+# %%
+def make_inputs(batch=2, length=45, heads=4, headdim=16, groups=2, dstate=16, dtype=torch.float32, separate=True):
+    """Random inputs for every argument of bidirectional_chunk_scan; steps > 0 so every step decays.
+    ``separate``: the reverse direction has its own dt, B and C (Hydra); else it shares them."""
+    inputs = dict(
+        x=randn(batch, length, heads, headdim, dtype=dtype),
+        dt=uniform(batch, length, heads, low=0.02, high=0.6),
+        A=-uniform(heads, low=0.5, high=2.0),
+        B=randn(batch, length, groups, dstate, dtype=dtype),
+        C=randn(batch, length, groups, dstate, dtype=dtype),
+        D=randn(heads),
+        z=randn(batch, length, heads, headdim, dtype=dtype),
+        dt_bias=randn(heads, scale=0.5),
+    )
+    if separate:
+        inputs.update(dt_rev=uniform(batch, length, heads, low=0.02, high=0.6),
+                      B_rev=randn(batch, length, groups, dstate, dtype=dtype),
+                      C_rev=randn(batch, length, groups, dstate, dtype=dtype))
+    return inputs
+
+
+# %% [markdown]
+# Here are both matrices for one head of a short sequence, with separate reverse parameters. The reference builds them from chapter 5's `ssd_matrix`: the reverse triangle is the causal matrix of the reversed sequence, its rows and columns reversed back.
+
+# %%
+show_source(quasiseparable_matrix)
+
+# %%
+small = make_inputs(batch=1, length=24, heads=1, groups=1, dstate=4)
+step, step_rev = (process_dt(small[k], small["dt_bias"], True) for k in ("dt", "dt_rev"))
+reverse = dict(dt_rev=step_rev, B_rev=small["B_rev"], C_rev=small["C_rev"], D=small["D"])
+M = {shift: quasiseparable_matrix(step, small["A"], small["B"], small["C"], shift=shift, **reverse)[0, 0]
+     for shift in (False, True)}
+fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.6))
+for ax, (shift, matrix) in zip(axes, M.items()):
+    image = ax.imshow(matrix.abs().log10().clamp(min=-4).cpu(), cmap="Greens", vmin=-4, vmax=1)
+    ax.set(title=("Hydra: shift=True" if shift else "Bi-Mamba2: shift=False") + "\nlog10 |M[t, s]|",
+           xlabel="s (input position)", ylabel="t (output position)")
+fig.colorbar(image, ax=axes, shrink=0.9)
+plt.show()
+
+# %% [markdown]
+# The two look alike away from the diagonal (Hydra's lower triangle is Bi-Mamba2's moved down one row). On the diagonal, Hydra's $M$ holds $D$ and nothing else, exactly, while Bi-Mamba2's holds $D$ plus both directions' $\Delta_t\, C_t \cdot B_t$:
+
+# %%
+diagonal = {shift: matrix.diagonal() for shift, matrix in M.items()}
+D_row = small["D"].double().expand(24)
+both_terms = sum(d[0, :, 0] * (c[0, :, 0].double() * b[0, :, 0].double()).sum(-1)
+                 for d, b, c in ((step, small["B"], small["C"]), (step_rev, small["B_rev"], small["C_rev"])))
+print("shift=True:  diagonal == D exactly:", torch.equal(diagonal[True], D_row))
+check("shift=False: diagonal = D + dt C.B + dt' C'.B'", diagonal[False], D_row + both_terms, 1e-12)
+
+# %% [markdown]
+# And the rank structure: every block strictly below the diagonal, $M[i{:},\, {:}i]$, and every block strictly above it has rank at most $N$, for both forms (numerical rank in float64: singular values above $10^{-10}$ of the largest), while $M$ itself has full rank.
+
+# %%
+def rank(block):
+    return int(torch.linalg.matrix_rank(block, rtol=1e-10))
+
+
+length, dstate = 24, 4
+for shift, matrix in M.items():
+    below = max(rank(matrix[i:, :i]) for i in range(1, length))
+    above = max(rank(matrix[:i, i:]) for i in range(1, length))
+    print(f"shift={shift!s:5}: largest rank below the diagonal {below}, above {above}; N = {dstate}; "
+          f"rank of M {rank(matrix)} of {length}")
+    assert below <= dstate and above <= dstate
+
+# %% [markdown]
+# ## The float64 reference, and two calls of chapter 5
+#
+# `bidirectional_ref` multiplies by $M$ in float64 (the quadratic form), and `tests/test_bidirectional.py` checks it against an independent pair of loops over time. The obvious way to compute the same thing with kernels is chapter 5's causal SSD called twice: once on the sequence, once on its reverse, with the reversals and the sum in PyTorch. That composition, `bidirectional_two_calls`, agrees with the reference:
+
+# %%
+chunk = 16
+for shift in (False, True):
+    inp = make_inputs(separate=shift)
+    got = bidirectional_two_calls(**inp, chunk_size=chunk, dt_softplus=True, shift=shift)
+    check(f"two calls of ssd_chunk_scan = reference, shift={shift}", got,
+          bidirectional_ref(**inp, dt_softplus=True, shift=shift), tolerance(torch.float32))
+
+# %% [markdown]
+# **Packed sequences.** With `seq_idx` (or `cu_seqlens`) several sequences share a row. No state may cross a boundary in either direction, and "reverse" must mean reversing each sequence within itself; reversing the whole row would hand the last sequence's tail to the first sequence's reverse pass. (Hydra's module stacks the sequence and its whole-row flip along the batch and passes its `seq_idx` on unchanged, which is right only for one sequence per row.) `reverse_within_sequences` sends position $i$ of the sequence $[s, e)$ to $s + e - 1 - i$, and the shift puts a zero at every sequence start:
+
+# %%
+seq_idx = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]], device=device)
+positions = torch.arange(8.0, device=device)[None, :, None] + 1
+print("positions         ", positions[0, :, 0].int().tolist())
+print("reversed per seq. ", reverse_within_sequences(positions, seq_idx)[0, :, 0].int().tolist())
+print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].int().tolist())
+
+# %% [markdown]
+# ## One chunk grid for both directions
+#
+# The two-call composition reads $x$, $B$ and $C$ twice, writes and reads a reversed copy of every input and of the reverse output, and sums the two outputs in one more pass. The fused algorithm starts from one observation: **the reverse decays are the forward cumulative sums read one position earlier.** With $a'$ counted from the start of a chunk like $a$ (so $a'_{-1} = 0$ there), the decay of the reverse direction from $s$ back to $t$ is $e^{a'_{s-1} - a'_{t-1}}$, an *exclusive* cumulative sum. When the directions share their step (Bi-Mamba2), $a' = a$ and one cumulative sum serves both. Either way both directions live on the same chunks of $Q$ positions, and for $t$ in chunk $c$:
+#
+# $$
+# \begin{aligned}
+# y_t ={}& \textstyle\sum_{s \in c} M_{ts}\, x_s
+#   \;+\; e^{a_t}\, C_t \cdot H_c \\
+#   &+\; e^{a'_{Q-1} - a'_{t-1}}\, C'_t \cdot G_c \;+\; D\, x_t .
+# \end{aligned}
+# $$
+#
+# The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $G_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
+#
+# $$
+# \begin{aligned}
+# S_c &= \textstyle\sum_{s \in c} e^{a_{Q-1} - a_s}\, \Delta_s\, x_s B_s^\top, & H_{c+1} &= e^{a_{Q-1}(c)}\, H_c + S_c,\\
+# S'_c &= \textstyle\sum_{s \in c} e^{a'_{s-1}}\, \Delta'_s\, x_s B'^{\top}_s, & G_{c-1} &= e^{a'_{Q-1}(c)}\, G_c + S'_c .
+# \end{aligned}
+# $$
+#
+# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when shared, the same $B$), so one kernel computes both from one read. The two carries are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $a_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $a'_t$.
+#
+# The pipeline is then chapter 5's, each stage serving both directions: (1) the cumulative sums; (2) $C \cdot B$ on the diagonal blocks; (3) both chunk states; (4) both carries; (5) the outputs. The figure shows which blocks of $M$ each part computes and which way each state travels.
+
+# %%
+Q, n_chunks = 8, 5
+span = Q * n_chunks
+fig, (ax_m, ax_s) = plt.subplots(1, 2, figsize=(10, 3.9), gridspec_kw=dict(width_ratios=[1, 1.5]))
+for c in range(n_chunks):
+    for d in range(n_chunks):
+        colour = COLORS["y"] if c == d else COLORS["carry"]
+        ax_m.add_patch(Rectangle((d * Q, c * Q), Q, Q, facecolor=colour, alpha=0.85 if c >= d else 0.4,
+                                 hatch=None if c >= d else "//", edgecolor="white", lw=1.5))
+ax_m.set(xlim=(0, span), ylim=(span, 0), aspect="equal", xlabel="s", ylabel="t",
+         title="M: diagonal blocks whole (green);\nbelow via H (red), above via G (hatched)")
+for c in range(n_chunks):
+    x0 = c * 2.2
+    ax_s.add_patch(Rectangle((x0, 0), 1.6, 0.8, facecolor=COLORS["x"], alpha=0.3, edgecolor="black"))
+    ax_s.text(x0 + 0.8, 0.4, f"chunk {c}\n$x$, $B$, $C$", ha="center", va="center", fontsize=7)
+    for y0, name in ((1.1, f"$S_{c}$"), (-0.7, f"$S'_{c}$")):
+        ax_s.add_patch(Rectangle((x0 + 0.3, y0), 1.0, 0.4, facecolor=COLORS["h"], alpha=0.6))
+        ax_s.text(x0 + 0.8, y0 + 0.2, name, ha="center", va="center", fontsize=7)
+    if c + 1 < n_chunks:
+        ax_s.annotate("", xy=(x0 + 2.5, 1.9), xytext=(x0 + 1.1, 1.9),
+                      arrowprops=dict(arrowstyle="->", color=COLORS["carry"], lw=1.6))
+        ax_s.text(x0 + 1.8, 2.0, f"$H_{c + 1}$", ha="center", fontsize=7, color=COLORS["carry"])
+        ax_s.annotate("", xy=(x0 + 1.1, -1.1), xytext=(x0 + 2.5, -1.1),
+                      arrowprops=dict(arrowstyle="->", color=COLORS["carry"], lw=1.6, ls="--"))
+        ax_s.text(x0 + 1.8, -1.45, f"$G_{c}$", ha="center", fontsize=7, color=COLORS["carry"])
+ax_s.text(-0.2, 2.45, "one read of x, B per chunk gives S (decayed to the chunk end) and S' (to its start)",
+          fontsize=7)
+ax_s.text(-0.2, -1.95, "both carries in one launch: H left to right, G right to left", fontsize=7)
+ax_s.set(xlim=(-0.3, n_chunks * 2.2), ylim=(-2.2, 2.7), title="states of both directions, one chunk grid")
+ax_s.axis("off")
+plt.tight_layout()
+
+# %% [markdown]
+# ## The fused kernel
+#
+# The package's op is `bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False, *, dt_limit=(0.0, inf), seq_idx=None, cu_seqlens=None, shift=False, dt_rev=None, B_rev=None, C_rev=None)`: Bi-Mamba2's `bimamba_chunk_scan_combined` arguments in their order, with Hydra's form and separate reverse parameters as keyword-only extras. Its forward pass, `mamba_annotated/bidirectional/forward.py`, is the pipeline above in a few lines:
+
+# %%
+show_source(bidirectional_forward)
+
+# %% [markdown]
+# The package calls the reverse direction's inclusive cumulative sum $b$ (our $a'$) and its exclusive one $e_t = b_t - A\Delta'_t$ (our $a'_{t-1}$). Two `@triton.jit` helpers hold all the bookkeeping of directions and shift. `row_decays` gives each row $t$ its two decays: $r_t$ for the forward terms ($a_t$, or $a_{t-1}$ with the shift) and $\rho_t$ for the reverse ones ($e_t$, or $b_t$ with the shift).
+
+# %%
+show_source(row_decays)
+
+# %% [markdown]
+# `pair_weight` gives one entry $(t, s)$ of a diagonal block its weight. It picks the triangle's exponent and step *before* the one exponential, so a weight costs one `exp2` whichever direction it belongs to, and entries across a sequence boundary get $-\infty$ in the exponent:
+
+# %%
+show_source(pair_weight)
+
+# %% [markdown]
+# ### The scores of the diagonal blocks
+#
+# `chunk_scores` writes one $Q \times Q$ block of scores per chunk and group: $C_t \cdot B_s$ (with the shift $C_{t-1} \cdot B_s$) on and below the diagonal, $C'_t \cdot B'_s$ (with the shift $C'_{t+1} \cdot B'_s$) above it. A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector `Gd` the reverse one. Every entry written is a finite number, because the kernels that read the scores mask the weights, not the scores (chapter 5's reason).
+
+# %%
+show_source(chunk_scores_kernel)
+
+# %% [markdown]
+# ### Both chunk states from one read of $x$ and $B$
+#
+# One program per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ and of $B$ once and accumulates two matmuls: $S_c$ with the weight $e^{a_{Q-1} - a_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{e_s}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from registers. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and $C$.
+
+# %%
+show_source(chunk_states_kernel)
+
+# %% [markdown]
+# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction):
+
+# %%
+inp = make_inputs(length=40, separate=True)
+heads, groups = inp["x"].shape[2], inp["B"].shape[2]
+a, dt_out = chunk_cumsum(inp["dt"], inp["A"], chunk, dt_bias=inp["dt_bias"], dt_softplus=True)
+b, dt_rev_out = chunk_cumsum(inp["dt_rev"], inp["A"], chunk, dt_bias=inp["dt_bias"], dt_softplus=True)
+states = chunk_states(inp["x"], inp["B"], inp["B_rev"], a, dt_out, b, dt_rev_out, inp["A"])
+
+
+def by_chunk(t):
+    """(batch, L, heads or groups, ...) -> float64 (batch, chunks, Q, heads, ...), zero-padded."""
+    t = t.double().repeat_interleave(heads // t.shape[2], dim=2) if t.shape[2] != heads else t.double()
+    pad = a.shape[2] * chunk - t.shape[1]
+    return torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], 1).unflatten(1, (a.shape[2], chunk))
+
+
+A64 = inp["A"].double()[:, None, None]
+to_end = torch.exp(a.double()[..., -1:] - a.double()) * dt_out.double()          # (batch, heads, chunks, Q)
+to_start = torch.exp(b.double() - A64 * dt_rev_out.double()) * dt_rev_out.double()
+for name, weight, B_dir, got in (("S (to the chunk end)", to_end, inp["B"], states[0]),
+                                 ("S' (to the chunk start)", to_start, inp["B_rev"], states[1])):
+    want = torch.einsum("bhcq,bcqhp,bcqhn->bchpn", weight, by_chunk(inp["x"]), by_chunk(B_dir))
+    check(f"chunk_states: {name}", got, want, tolerance(torch.float32))
+
+# %% [markdown]
+# ### Both carries in one launch
+#
+# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element: a loop bound by latency, not by bandwidth, which leaves most of the GPU idle. Two launches would run one after the other; here one grid holds the programs of both directions (the first half walks the forward states left to right on $a$, the second the reverse ones right to left on $b$), so the two walks overlap. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients.
+
+# %%
+show_source(state_passing_kernel)
+
+# %% [markdown]
+# ### The outputs
+#
+# The last kernel sums, for a block of rows of one chunk and head, the four terms of $y_t$: the forward state through $e^{r_t} q_t$, the reverse state through $e^{b_{Q-1} - \rho_t} q'_t$ (both one matmul over dstate), the diagonal block with the weights of `pair_weight`, and $D x_t$, then the gate. Unlike chapter 5's chunk scan, its loop over columns runs across the whole chunk, because the part above the diagonal is now the reverse direction's.
+
+# %%
+show_source(chunk_outputs_kernel)
+
+# %% [markdown]
+# **The next cell checks it** against the float64 reference on fresh inputs: both forms, shared and separate reverse parameters, every dtype, a length (45) that is not a multiple of the chunk (16), with $D$, $z$, `dt_bias` and softplus.
+
+# %%
+for shift in (False, True):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        inp = make_inputs(dtype=dtype, separate=shift)
+        got = bidirectional_chunk_scan(**inp, chunk_size=chunk, dt_softplus=True, shift=shift)
+        check(f"shift={shift!s:5} {'separate' if shift else 'shared  '} {str(dtype)[6:]:8}", got,
+              bidirectional_ref(**inp, dt_softplus=True, shift=shift), tolerance(dtype))
+
+# %% [markdown]
+# Packed sequences, by `seq_idx` (two rows, one sequence of length 1, a boundary on a chunk edge) and by `cu_seqlens` (one row), with a clamp on the step:
+
+# %%
+length = 45
+cuts = torch.tensor([5, 6, 16], device=device)
+seq_idx = torch.stack([(torch.arange(length, device=device)[:, None] >= cuts).sum(-1),
+                       (torch.arange(length, device=device) >= 30).long()]).to(torch.int32)
+cu_seqlens = torch.tensor([0, 5, 6, 16, length], dtype=torch.int32, device=device)
+for shift in (False, True):
+    inp = make_inputs(length=length, separate=shift)
+    kw = dict(dt_softplus=True, dt_limit=(0.05, 1.0), shift=shift)
+    check(f"seq_idx, shift={shift}", bidirectional_chunk_scan(**inp, chunk_size=chunk, seq_idx=seq_idx, **kw),
+          bidirectional_ref(**inp, seq_idx=seq_idx, **kw), tolerance(torch.float32))
+    one_row = {k: (v[:1] if v.dim() > 1 and v.shape[1] == length else v) for k, v in inp.items()}
+    got = bidirectional_chunk_scan(**one_row, chunk_size=chunk, cu_seqlens=cu_seqlens, **kw)
+    check(f"cu_seqlens, shift={shift}", got, bidirectional_ref(**one_row, cu_seqlens=cu_seqlens, **kw),
+          tolerance(torch.float32))
+
+# %% [markdown]
+# ### The backward pass
+#
+# The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once. What the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, comes from the chunk-state kernel with `grad=True` (one read of $dy$ and $C$); the two carries run again, each the other way; one kernel gives $dx$ (through the full diagonal block and both states), one gives $dB$, $dC$ and the reverse direction's $dB'$, $dC'$; a last one turns the decay gradients of both directions into those of $\Delta$, $\Delta'$, $A$ and `dt_bias` by reverse cumulative sums inside each chunk, as in chapter 5. Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$, so their gradients move back one row (`queries_to_rows`).
+
+# %%
+show_source(bidirectional_backward)
+
+# %% [markdown]
+# Every gradient, of both directions' parameters, against float64 autograd through the reference, with packed sequences:
+
+# %%
+for shift in (False, True):
+    inp = make_inputs(length=37, heads=2, groups=1, separate=shift)
+    grad_inputs = {k: v.clone().requires_grad_() for k, v in inp.items()}
+    kw = dict(dt_softplus=True, seq_idx=seq_idx[:, :37].contiguous(), shift=shift)
+    errors = assert_gradients_close(lambda **a: bidirectional_chunk_scan(**a, chunk_size=chunk, **kw),
+                                    lambda **a: bidirectional_ref(**a, **kw), grad_inputs, tol=1e-4)
+    print(f"shift={shift}: " + ", ".join(f"d{name} < 1e-4: {err < 1e-4}" for name, err in errors.items()))
+
+# %% [markdown]
+# ## The foil: two calls
+#
+# The naive way, from `mamba_annotated/bidirectional/naive.py`, is a few lines of PyTorch around chapter 5's kernel. It is correct (we checked it above), and it is what the published models run today in one form or another:
+
+# %%
+show_source(bidirectional_two_calls)
+
+# %% [markdown]
+# Counting the passes over memory makes its cost plain. The reverse call reads reversed copies of $x$, $\Delta'$, $B'$ and $C'$, each made by a flip (or a gather, for packed sequences) that reads and writes the whole tensor; its output is reversed again; then the casts to float32, the sum, the skip and the cast back each make one more pass over an output-sized tensor. Each call also reads $x$ twice (chunk states, outputs) and $B$, $C$ on its own. The fused pipeline makes no copy: the reverse direction reads the same tiles through the same chunk grid, and the outputs of both directions meet in registers. Both give the same numbers:
+
+# %%
+for shift in (False, True):
+    inp = make_inputs(separate=shift)
+    check(f"fused = two calls, shift={shift}", bidirectional_chunk_scan(**inp, chunk_size=chunk, shift=shift),
+          bidirectional_two_calls(**inp, chunk_size=chunk, shift=shift), tolerance(torch.float32))
+
+# %% [markdown]
+# Timed on this machine at a chapter-sized problem, forward only, beside one causal call for scale (bfloat16 on a GPU; on a CPU the interpreter's times say nothing about a GPU):
+
+# %% tags=["nbval-ignore-output"]
+size = runtime.size(gpu=dict(batch=4, length=4096, heads=80, headdim=64, groups=1, dstate=128, dtype=torch.bfloat16),
+                    cpu=dict(batch=1, length=32, heads=2, headdim=16, groups=1, dstate=16, dtype=torch.float32))
+chunk_t = runtime.size(gpu=256, cpu=16)
+big = make_inputs(**size, separate=False)
+big.pop("z")
+rows = []
+for name, fn in (("fused", bidirectional_chunk_scan), ("two calls", bidirectional_two_calls),
+                 ("causal ssd_chunk_scan (one direction)", ssd_chunk_scan)):
+    rows.append(dict(impl=name, forward_ms=median_ms(lambda: fn(**big, chunk_size=chunk_t, dt_softplus=True))))
+print(f"device: {runtime.device_name()}")
+print_table(rows)
+
+# %% [markdown]
+# ## Speed and memory
+#
+# `benchmarks/bench_bidirectional.py` times, in one run on a GPU (bfloat16, chunk 256, with $D$, `dt_bias` and softplus, at the shapes (batch, L, heads, headdim, dstate) = (4, 4096, 80, 64, 128) and (1, 65536, 32, 64, 128)):
+#
+# - ours with `shift=False` and shared parameters, against our causal `ssd_chunk_scan` on the same shape (the bar: at most 1.25× its time) and against the naive way on mamba_ssm's `mamba_chunk_scan_combined` {cite}`repo_mamba` (flip, two causal calls, flip, add; the bar: at least 1.6× faster);
+# - ours with `shift=True` and separate reverse parameters, against Hydra's own method {cite}`repo_hydra` (both directions stacked along the batch through one `mamba_chunk_scan_combined` call, then a roll, a flip and a sum; the bar: at least 1.5× faster);
+# - peak memory over a forward and backward pass, and the time of each kernel of our pipeline.
+#
+# When its JSON is beside the book, it is shown here, each time divided by our causal SSD's on the same shape and pass:
+
+# %% tags=["nbval-ignore-output"]
+results = pathlib.Path("data/bidirectional_bench.json")  # python benchmarks/bench_bidirectional.py --json ...
+if results.is_file():
+    data = json.loads(results.read_text())
+    print(f"device: {data['device']}")
+    print_table(data["rows"])
+    print()
+    print_table(data["bars"])
+    for shape, stages in data["stages"].items():
+        print(f"\nwhere the time goes, {shape}:")
+        print_table(stages)
+    shapes = list(dict.fromkeys(r["shape"] for r in data["rows"]))
+    impls = [i for i in dict.fromkeys(r["impl"] for r in data["rows"]) if i != "causal ssd_chunk_scan (ours)"]
+    style = {impl: dict(color=COLORS["y"] if impl.startswith("ours") else COLORS["x"] if "naive" in impl
+                        else COLORS["decay"], hatch="//" if "shift=True" in impl or "hydra" in impl else None)
+             for impl in impls}
+    fig, axes = plt.subplots(1, len(shapes) + 1, figsize=(4.2 * (len(shapes) + 1), 3.8))
+    for ax, shape in zip(axes, shapes):
+        for p, pass_ in enumerate(("fwd", "fwd+bwd")):
+            causal = next(r["ms"] for r in data["rows"] if r["shape"] == shape and r["pass_"] == pass_
+                          and r["impl"] == "causal ssd_chunk_scan (ours)")
+            for i, impl in enumerate(impls):
+                ms = [r["ms"] for r in data["rows"]
+                      if r["shape"] == shape and r["pass_"] == pass_ and r["impl"] == impl]
+                if ms:
+                    ax.bar(p + 0.2 * (i - 1.5), ms[0] / causal, width=0.2, edgecolor="black",
+                           label=impl if p == 0 else None, **style[impl])
+        ax.axhline(1.0, color="black", lw=1, label="causal ssd_chunk_scan")
+        ax.axhline(1.25, color="black", ls="--", lw=1, label="bar: 1.25 x causal")
+        ax.set(xticks=[0, 1], xticklabels=["forward", "forward + backward"], ylabel="time / causal SSD", title=shape)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4,
+               fontsize="small")
+    memory = [r for r in data["rows"] if r["pass_"] == "fwd+bwd" and r["impl"] in impls]
+    for i, impl in enumerate(impls):
+        values = [r["peak_MB"] / 1024 for r in memory if r["impl"] == impl]
+        axes[-1].bar([k + 0.2 * (i - 1.5) for k in range(len(values))], values, width=0.2, edgecolor="black",
+                     **style[impl])
+    axes[-1].set(xticks=range(len(shapes)), xticklabels=shapes, ylabel="GiB", title="peak memory, fwd + bwd")
+    axes[-1].tick_params(axis="x", labelsize=6)
+    plt.tight_layout()
+    missed = [b for b in data["bars"] if not b["holds"]]
+    print(f"\nverdict on {data['device']}: {len(data['bars']) - len(missed)} of {len(data['bars'])} bars hold"
+          + "".join(f"; {b['bar']} ({b['pass_']}, {b['shape']}) is {b['ratio']:.2f}, bar {b['target']}"
+                    for b in missed))
+else:
+    print("no stored benchmark run: on a GPU, python benchmarks/bench_bidirectional.py "
+          "--json book/data/bidirectional_bench.json writes it (bash scripts/gpu_benchmarks.sh bidirectional)")
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# A bidirectional SSM multiplies by a quasiseparable matrix: chapter 5's lower semiseparable triangle, an upper one running backwards in time, and a diagonal. Bi-Mamba2 counts the diagonal in both triangles; Hydra shifts each direction by one step, which leaves the diagonal to $D$ alone. Because the reverse decays are the forward cumulative sums read one position earlier, both directions share one chunk grid, and one pipeline computes full diagonal blocks, both directions' chunk states from one read of $x$ and $B$, both carries in one launch and all outputs in one kernel, checked against the float64 reference in both forms, every dtype, packed sequences and every gradient. The two-call composition is the foil it replaces.
+#
+# [Chapter 7](07_attention.ipynb) turns to the model Mamba set out to replace, softmax attention, whose $L \times L$ matrix has no low-rank structure to exploit, and computes it without ever storing it.
+#
+# **Exercises.** A warm-up without code: with $B = C = 0$ in both directions, what is $y$, with and without the shift? (`tests/test_bidirectional.py` checks your answer.)
+#
+# 1. *The backward of the shift.* `shift_within_sequences` moves every row one position later, with a zero at each sequence start. Its backward pass is its adjoint: write `shift_adjoint(g, seq_idx)` that returns $\partial \langle \mathrm{shift}(x), g\rangle / \partial x$ for `g` of shape (batch, L, ...) and `seq_idx` (batch, L) or None.
+# 2. *The diagonal of Bi-Mamba2's matrix.* Write `diagonal(dt, B, C, D, dt_rev, B_rev, C_rev)` that returns the diagonal of $M$ for `shift=False`, shape (batch, heads, L), without building $M$ (steps already processed; $B$, $C$ of shape (batch, L, groups, dstate); $D$ of shape (heads,)).
+#
+# Replace the `raise` in each stub and run the cell; the checker compares your function with the float64 reference on fresh random inputs, packed sequences and groups included.
+
+# %%
+def shift_adjoint(g, seq_idx):
+    raise NotImplementedError  # your code here
+
+
+def diagonal(dt, B, C, D, dt_rev, B_rev, C_rev):
+    raise NotImplementedError  # your code here
+
+
+for number, answer in (("6.1", shift_adjoint), ("6.2", diagonal)):
+    check_exercise(number, answer)
+
+# %% [markdown]
+# The solutions (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+def shift_adjoint(g, seq_idx):
+    """The shift moves row i to i + 1, so its adjoint moves row i + 1 back to i: shift left, with a
+    zero at the last position of each sequence (whose row the shift sent into the next sequence's
+    zero)."""
+    out = torch.zeros_like(g)
+    out[:, :-1] = g[:, 1:]
+    if seq_idx is not None:
+        ends = torch.zeros(seq_idx.shape, dtype=torch.bool, device=g.device)
+        ends[:, :-1] = seq_idx[:, 1:] != seq_idx[:, :-1]
+        out[ends] = 0
+    return out
+
+
+def diagonal(dt, B, C, D, dt_rev, B_rev, C_rev):
+    """M[t, t] = D + dt_t C_t.B_t + dt'_t C'_t.B'_t: the decay over no step is 1, so A drops out;
+    the heads of a group share its B and C."""
+    heads = dt.shape[2]
+
+    def per_head(t):
+        return t.repeat_interleave(heads // t.shape[2], dim=2)
+
+    terms = [d * (per_head(c) * per_head(b)).sum(-1) for d, b, c in ((dt, B, C), (dt_rev, B_rev, C_rev))]
+    return (terms[0] + terms[1] + D).transpose(1, 2)
+
+
+for number, answer in (("6.1", shift_adjoint), ("6.2", diagonal)):
+    check_exercise(number, answer)
