@@ -54,8 +54,11 @@ runtime.describe()
 # On a sequence we sample it with a step size $\Delta$. Holding $x$ constant over each step (zero-order hold) and solving the linear ODE exactly over one step gives
 #
 # $$
-# h_t = \bar A_t\, h_{t-1} + \bar B_t\, x_t, \qquad y_t = C_t\, h_t, \qquad
-# \bar A_t = \exp(\Delta_t A), \quad \bar B_t = (\Delta_t A)^{-1}(\exp(\Delta_t A) - I)\,\Delta_t B_t \approx \Delta_t B_t .
+# \begin{aligned}
+# h_t &= \bar A_t\, h_{t-1} + \bar B_t\, x_t, \qquad y_t = C_t\, h_t, \\
+# \bar A_t &= \exp(\Delta_t A), \\
+# \bar B_t &= (\Delta_t A)^{-1}(\exp(\Delta_t A) - I)\,\Delta_t B_t \approx \Delta_t B_t .
+# \end{aligned}
 # $$
 #
 # Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to

@@ -243,9 +243,11 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # A popular way to avoid writing a custom scan {cite}`heinsen2023efficient` rewrites the recurrence with library scans. With $A_t = \prod_{s \le t} a_s$,
 #
 # $$
-# h_t = A_t \sum_{s \le t} \frac{b_s}{A_s}
-# \quad\Longrightarrow\quad
-# \log h_t = \underbrace{\textstyle\sum_{s\le t}\log a_s}_{\texttt{cumsum}} + \texttt{logcumsumexp}_{s \le t}\big(\log b_s - \log A_s\big)
+# \begin{aligned}
+# h_t &= A_t \sum_{s \le t} \frac{b_s}{A_s}
+# \quad\Longrightarrow \\
+# \log h_t &= \underbrace{\textstyle\sum_{s\le t}\log a_s}_{\texttt{cumsum}} + \texttt{logcumsumexp}_{s \le t}\big(\log b_s - \log A_s\big)
+# \end{aligned}
 # $$
 #
 # (for positive $b$; signs need complex logarithms). The catch is the size of the numbers: $\log A_t$ grows like $t \cdot \overline{|\log a|}$, and a float32 number of that size carries an absolute error of about $|\log A_t| \cdot 2^{-24}$. The two large terms then cancel to give $\log h_t$, which is of order one, and their absolute error survives as a *relative* error of $h_t$ — growing linearly with the length. The tuple scan never forms a large number: every combine multiplies decays below one and adds bounded states, so its error stays near float32 resolution.

@@ -53,9 +53,10 @@ runtime.describe()
 # Mamba's SSM layer {cite}`gu2023mamba` takes an input $u \in \mathbb{R}^{\text{dim} \times L}$ and, per token, a step size $\Delta_t$ (one per channel) and two vectors $B_t, C_t \in \mathbb{R}^N$ (shared by the channels of a group). Each channel $d$ has its own diagonal $A_d \in \mathbb{R}^N$ ($A < 0$). For channel $d$, state $n$ and step $t$:
 #
 # $$
-# \Delta_t = \operatorname{softplus}(\Delta^{\text{raw}}_t + b_d), \qquad
-# a_t = e^{\Delta_t A_{dn}}, \qquad x_t = \Delta_t\, B_{nt}\, u_t, \qquad
-# h_t = a_t\, h_{t-1} + x_t,
+# \begin{aligned}
+# \Delta_t &= \operatorname{softplus}(\Delta^{\text{raw}}_t + b_d), & a_t &= e^{\Delta_t A_{dn}}, \\
+# x_t &= \Delta_t\, B_{nt}\, u_t, & h_t &= a_t\, h_{t-1} + x_t,
+# \end{aligned}
 # $$
 #
 # $$
@@ -207,16 +208,20 @@ for name, inputs in cases.items():
 # and the chain rule through $x = \Delta u B$ and $a = e^{\Delta A}$ gives every input:
 #
 # $$
-# \partial u_t = \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \quad
-# \partial \Delta_t = u_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}(h_{nt} - x_{nt}), \quad
-# \partial A_n = \sum_{b, t} \Delta_t \lambda_{nt} (h_{nt} - x_{nt}),
+# \begin{aligned}
+# \partial u_t &= \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \\
+# \partial \Delta_t &= u_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}(h_{nt} - x_{nt}), \\
+# \partial A_n &= \sum_{b, t} \Delta_t \lambda_{nt} (h_{nt} - x_{nt}),
+# \end{aligned}
 # $$
 #
 # $$
-# \partial B_{nt} = \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} u_{dt}, \quad
-# \partial C_{nt} = \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \quad
-# \partial D = \sum_{b,t} g_t u_t, \quad
-# \partial z_t = g^{\text{out}}_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
+# \begin{aligned}
+# \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} u_{dt}, &
+# \partial C_{nt} &= \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \\
+# \partial D &= \sum_{b,t} g_t u_t, &
+# \partial z_t &= g^{\text{out}}_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
+# \end{aligned}
 # $$
 #
 # and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + b)$, summed over batch and time for `delta_bias`. The identity $a_t h_{t-1} = h_t - x_t$ saves computing $h_{t-1}$, which would need either a third exponential or a shifted scan.

@@ -61,8 +61,10 @@ runtime.describe()
 # Unroll the recurrence and write $a_t = \sum_{k \le t} \Delta_k A$ for the cumulative log-decay. The decay from $s$ to $t$ is $\exp(\sum_{k=s+1}^{t} \Delta_k A) = e^{a_t - a_s}$, so
 #
 # $$
-# y_t = \sum_{s \le t} \underbrace{(C_t \cdot B_s)\; e^{a_t - a_s}\; \Delta_s}_{M_{ts}}\; x_s ,
-# \qquad\text{i.e.}\qquad y = M x, \quad M_{ts} = 0 \text{ for } s > t .
+# \begin{aligned}
+# y_t &= \sum_{s \le t} \underbrace{(C_t \cdot B_s)\; e^{a_t - a_s}\; \Delta_s}_{M_{ts}}\; x_s , \\
+# \text{i.e.}\quad y &= M x, \qquad M_{ts} = 0 \text{ for } s > t .
+# \end{aligned}
 # $$
 #
 # $M$ is lower-triangular and *semiseparable*: every block of $M$ that lies below the diagonal has rank at most $N$, because $M_{ts} = e^{a_t} C_t \cdot B_s e^{-a_s} \Delta_s$ factors into a term of $t$ times a term of $s$. Two ways to multiply by $M$ follow:
@@ -262,9 +264,11 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 # - **Into the decays.** Every term holds $a$ as $e^{a_t - a_s}$: $+$ for the row $t$, $-$ for the column $s$. Collecting the terms where position $r$ is the row gives exactly $C_r \cdot dC_r$; where it is the column, $B_r \cdot dB_r$ (per head). With the chunk's last slot also receiving $\langle dS_c, H_{c+1}\rangle$ from the carry (through both $\gamma_c = e^{a_{\text{last}}}$ and the $e^{a_{\text{last}} - a_s}$ inside $S_c$),
 #
 # $$
-# \frac{\partial\mathcal L}{\partial a_r} = C_r \cdot dC_r - B_r \cdot dB_r \;\big(+\, \langle dS_c, H_{c+1}\rangle \text{ at the last slot}\big),
-# \qquad
-# \frac{\partial\mathcal L}{\partial(\Delta_k A)} = \sum_{r \ge k,\ r \in c} \frac{\partial\mathcal L}{\partial a_r},
+# \begin{aligned}
+# \frac{\partial\mathcal L}{\partial a_r} &= C_r \cdot dC_r - B_r \cdot dB_r \;\big(+\, \langle dS_c, H_{c+1}\rangle \text{ at the last slot}\big),
+# \\
+# \frac{\partial\mathcal L}{\partial(\Delta_k A)} &= \sum_{r \ge k,\ r \in c} \frac{\partial\mathcal L}{\partial a_r},
+# \end{aligned}
 # $$
 #
 # a **reverse** cumulative sum inside each chunk, because $a_r = \sum_{k \le r} \Delta_k A$. Then $d\Delta_k \mathrel{+}= A\, \partial\mathcal L/\partial(\Delta_k A)$, $dA = \sum_k \Delta_k\, \partial\mathcal L/\partial(\Delta_k A)$, and $d\Delta$ goes back through the clamp (zero outside the limits), the softplus (times $\sigma$) and the bias (summed).

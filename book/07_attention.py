@@ -90,9 +90,11 @@ print("out", tuple(out_ref.shape), "lse", tuple(lse_ref.shape))
 # Split the keys into blocks. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $a_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
 #
 # $$
-# m_i' = \max\big(m_i, \max_{j \in B} S_{ij}\big), \qquad
-# \ell_i' = e^{m_i - m_i'}\,\ell_i + \sum_{j \in B} e^{S_{ij} - m_i'}, \qquad
-# a_i' = e^{m_i - m_i'}\,a_i + \sum_{j \in B} e^{S_{ij} - m_i'}\, v_j .
+# \begin{aligned}
+# m_i' &= \max\big(m_i, \max_{j \in B} S_{ij}\big), \\
+# \ell_i' &= e^{m_i - m_i'}\,\ell_i + \sum_{j \in B} e^{S_{ij} - m_i'}, \\
+# a_i' &= e^{m_i - m_i'}\,a_i + \sum_{j \in B} e^{S_{ij} - m_i'}\, v_j .
+# \end{aligned}
 # $$
 #
 # The factor $e^{m_i - m_i'}$ rescales what was summed under the old maximum, so after the last block $O_i = a_i / \ell_i$ exactly, and $m_i + \log \ell_i = \mathrm{lse}_i$. Subtracting the running maximum keeps every exponent $\le 0$, so nothing overflows. In plain PyTorch, one head:
@@ -223,9 +225,11 @@ for name, sq, sk, d, dtype in cases:
 # Take a loss with upstream gradient $dO = \partial L / \partial O$. Going back through $O = PV$, the softmax and $S = \tau QK^\top$ one step at a time (one query row $i$, sums over keys $j$):
 #
 # $$
-# dV = P^\top dO, \qquad dP = dO\, V^\top, \qquad
-# dS_{ij} = P_{ij}\big(dP_{ij} - \textstyle\sum_{j'} P_{ij'}\, dP_{ij'}\big), \qquad
-# dQ = \tau\, dS\, K, \qquad dK = \tau\, dS^\top Q .
+# \begin{aligned}
+# dV &= P^\top dO, \qquad dP = dO\, V^\top, \\
+# dS_{ij} &= P_{ij}\big(dP_{ij} - \textstyle\sum_{j'} P_{ij'}\, dP_{ij'}\big), \\
+# dQ &= \tau\, dS\, K, \qquad dK = \tau\, dS^\top Q .
+# \end{aligned}
 # $$
 #
 # The softmax line is the Jacobian of $p = \operatorname{softmax}(s)$, $\partial p_j / \partial s_k = p_j(\delta_{jk} - p_k)$, applied to $dP_{i\cdot}$. Its inner sum looks as if it needed a whole row of $P$ and $dP$ before any $dS$ could be formed, which would break the tiling. It does not:

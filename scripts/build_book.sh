@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
+bash scripts/fetch_mathjax.sh  # MathJax served from the build (a no-op once it is there)
 rm -rf _build/html
 jupyter-book build . -W -n --keep-going
 python - <<'PY'

@@ -13,3 +13,17 @@ python -c "import torch" 2>/dev/null || quiet_pip "${TORCH_SPEC:-torch==2.13.0}"
 quiet_pip -r requirements.txt
 quiet_pip --no-deps -e .
 python -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
+
+# The pages load MathJax from the build itself (scripts/fetch_mathjax.sh: the npm registry's tarball, sha256-pinned).
+bash scripts/fetch_mathjax.sh
+# The browser check in scripts/test.sh (scripts/check_pages.py) drives Debian's chromium.
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && [ -z "${CHROMIUM:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's chromium for the browser check (scripts/check_pages.py)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "setup: no chromium found; the browser check (scripts/check_pages.py) needs it:" \
+         "sudo apt-get install chromium (Debian/Ubuntu), or set CHROMIUM to a Chromium/Chrome binary" >&2
+  fi
+fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run every check that needs no GPU: the jupytext pairs agree, the unit tests (kernels in Triton's
 # interpreter), every notebook re-run under nbval-lax (the asserts in its cells do the checking),
-# and the strict book build.
+# the strict book build, and the browser check: every built page opened offline in headless
+# Chromium (no broken image, MathJax error, raw LaTeX, or equation or listing wider than its column).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -9,3 +10,4 @@ python scripts/check_pairs.py
 python -m pytest -q tests
 python -m pytest -q --nbval-lax --nbval-current-env book/
 bash scripts/build_book.sh
+python scripts/check_pages.py
