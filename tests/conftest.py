@@ -19,3 +19,13 @@ def _poison_and_seed():
     seed_everything(next(_seeds))
     with poisoned_outputs():
         yield
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any kernel launch in the interpreter fails: for tests that an input needs none."""
+    import triton.runtime.interpreter
+
+    def refuse(*grid):
+        raise AssertionError(f"a kernel was launched on grid {grid}")
+    monkeypatch.setattr(triton.runtime.interpreter.interpreter_builder, "set_grid_dim", refuse)
