@@ -21,11 +21,8 @@ def check_scan_inputs(a, b, h0):
 
 
 def rows(x):
-    """(..., L) -> (rows, L), contiguous (a copy only if x was not; no call at all if x is already
-    that: each costs host time on every step)."""
-    if x.dim() != 2:
-        x = x.reshape(-1, x.shape[-1])
-    return x if x.is_contiguous() else x.contiguous()
+    """(..., L) -> (rows, L), contiguous (a copy only if x was not)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def first_order_scan_op(name, forward_launcher, backward_launcher):
