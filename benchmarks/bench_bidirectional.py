@@ -193,22 +193,11 @@ def bars(rows):
     return out
 
 
-def kernel_breakdown(shape, fn, iters=10):
-    """Where our time goes (shift=False, shared parameters): the forward and backward pipelines
-    timed whole (``bidirectional_forward``, ``bidirectional_backward``), then the CUDA time of each
-    kernel over ``iters`` forward+backward passes through autograd, from the profiler."""
+def kernel_times(fn, leaves, dy, iters=10):
+    """The CUDA time of each kernel over ``iters`` forward+backward passes of ``fn`` through
+    autograd, from the profiler: rows (stage, calls per pass, ms per pass, % of the total)."""
     from torch.profiler import ProfilerActivity, profile
 
-    inp = make_inputs(*shape)
-    leaves = {k: v.clone().requires_grad_() for k, v in inp.items() if k not in REVERSE}
-    dy = torch.randn_like(inp["x"])
-    args = [inp[k] for k in ("x", "dt", "A", "B", "C")]
-    step = dict(D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
-    saved = bidirectional_forward(*args, CHUNK, **step)[2]
-    whole = [dict(stage="whole forward (bidirectional_forward)", calls=1,
-                  ms=bench.median_ms(lambda: bidirectional_forward(*args, CHUNK, **step))),
-             dict(stage="whole backward (bidirectional_backward)", calls=1,
-                  ms=bench.median_ms(lambda: bidirectional_backward(dy, *args, saved, **step)))]
     for _ in range(3):  # warm up: compile and autotune outside the profile
         torch.autograd.grad(fn(leaves), list(leaves.values()), dy)
     torch.cuda.synchronize()
@@ -227,13 +216,36 @@ def kernel_breakdown(shape, fn, iters=10):
     total = sum(r["ms"] for r in stages)
     for r in stages:
         r["pct"] = 100 * r["ms"] / total
-    return [dict(r, pct=float("nan")) for r in whole] + stages
+    return stages
+
+
+def kernel_breakdown(shape, impls):
+    """Where our time goes (shift=False, shared parameters): the forward and backward pipelines
+    timed whole (``bidirectional_forward``, ``bidirectional_backward``), then each kernel's CUDA
+    time, ours and (for comparison, kernel by kernel) our causal ssd_chunk_scan's."""
+    inp = make_inputs(*shape)
+    leaves = {k: v.clone().requires_grad_() for k, v in inp.items() if k not in REVERSE}
+    dy = torch.randn_like(inp["x"])
+    args = [inp[k] for k in ("x", "dt", "A", "B", "C")]
+    step = dict(D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
+    saved = bidirectional_forward(*args, CHUNK, **step)[2]
+    whole = [dict(stage="whole forward (bidirectional_forward)", calls=1,
+                  ms=bench.median_ms(lambda: bidirectional_forward(*args, CHUNK, **step))),
+             dict(stage="whole backward (bidirectional_backward)", calls=1,
+                  ms=bench.median_ms(lambda: bidirectional_backward(dy, *args, saved, **step)))]
+    ours = [dict(r, impl=OURS) for r in kernel_times(impls[OURS][0], leaves, dy)]
+    causal = [dict(r, impl=CAUSAL) for r in kernel_times(impls[CAUSAL][0], leaves, dy)]
+    return [dict(r, impl=OURS, pct=float("nan")) for r in whole] + ours + causal
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--quick", action="store_true", help="one small shape: a smoke run")
+    parser.add_argument("--shape", type=int, action="append",
+                        help="index into SHAPES (repeatable; default all): split a run across device calls")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other shapes' rows already in --json (for runs split by --shape)")
     args = parser.parse_args()
     if DEVICE.type != "cuda":
         sys.exit("bench_bidirectional: needs a CUDA GPU (this machine runs the kernels in Triton's interpreter)")
@@ -244,13 +256,19 @@ def main():
     print(f"device: {device_name()}; matmul {bench.matmul_tflops():.0f} TFLOP/s (bf16), "
           f"copy {bench.copy_bandwidth_gbps():.0f} GB/s")
     all_rows, all_stages = [], {}
-    for shape in QUICK_SHAPES if args.quick else SHAPES:
+    shapes = QUICK_SHAPES if args.quick else [SHAPES[i] for i in args.shape] if args.shape else SHAPES
+    if args.merge and args.json and args.json.exists():
+        old = json.loads(args.json.read_text())
+        done = {str(s) for s in shapes}
+        all_rows = [r for r in old["rows"] if r["shape"] not in done]
+        all_stages = {k: v for k, v in old["stages"].items() if k not in done}
+    for shape in shapes:
         rows = run_shape(shape, impls)
         all_rows += rows
         bench.print_table(rows)
-        stages = kernel_breakdown(shape, impls[OURS][0])
+        stages = kernel_breakdown(shape, impls)
         all_stages[str(shape)] = stages
-        print(f"where the time of {OURS} goes, forward+backward, {shape}:")
+        print(f"where the time goes, forward+backward, {shape}:")
         bench.print_table(stages)
     verdicts = bars(all_rows)
     print("bars:")

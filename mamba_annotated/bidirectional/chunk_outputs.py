@@ -13,8 +13,9 @@ Algorithm, for t in chunk c of head h (group g), with :mod:`.decays`' notation:
 
 Parallelism: one program per (batch, chunk, head) x (BLOCK_M rows) x (BLOCK_P of headdim). Unlike
 chapter 5's chunk scan, the loop over s runs over the whole chunk: the block above the diagonal is
-the reverse direction's. One exponential per weight: the two triangles select their exponent and
-step before it. Both matmuls run in the input dtype, as chapter 5's.
+the reverse direction's. Only the columns of the row block's own band mix the triangles and pay
+one exponential per weight; left and right of it each weight is a product of a row factor and a
+column factor (one exponential per column). Both matmuls run in the input dtype, as chapter 5's.
 
 Shapes: x, z (batch, L, heads, headdim), any strides; out, y contiguous; C, C' (batch, L, groups,
 dstate), any strides; G (batch, chunks, groups, Q, Q), Gd (batch, chunks, groups, Q) float32;
@@ -29,7 +30,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..ssd.tuning import autotune, config
-from ..triton_ops import cdiv, dot_precision, mm, sigmoid
+from ..triton_ops import LOG2E, cdiv, dot_precision, mm, sigmoid
 from .decays import pair_weight, row_decays
 
 CONFIGS = [config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=3),
@@ -39,6 +40,24 @@ CONFIGS = [config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=3),
            config(BLOCK_M=64, BLOCK_P=32, BLOCK_N=64, BLOCK_K=32),
            config(BLOCK_M=32, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32)]
 CPU_CONFIG = config(BLOCK_M=16, BLOCK_P=16, BLOCK_N=16, BLOCK_K=16)
+# the band loop starts at a row block's edge and must end at the next one
+assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in CONFIGS + [CPU_CONFIG]), "BLOCK_K | BLOCK_M"
+
+
+@triton.jit
+def diagonal_step(acc, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
+                  stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + (G * w) x over the columns s (chunk positions k) of one step: the weights w of rows m,
+    zeroed past the chunk's end and, with seq_idx, across sequences."""
+    s_ok = s < chunk_end
+    keep = s_ok[None, :]
+    if HAS_SEQ_IDX:
+        seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
+        keep = keep & (seq_t[:, None] == seq_s[None, :])
+    G = tl.load(G_base + m[:, None] * CHUNK + k[None, :])
+    xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+                 mask=s_ok[:, None] & p_ok[None, :], other=0.0)
+    return acc + mm(tl.where(keep, G * w, 0.0).to(xs.dtype), xs, PRECISION)
 
 
 @lean_launch
@@ -80,6 +99,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
     r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + m), tl.load(dt_ptr + chunk_base + m),
                             tl.load(b_ptr + chunk_base + m), dtr_t, A, SHIFT)
     b_last = tl.load(b_ptr + chunk_base + CHUNK - 1)
+    seq_row, seq_t = seq_idx_ptr, m  # (placeholders that diagonal_step ignores without seq_idx)
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
@@ -111,27 +131,44 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         from_right = tl.where(seq_t == seq_last, from_right, 0.0)
     acc = acc * from_left[:, None] + acc_r * from_right[:, None]
 
-    # the diagonal block, both triangles: one weight per (t, s), selected by the triangle
+    # the diagonal block, in three runs of columns s: those before the row block are all forward,
+    # those after it all reverse, and only the band of the row block itself mixes the triangles
+    m_first = pid_m * BLOCK_M
     block = ((b * n_chunks + c) * groups + g).to(tl.int64)
     G_base = G_ptr + block * CHUNK * CHUNK
-    for k0 in range(0, CHUNK, BLOCK_K):
+    # Off the band a weight factors through a reference position between rows and columns:
+    # exp(r_t - a_s) = exp(r_t - a_ref) exp(a_ref - a_s), a_ref = a at the row block's first row
+    # minus one, and exp(e_s - rho_t) = exp(e_s - e_ref) exp(e_ref - rho_t), e_ref = e at the row
+    # after the block. The cumulative sums are monotone, so every factor's exponent has the sign
+    # of A (no factor overflows where the weight does not), and a tile of BLOCK_M x BLOCK_K
+    # weights costs BLOCK_K exponentials instead of BLOCK_M * BLOCK_K.
+    a_ref = tl.load(a_ptr + chunk_base + tl.maximum(m_first - 1, 0))
+    to_rows = tl.exp2((r_t - a_ref) * LOG2E)
+    for k0 in range(0, m_first, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        s = c * CHUNK + k
-        s_ok = s < chunk_end
-        G = tl.load(G_base + m[:, None] * CHUNK + k[None, :])
-        a_s = tl.load(a_ptr + chunk_base + k)
-        dt_s = tl.load(dt_ptr + chunk_base + k)
+        from_columns = tl.exp2((a_ref - tl.load(a_ptr + chunk_base + k)) * LOG2E) * tl.load(dt_ptr + chunk_base + k)
+        w = to_rows[:, None] * from_columns[None, :]
+        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+    for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
         e_s = tl.load(b_ptr + chunk_base + k) - A * dtr_s
-        keep = s_ok[None, :]
-        if HAS_SEQ_IDX:
-            seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
-            keep = keep & (seq_t[:, None] == seq_s[None, :])
-        w, _ = pair_weight(m[:, None], k[None, :], r_t[:, None], rho_t[:, None], a_s[None, :], e_s[None, :],
-                           dt_s[None, :], dtr_s[None, :], keep, SHIFT)
-        xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
-                     mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-        acc += mm((G * w).to(xs.dtype), xs, PRECISION)
+        w, _ = pair_weight(m[:, None], k[None, :], r_t[:, None], rho_t[:, None],
+                           tl.load(a_ptr + chunk_base + k)[None, :], e_s[None, :],
+                           tl.load(dt_ptr + chunk_base + k)[None, :], dtr_s[None, :], True, SHIFT)
+        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+    after = tl.minimum(m_first + BLOCK_M, CHUNK - 1)  # (unused when the row block ends the chunk)
+    e_ref = tl.load(b_ptr + chunk_base + after) - A * tl.load(dtr_ptr + chunk_base + after)
+    to_rows = tl.exp2((e_ref - rho_t) * LOG2E)
+    for k0 in range(m_first + BLOCK_M, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        dtr_s = tl.load(dtr_ptr + chunk_base + k)
+        from_columns = tl.exp2((tl.load(b_ptr + chunk_base + k) - A * dtr_s - e_ref) * LOG2E) * dtr_s
+        w = to_rows[:, None] * from_columns[None, :]
+        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = t[:, None].to(tl.int64)

@@ -4,7 +4,8 @@ Notation of :mod:`.decays`: in chunk c of head h, W(t, s) = G[t, s] w(t, s) is M
 the skip; dy the gradient of y (before the gate); H, H' the states entering the chunk from the left
 and the right, dS, dS' their gradients (:mod:`.state_passing`, run the other way).
 
-dx kernel, for each column position s (its rows) and all of headdim:
+dx kernel, for each column position s (its rows) and all of headdim (the sums over t in three runs,
+as the forward output kernel's, with the weights off the row block's band factored the same way):
     F_s = exp(a_last - a_s) [own] B_s dS  +  sum_{t: forward} G[t, s] exp(r_t - a_s) dy_t
     R_s = exp(e_s) [own'] B'_s dS'  +  sum_{t: reverse} G[t, s] exp(e_s - rho_t) dy_t  (+ Gd_s dy_s)
     dx_s = dt_s F_s + dt'_s R_s + D dy_s;  d dt_s (direct) = x_s . F_s;  d dt'_s (direct) = x_s . R_s
@@ -50,7 +51,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..ssd.tuning import autotune, config
-from ..triton_ops import block_size, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
 from .decays import pair_weight, row_decays
 
 # the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
@@ -70,10 +71,31 @@ class DecaySlots:
     carry: torch.Tensor     # (2, batch, heads, chunks, n-blocks): <dS, gamma H> and <dS', gamma' H'>
 
 
+@triton.jit
+def transposed_tiles(G_base, dy_base, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
+                     stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr):
+    """The tiles of one step over the rows t (chunk positions k), for the columns m: G[t, s] as an
+    (s, t) tile, zeroed past the chunk's end and, with seq_idx, across sequences; and dy_t."""
+    t_ok = t < chunk_end
+    keep = t_ok[None, :]
+    if HAS_SEQ_IDX:
+        seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-2)
+        keep = keep & (seq_s[:, None] == seq_t[None, :])
+    GT = tl.load(G_base + k[None, :] * CHUNK + m[:, None])      # G[t, s] as an (s, t) tile
+    dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
+                  mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+    return tl.where(keep, GT, 0.0), dyt
+
+
+DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
+              config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4), config(BLOCK_M=32, BLOCK_K=32, BLOCK_N=64)]
+DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
+# the band loop starts at a row block's edge and must end at the next one
+assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in DX_CONFIGS + [DX_CPU_CONFIG]), "BLOCK_K | BLOCK_M"
+
+
 @lean_launch
-@autotune([config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
-           config(BLOCK_M=32, BLOCK_K=32, BLOCK_N=64)],
-          config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16), key=["headdim", "dstate", "CHUNK", "SHIFT"])
+@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "SHIFT"])
 @triton.jit
 def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
                              dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
@@ -110,6 +132,7 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
     e_s = tl.load(b_ptr + chunk_base + m) - A * dtr_s
     to_end = tl.exp(tl.load(a_ptr + chunk_base + CHUNK - 1) - a_s)
     from_start = tl.exp(e_s)
+    seq_row, seq_s = seq_idx_ptr, m  # (placeholders that transposed_tiles ignores without seq_idx)
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
@@ -142,29 +165,42 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
     state_column = -dt_s * tl.sum(F * xs, axis=1)
     state_column_rev = dtr_s * tl.sum(R * xs, axis=1)
 
-    # through the diagonal block: the rows t of column s, the forward ones at or after s (the
-    # row blocks from this one on), the reverse ones before it (the row blocks up to this one)
+    # through the diagonal block: the rows t of column s in three runs, those before the row block
+    # all reverse, those after it all forward, the band of the row block itself both (as
+    # chunk_outputs' loop, whose factored weights these are, transposed)
+    m_first = pid_m * BLOCK_M
     G_base = G_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
-    for k0 in range(0, CHUNK, BLOCK_K):
+    e_ref = tl.load(b_ptr + chunk_base + m_first) - A * tl.load(dtr_ptr + chunk_base + m_first)
+    to_columns = tl.exp2((e_s - e_ref) * LOG2E)
+    for k0 in range(0, m_first, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        t = c * CHUNK + k
-        t_ok = t < chunk_end
-        GT = tl.load(G_base + k[None, :] * CHUNK + m[:, None])      # G[t, s] as an (s, t) tile
+        _, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
+                              tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
+        w = to_columns[:, None] * tl.exp2((e_ref - rho_t) * LOG2E)[None, :]
+        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        R += mm((GT * w).to(dyt.dtype), dyt, PRECISION)
+    for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                                 tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
-        keep = t_ok[None, :]
-        if HAS_SEQ_IDX:
-            seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-2)
-            keep = keep & (seq_s[:, None] == seq_t[None, :])
         w, forward = pair_weight(k[None, :], m[:, None], r_t[None, :], rho_t[None, :], a_s[:, None], e_s[:, None],
-                                 1.0, 1.0, keep, SHIFT)
+                                 1.0, 1.0, True, SHIFT)
+        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
         W = GT * w
-        dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
-                      mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-        if k0 + BLOCK_K > pid_m * BLOCK_M:
-            F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
-        if k0 < (pid_m + 1) * BLOCK_M:
-            R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
+        F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
+        R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
+    a_ref = tl.load(a_ptr + chunk_base + m_first + BLOCK_M - 1)
+    to_columns = tl.exp2((a_ref - a_s) * LOG2E)
+    for k0 in range(m_first + BLOCK_M, CHUNK, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        r_t, _ = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
+                            tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
+        w = to_columns[:, None] * tl.exp2((r_t - a_ref) * LOG2E)[None, :]
+        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        F += mm((GT * w).to(dyt.dtype), dyt, PRECISION)
 
     dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
     if not SHIFT:
@@ -194,6 +230,9 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
 
 
 @lean_launch
+@autotune([config(HEAD_STAGES=3), config(HEAD_STAGES=4), config(HEAD_STAGES=2), config(HEAD_STAGES=3, num_warps=8),
+           config(HEAD_STAGES=2, num_warps=8, num_stages=2)],
+          config(HEAD_STAGES=1), key=["headdim", "CHUNK", "BLOCK_M", "SHIFT", "OFF_DIAGONAL", "HAS_SEQ_IDX"])
 @triton.jit
 def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
                                   dG_ptr, dGd_ptr, row_ptr, row_rev_ptr, column_ptr, column_rev_ptr,
@@ -201,14 +240,29 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                                   stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                                   stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
                                   stride_seq_b, stride_seq_l,
-                                  HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr):
+                                  HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, OFF_DIAGONAL: tl.constexpr,
+                                  CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                                  HEAD_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """dG[t, s] = sum over the heads of a group of w(t, s) (dy_t . x_s), one (t, s) tile per
-    program, both triangles; each head's row sums of G * (its term) go to slot pid_s of the rows
-    t, its column sums to slot pid_t of the columns s."""
+    program; each head's row sums of G * (its term) go to slot pid_s of the rows t, its column
+    sums to slot pid_t of the columns s. Launched twice: the diagonal tiles (both triangles, and
+    Gd's gradient), then with OFF_DIAGONAL the others, each wholly forward (below the diagonal)
+    or wholly reverse (above it).
+
+    Off the diagonal the weight factors: with R_t = r_t, S_s = a_s (forward) or R_t = -rho_t,
+    S_s = -e_s (reverse), w(t, s) = exp(R_t - S_s) step_s = exp(R_t - S_ref) * exp(S_ref - S_s)
+    step_s, S_ref taken at the column of the tile nearest the rows. Both exponents then have the
+    sign of A (the cumulative sums are monotone), so neither factor overflows where w does not:
+    2 BLOCK_M exponentials per head instead of BLOCK_M^2, which bound this kernel on the diagonal
+    tiles. The loop over heads is software-pipelined (``tl.range`` stages)."""
     n_m = CHUNK // BLOCK_M
-    pid_i = tl.program_id(1) // n_m
-    pid_j = tl.program_id(1) % n_m
+    if OFF_DIAGONAL:  # program_id(1) counts the n_m * (n_m - 1) tiles off the diagonal, row by row
+        pid_i = tl.program_id(1) // (n_m - 1)
+        pid_j = tl.program_id(1) % (n_m - 1)
+        pid_j += (pid_j >= pid_i).to(pid_j.dtype)
+    else:
+        pid_i = tl.program_id(1)
+        pid_j = pid_i
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
@@ -229,9 +283,11 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
     block = ((b * n_chunks + c) * groups + g).to(tl.int64)
     tile = block * CHUNK * CHUNK + i[:, None] * CHUNK + j[None, :]
     G = tl.load(G_ptr + tile)
+    forward_tile = pid_i > pid_j
+    ref = pid_j * BLOCK_M + tl.where(forward_tile, BLOCK_M - 1, 0)  # the tile's column nearest its rows
     dG = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     dGd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for hh in range(heads_per_group):
+    for hh in tl.range(0, heads_per_group, num_stages=HEAD_STAGES):
         h = g * heads_per_group + hh
         chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
         A = tl.load(A_ptr + h).to(tl.float32)
@@ -241,28 +297,48 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                       + p[:, None] * stride_x_p, mask=s_ok[None, :] & p_ok[:, None], other=0.0)
         r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + i), tl.load(dt_ptr + chunk_base + i),
                                 tl.load(b_ptr + chunk_base + i), tl.load(dtr_ptr + chunk_base + i), A, SHIFT)
+        a_s = tl.load(a_ptr + chunk_base + j)
+        dt_s = tl.load(dt_ptr + chunk_base + j)
         dtr_s = tl.load(dtr_ptr + chunk_base + j)
-        w, forward = pair_weight(i[:, None], j[None, :], r_t[:, None], rho_t[:, None],
-                                 tl.load(a_ptr + chunk_base + j)[None, :],
-                                 (tl.load(b_ptr + chunk_base + j) - A * dtr_s)[None, :],
-                                 tl.load(dt_ptr + chunk_base + j)[None, :], dtr_s[None, :], keep, SHIFT)
+        e_s = tl.load(b_ptr + chunk_base + j) - A * dtr_s
         dyx = mm(dyt, xsT, PRECISION)
-        term = dyx * w
-        dG += term
-        W = term * G
-        W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
+        if OFF_DIAGONAL:
+            S_ref = tl.where(forward_tile, tl.load(a_ptr + chunk_base + ref),
+                             A * tl.load(dtr_ptr + chunk_base + ref) - tl.load(b_ptr + chunk_base + ref))
+            R_t = tl.where(forward_tile, r_t, -rho_t)
+            S_s = tl.where(forward_tile, a_s, -e_s)
+            row_factor = tl.where(t_ok, tl.exp2((R_t - S_ref) * LOG2E), 0.0)
+            column_factor = tl.where(s_ok, tl.exp2((S_ref - S_s) * LOG2E) * tl.where(forward_tile, dt_s, dtr_s), 0.0)
+            term = dyx * column_factor[None, :] * row_factor[:, None]
+            if HAS_SEQ_IDX:
+                term = tl.where(keep, term, 0.0)
+            dG += term
+            W = term * G
+            row_sums, column_sums = tl.sum(W, axis=1), tl.sum(W, axis=0)
+            W_rows_forward = tl.where(forward_tile, row_sums, 0.0)
+            W_rows_reverse = tl.where(forward_tile, 0.0, row_sums)
+            W_columns_forward = tl.where(forward_tile, column_sums, 0.0)
+            W_columns_reverse = tl.where(forward_tile, 0.0, column_sums)
+        else:
+            w, forward = pair_weight(i[:, None], j[None, :], r_t[:, None], rho_t[:, None], a_s[None, :],
+                                     e_s[None, :], dt_s[None, :], dtr_s[None, :], keep, SHIFT)
+            term = dyx * w
+            dG += term
+            W = term * G
+            W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
+            W_rows_forward, W_rows_reverse = tl.sum(W_forward, axis=1), tl.sum(W_reverse, axis=1)
+            W_columns_forward, W_columns_reverse = tl.sum(W_forward, axis=0), tl.sum(W_reverse, axis=0)
+            if not SHIFT:
+                dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
         rows = chunk_base * n_m + pid_j * CHUNK + i
         columns = chunk_base * n_m + pid_i * CHUNK + j
-        tl.store(row_ptr + rows, tl.sum(W_forward, axis=1))
-        tl.store(row_rev_ptr + rows, -tl.sum(W_reverse, axis=1))
-        tl.store(column_ptr + columns, -tl.sum(W_forward, axis=0))
-        tl.store(column_rev_ptr + columns, tl.sum(W_reverse, axis=0))
-        if not SHIFT:
-            dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
+        tl.store(row_ptr + rows, W_rows_forward)
+        tl.store(row_rev_ptr + rows, -W_rows_reverse)
+        tl.store(column_ptr + columns, -W_columns_forward)
+        tl.store(column_rev_ptr + columns, W_columns_reverse)
     tl.store(dG_ptr + tile, dG)
-    if not SHIFT:
-        if pid_i == pid_j:
-            tl.store(dGd_ptr + block * CHUNK + i, dGd)
+    if not SHIFT and not OFF_DIAGONAL:
+        tl.store(dGd_ptr + block * CHUNK + i, dGd)
 
 
 @lean_launch
@@ -461,13 +537,15 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     dG = outputs.empty(G.shape, torch.float32, x.device)
     dGd = None if shift else outputs.empty((batch, n_chunks, groups, chunk_size), torch.float32, x.device)
     diag = outputs.empty((4,) + tuple(a.shape[:3]) + (chunk_size // tile, chunk_size), torch.float32, x.device)
-    chunk_scan_bwd_dscores_kernel[(batch * n_chunks * groups, (chunk_size // tile) ** 2)](
-        G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[ROW],
-        diag[ROW_REV], diag[COLUMN], diag[COLUMN_REV], length, heads, groups, n_chunks, headdim, *x.stride(),
-        *dy.stride(), *seq_strides,
-        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
-        PRECISION=dot_precision(x.dtype), num_warps=8,  # six tiles of the tile size live through the head loop
-    )
+    tiles = chunk_size // tile
+    for off_diagonal, n_tiles in ((False, tiles), (True, tiles * (tiles - 1))):
+        if n_tiles:
+            chunk_scan_bwd_dscores_kernel[(batch * n_chunks * groups, n_tiles)](
+                G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[ROW],
+                diag[ROW_REV], diag[COLUMN], diag[COLUMN_REV], length, heads, groups, n_chunks, headdim,
+                *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift),
+                OFF_DIAGONAL=off_diagonal, CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
+                PRECISION=dot_precision(x.dtype))
     # float32 tiles of a headdim above 64 overflowed shared memory with the loops pipelined in three
     # stages (327 KB asked of an H100's 227 KB at chunk 256): one stage and narrower state slots there
     wide_float32 = x.element_size() == 4 and headdim > 64
