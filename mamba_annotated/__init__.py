@@ -8,8 +8,12 @@ from . import runtime  # noqa: F401  (first: sets TRITON_INTERPRET before kernel
 from .attention import attention
 from .bidirectional import bidirectional_chunk_scan
 from .scan import linear_scan, selective_scan, sequential_scan
+from .scan.selective_step import selective_state_update
 from .ssd import ssd_chunk_scan
+from .ssd.step import ssd_state_update
+from .modules import BiMamba2, Hydra, InferenceParams, LMConfig, LMHeadModel, MHA, Mamba, Mamba2
 
 __all__ = ["sequential_scan", "linear_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
-           "attention"]
+           "attention", "selective_state_update", "ssd_state_update", "Mamba", "Mamba2", "Hydra", "BiMamba2", "MHA",
+           "InferenceParams", "LMConfig", "LMHeadModel"]
 __version__ = "0.1.0"

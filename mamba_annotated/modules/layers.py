@@ -1,0 +1,160 @@
+"""The small pieces every block shares, in plain PyTorch: RMS norms, depthwise convolutions along
+time (causal, centred, and their decoding step), rotary embeddings, and the decoding cache record.
+
+These are not the bottleneck of a block (the SSM or the attention is), so they stay in PyTorch:
+each is a few lines the reader can check against its formula.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class InferenceParams:
+    """The decoding cache and position, as mamba_ssm's ``InferenceParams`` (same fields): the
+    blocks keep their states in ``key_value_memory_dict[layer_idx]``; ``seqlen_offset`` is the
+    number of positions already seen (0 during the prefill). ``lengths_per_sample`` (per-row
+    lengths) is not implemented by the attention block, which raises if it is set."""
+
+    max_seqlen: int
+    max_batch_size: int
+    seqlen_offset: int = 0
+    batch_size_offset: int = 0
+    key_value_memory_dict: dict = field(default_factory=dict)
+    lengths_per_sample: Optional[torch.Tensor] = None
+
+    def reset(self, max_seqlen, max_batch_size):
+        self.max_seqlen = max_seqlen
+        self.max_batch_size = max_batch_size
+        self.seqlen_offset = 0
+        if self.lengths_per_sample is not None:
+            self.lengths_per_sample.zero_()
+
+
+def rms_norm(x, weight, eps, z=None, group_size=None, norm_before_gate=True):
+    """x / rms(x) * weight in float32, returned in x's dtype; the RMS is taken over groups of
+    ``group_size`` channels (None: all of them). With z, the gate silu(z) multiplies after the
+    norm (``norm_before_gate``) or before it. mamba_ssm's ``RMSNormGated`` (layernorm_gated.py)
+    computes exactly this in a Triton kernel."""
+    dtype = x.dtype
+    x = x.float()
+    if z is not None and not norm_before_gate:
+        x = x * F.silu(z.float())
+    groups = x.unflatten(-1, (-1, group_size if group_size is not None else x.shape[-1]))
+    out = (groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)).flatten(-2) * weight.float()
+    if z is not None and norm_before_gate:
+        out = out * F.silu(z.float())
+    return out.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization (no bias), float32 inside: mamba_ssm's ``RMSNorm`` (its state_dict holds
+    ``weight`` only)."""
+
+    def __init__(self, hidden_size, eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class RMSNormGated(nn.Module):
+    """mamba_ssm's gated ``RMSNorm`` (ops/triton/layernorm_gated.py), same arguments and
+    state_dict (``weight``), written with torch ops in float32 (:func:`rms_norm`):
+    norm(x) * silu(z) if ``norm_before_gate`` else norm(x * silu(z)); the RMS over groups of
+    ``group_size`` channels (None: one group)."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        if group_size is not None and hidden_size % group_size:
+            raise ValueError(f"group_size ({group_size}) must divide hidden_size ({hidden_size})")
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, x, z=None):
+        return rms_norm(x, self.weight, self.eps, z, self.group_size, self.norm_before_gate)
+
+
+def windows(x, left, width, seq_idx):
+    """(batch, channels, L, width): the inputs each output of a depthwise conv sees, position t
+    seeing t - left ... t - left + width - 1; positions outside the sequence, or in another packed
+    sequence (seq_idx, (batch, L)), read as zero."""
+    length = x.shape[-1]
+    pads = (left, width - 1 - left)
+    x = F.pad(x, pads).unfold(-1, width, 1)
+    inside = F.pad(torch.ones_like(seq_idx, dtype=torch.bool), pads).unfold(-1, width, 1)
+    ids = F.pad(seq_idx, pads).unfold(-1, width, 1)
+    same = inside & (ids == seq_idx[..., :length, None])
+    return x * same[:, None].to(x.dtype)
+
+
+def depthwise_conv1d(x, weight, bias, left, seq_idx=None):
+    """A depthwise convolution along time: x (batch, channels, L), weight (channels, 1, width), out
+    (batch, channels, L) with out_t = sum_k weight_k x_{t - left + k} + bias, zero-padded. left =
+    width - 1 is the causal conv of Mamba, left = width // 2 the centred one of Hydra. Without
+    seq_idx it is torch's ``F.conv1d`` (padded by width - 1 on both sides, then sliced, as mamba_ssm
+    does without causal_conv1d); with seq_idx no window reaches into another packed sequence."""
+    width = weight.shape[-1]
+    if seq_idx is None:
+        out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])
+        return out[..., width - 1 - left:width - 1 - left + x.shape[-1]]
+    out = (windows(x, left, width, seq_idx) * weight[:, 0, None, :]).sum(-1)
+    return out + bias[:, None] if bias is not None else out
+
+
+def conv_state_of(x, width):
+    """The last ``width`` inputs of x (batch, channels, L), zero-padded on the left when L < width:
+    the cache a causal conv steps from (mamba_ssm keeps ``width`` of them)."""
+    return F.pad(x, (width - x.shape[-1], 0))
+
+
+def causal_conv1d_step(x, conv_state, weight, bias):
+    """One position of the causal conv: shifts x (batch, channels) into conv_state (batch, channels,
+    width), in place, and returns sum_k weight_k state_k + bias (no activation), as mamba_ssm's
+    step without causal_conv1d."""
+    conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+    conv_state[:, :, -1] = x
+    out = (conv_state * weight[:, 0]).sum(-1)
+    return out + bias if bias is not None else out
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embeddings (RoFormer) on the first ``dim`` channels of each head, as
+    flash_attn's ``RotaryEmbedding`` (no xPos scaling): channel pairs (i, i + dim/2) (or (2i, 2i+1)
+    when ``interleaved``) rotate by position * base^(-2i/dim). The angles and the rotation are
+    computed in float32 and the result rounded to the input's dtype. ``inv_freq`` is a
+    non-persistent buffer, as flash_attn's: it is not in the state_dict."""
+
+    def __init__(self, dim, base=10000.0, interleaved=False, device=None):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"rotary_emb_dim must be even; got {dim}")
+        self.dim, self.base, self.interleaved = dim, float(base), interleaved
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rotate(self, x, seqlen_offset):
+        """x (batch, L, heads, head_dim) at positions seqlen_offset ... seqlen_offset + L - 1."""
+        positions = torch.arange(seqlen_offset, seqlen_offset + x.shape[1], device=x.device, dtype=torch.float32)
+        angles = torch.outer(positions, self.inv_freq.to(x.device))        # (L, dim / 2)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]           # broadcast over heads
+        rot, rest = x[..., :self.dim].float(), x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+
+    def forward(self, q, k, seqlen_offset=0):
+        return self.rotate(q, seqlen_offset), self.rotate(k, seqlen_offset)

@@ -1,0 +1,310 @@
+"""Decoding: the two state-update kernels against float64 references; every causal block's
+token-by-token step equal to its chunked forward pass (from an empty cache, and after a chunked
+prefill, packed sequences included); the bidirectional blocks refuse to step; the language model's
+generate (greedy equals the argmax of the full forward pass; sampling is reproducible and stays in
+the top k)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mamba_annotated.modules import MHA, BiMamba2, Hydra, InferenceParams, LMConfig, LMHeadModel, Mamba, Mamba2
+from mamba_annotated.runtime import DEVICE
+from mamba_annotated.scan.reference import discretize
+from mamba_annotated.scan.selective_step import selective_state_update
+from mamba_annotated.ssd.reference import ssd_recurrent_ref
+from mamba_annotated.ssd.step import ssd_state_update
+from mamba_annotated.testing import assert_close, randn, tolerance, uniform
+
+TOL = tolerance(torch.float32)
+OPTIONS = [dict(dt_bias=True, dt_softplus=True, D=True, z=True), dict(dt_bias=False, dt_softplus=False, D=False, z=False),
+           dict(dt_bias=True, dt_softplus=False, D=True, z=False), dict(dt_bias=False, dt_softplus=True, D=False, z=True)]
+OPTION_IDS = ["all", "none", "bias-D", "softplus-z"]
+
+
+def strided(shape, dtype=torch.float32):
+    """A random tensor of ``shape`` that is a view with a gap after every row (as torch.split makes)."""
+    wide = randn(*shape[:-1], shape[-1] + 3, dtype=dtype)
+    return wide[..., 1:shape[-1] + 1]
+
+
+# --- the SSD step (Mamba-2) ------------------------------------------------------------------------------
+
+def ssd_step_inputs(batch=3, heads=4, headdim=12, groups=2, dstate=5, dtype=torch.float32, D_per_channel=False,
+                    dt_bias=True, dt_softplus=True, D=True, z=True):
+    return dict(
+        state=randn(batch, headdim, heads, dstate).transpose(1, 2).to(dtype),  # any strides: a transposed view
+        x=strided((batch, heads, headdim), dtype),
+        dt=uniform(batch, heads, low=-1.0, high=1.0) if dt_softplus else uniform(batch, heads, low=0.05, high=0.8),
+        A=-uniform(heads, low=0.5, high=2.0),
+        B=strided((batch, groups, dstate), dtype), C=randn(batch, groups, dstate, dtype=dtype),
+        D=(randn(heads, headdim) if D_per_channel else randn(heads)) if D else None,
+        z=randn(batch, heads, headdim, dtype=dtype) if z else None,
+        dt_bias=randn(heads, scale=0.5) if dt_bias else None, dt_softplus=dt_softplus)
+
+
+def ssd_step_ref(inputs, dt_limit=(0.0, math.inf)):
+    """One position of the float64 recurrence from the given state: (y, the new state)."""
+    one = (lambda t: t[:, None] if t is not None else None)
+    y, state = ssd_recurrent_ref(one(inputs["x"]), one(inputs["dt"]), inputs["A"], one(inputs["B"]), one(inputs["C"]),
+                                 D=inputs["D"], z=one(inputs["z"]), dt_bias=inputs["dt_bias"],
+                                 initial_states=inputs["state"].double(), dt_softplus=inputs["dt_softplus"],
+                                 dt_limit=dt_limit, return_final_states=True)
+    return y[:, 0], state
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("D_per_channel", [False, True])
+def test_ssd_step_against_float64(options, D_per_channel):
+    inputs = ssd_step_inputs(D_per_channel=D_per_channel, **options)
+    y_ref, state_ref = ssd_step_ref(inputs)
+    state = inputs["state"]
+    y = ssd_state_update(**inputs)
+    assert y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(state, state_ref, TOL, "state (in place)")
+
+
+def test_ssd_step_clamps_to_dt_limit_and_one_group_per_head():
+    inputs = ssd_step_inputs(groups=4, dt_softplus=False)
+    inputs["dt"] = uniform(3, 4, low=-0.5, high=2.0)   # below and above the limits
+    y_ref, state_ref = ssd_step_ref(inputs, dt_limit=(0.1, 1.0))
+    y = ssd_state_update(**inputs, dt_limit=(0.1, 1.0))
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(inputs["state"], state_ref, TOL, "state")
+
+
+def test_ssd_step_16_bit_state():
+    inputs = ssd_step_inputs(dtype=torch.bfloat16)
+    y_ref, state_ref = ssd_step_ref(inputs)
+    y = ssd_state_update(**inputs)
+    assert y.dtype == torch.bfloat16 and inputs["state"].dtype == torch.bfloat16
+    assert_close(y, y_ref, tolerance(torch.bfloat16), "y")
+    assert_close(inputs["state"], state_ref, tolerance(torch.bfloat16), "state")
+
+
+def test_ssd_step_bad_inputs():
+    inputs = ssd_step_inputs()
+    with pytest.raises(ValueError, match="B must have shape"):
+        ssd_state_update(**{**inputs, "B": randn(3, 3, 5), "C": randn(3, 3, 5)})
+    with pytest.raises(ValueError, match="dt must have shape"):
+        ssd_state_update(**{**inputs, "dt": randn(3, 4, 12)})
+    with pytest.raises(ValueError, match="dt_limit"):
+        ssd_state_update(**inputs, dt_limit=(1.0, 0.5))
+
+
+# --- the selective step (Mamba-1) -------------------------------------------------------------------------
+
+def selective_step_inputs(batch=3, dim=10, dstate=6, groups=None, heads=None, dt_bias=True, dt_softplus=True, D=True,
+                          z=True):
+    """mamba_ssm's layouts: 3-d (batch, dim, dstate), or 4-d with ``heads``; B, C with ``groups``."""
+    lead = (heads,) if heads else ()
+    bc = (batch, groups, dstate) if groups else (batch, dstate)
+    return dict(
+        state=randn(batch, *lead, dstate, dim).transpose(-1, -2),
+        x=strided((batch, *lead, dim)),
+        dt=uniform(batch, *lead, dim, low=-1.0, high=1.0) if dt_softplus else uniform(batch, *lead, dim, low=0.05,
+                                                                                      high=0.8),
+        A=-uniform(*lead, dim, dstate, low=0.2, high=2.0),
+        B=strided(bc), C=randn(*bc),
+        D=randn(*lead, dim) if D else None, z=randn(batch, *lead, dim) if z else None,
+        dt_bias=randn(*lead, dim, scale=0.5) if dt_bias else None, dt_softplus=dt_softplus)
+
+
+def selective_step_ref(inputs):
+    """Through the channels of the heads * dim flattened: discretize (chapter 4's reference) for
+    one step, then h = A_bar h + Bu_bar, y = C.h + D x, y * silu(z). Returns (y, state), float64."""
+    state = inputs["state"]
+    batch, dstate = state.shape[0], state.shape[-1]
+    flat = (lambda t: t.double().reshape(batch, -1) if t is not None else None)
+    channels = flat(inputs["x"]).shape[1]
+    B, C = (t.double().reshape(batch, -1, dstate) for t in (inputs["B"], inputs["C"]))
+    B, C = (t.repeat_interleave(channels // t.shape[1], dim=1) for t in (B, C))  # (batch, channels, dstate)
+    bias = inputs["dt_bias"].double().reshape(-1) if inputs["dt_bias"] is not None else None
+    A_bar, Bu_bar = discretize(flat(inputs["dt"])[..., None], inputs["A"].double().reshape(-1, dstate),
+                               B[..., None], flat(inputs["x"])[..., None], bias, inputs["dt_softplus"])
+    h = A_bar[..., 0] * state.double().reshape(batch, channels, dstate) + Bu_bar[..., 0]
+    y = (h * C).sum(-1)
+    if inputs["D"] is not None:
+        y = y + inputs["D"].double().reshape(-1) * flat(inputs["x"])
+    if inputs["z"] is not None:
+        y = y * F.silu(flat(inputs["z"]))
+    return y.reshape(inputs["x"].shape), h.reshape(state.shape)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("layout", [dict(), dict(groups=2), dict(heads=3, groups=3)], ids=["3d", "3d-groups", "4d"])
+def test_selective_step_against_float64(options, layout):
+    inputs = selective_step_inputs(**layout, **options)
+    y_ref, state_ref = selective_step_ref(inputs)
+    y = selective_state_update(**inputs)
+    assert y.shape == inputs["x"].shape
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(inputs["state"], state_ref, TOL, "state (in place)")
+
+
+def test_selective_step_unimplemented_and_bad_inputs():
+    inputs = selective_step_inputs()
+    with pytest.raises(NotImplementedError, match="state_batch_indices"):
+        selective_state_update(**inputs, state_batch_indices=torch.arange(3))
+    with pytest.raises(ValueError, match="groups"):
+        selective_state_update(**{**inputs, "B": randn(3, 3, 6), "C": randn(3, 3, 6)})
+
+
+# --- each causal block: step by step equals the chunked forward pass ------------------------------------------
+
+BLOCKS = {
+    "mamba2": lambda: Mamba2(32, d_state=8, headdim=16, ngroups=2, chunk_size=16, layer_idx=0),
+    "mamba2-no-norm-mlp": lambda: Mamba2(32, d_state=8, headdim=16, d_ssm=32, D_has_hdim=True, rmsnorm=False,
+                                         bias=True, dt_limit=(0.01, 0.3), chunk_size=16, layer_idx=0),
+    "mamba": lambda: Mamba(16, d_state=8, layer_idx=0),
+    "mha-gqa-rotary": lambda: MHA(32, 2, num_heads_kv=1, causal=True, rotary_emb_dim=8, layer_idx=0),
+    "mha-conv-mlp": lambda: MHA(32, 2, causal=True, d_conv=4, mlp_dim=64, rotary_emb_dim=16,
+                                rotary_emb_interleaved=True, layer_idx=0),
+}
+
+
+def block_and_input(name, batch=2, length=11):
+    block = BLOCKS[name]().to(DEVICE)
+    d_model = 16 if name == "mamba" else 32
+    return block, randn(batch, length, d_model)
+
+
+def step(block, u_t, cache, position):
+    if isinstance(block, MHA):
+        return block.step(u_t, *cache, position)[0]
+    return block.step(u_t, *cache)[0]
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@torch.no_grad()
+def test_step_by_step_equals_forward(name):
+    block, u = block_and_input(name)
+    cache = block.allocate_inference_cache(u.shape[0], u.shape[1])
+    decoded = torch.cat([step(block, u[:, t:t + 1], cache, t) for t in range(u.shape[1])], dim=1)
+    assert_close(decoded, block(u), TOL, f"{name}: steps from an empty cache")
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("prefill", [1, 6])
+@torch.no_grad()
+def test_prefill_then_steps_equals_forward(name, prefill):
+    """forward with InferenceParams: a chunked prefill fills the cache, then one token per call."""
+    block, u = block_and_input(name)
+    params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
+    outs = [block(u[:, :prefill], inference_params=params)]
+    for t in range(prefill, u.shape[1]):
+        params.seqlen_offset = t
+        outs.append(block(u[:, t:t + 1], inference_params=params))
+    assert_close(torch.cat(outs, dim=1), block(u), TOL, f"{name}: prefill of {prefill}, then steps")
+
+
+@torch.no_grad()
+def test_mamba2_packed_prefill_then_steps():
+    """A prefill of two packed sequences (batch 1, cu_seqlens and seq_idx) leaves each one's conv
+    and SSM states (causal_conv1d_varlen_states and return_varlen_states in mamba_ssm); decoding
+    both as a batch of 2 continues each as the forward pass of that sequence alone."""
+    block = BLOCKS["mamba2"]().to(DEVICE)
+    lengths, extra = [3, 8], 4
+    seqs = [randn(1, n + extra, 32) for n in lengths]
+    packed = torch.cat([s[:, :n] for s, n in zip(seqs, lengths)], dim=1)
+    cu_seqlens = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=DEVICE)
+    seq_idx = torch.tensor([[0] * lengths[0] + [1] * lengths[1]], dtype=torch.int32, device=DEVICE)
+    params = InferenceParams(max_seqlen=max(lengths) + extra, max_batch_size=2)
+    prefill = block(packed, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=params)
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        full = block(s)
+        assert_close(prefill[:, cu_seqlens[i]:cu_seqlens[i + 1]], full[:, :n], TOL, f"prefill of sequence {i}")
+    params.seqlen_offset = 1  # any position > 0: a step
+    for j in range(extra):
+        u_t = torch.cat([s[:, n + j:n + j + 1] for s, n in zip(seqs, lengths)], dim=0)
+        out = block(u_t, inference_params=params)
+        for i, (s, n) in enumerate(zip(seqs, lengths)):
+            assert_close(out[i:i + 1], block(s[:, :n + j + 1])[:, -1:], TOL, f"sequence {i}, step {j}")
+
+
+@pytest.mark.parametrize("cls", [Hydra, BiMamba2])
+def test_bidirectional_blocks_have_no_step(cls):
+    block = cls(32, d_state=8, headdim=16, chunk_size=16, layer_idx=0).to(DEVICE)
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        block.step(randn(1, 1, 32), None, None)
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        block.allocate_inference_cache(1, 8)
+    with pytest.raises(NotImplementedError, match="inference_params"):
+        block(randn(1, 4, 32), inference_params=InferenceParams(max_seqlen=8, max_batch_size=1))
+
+
+def test_step_takes_one_token():
+    block, u = block_and_input("mamba2")
+    with pytest.raises(ValueError, match="one token"):
+        block.step(u[:, :2], *block.allocate_inference_cache(2, 4))
+
+
+# --- the language model ------------------------------------------------------------------------------------
+
+def hybrid_lm():
+    config = LMConfig(d_model=32, vocab_size=37, layer_types=["mamba2", "attn", "mamba"], d_intermediate=48,
+                      mixer_cfg={"mamba2": dict(d_state=8, headdim=16, chunk_size=16),
+                                 "attn": dict(num_heads=2, num_heads_kv=1, rotary_emb_dim=8),
+                                 "mamba": dict(d_state=4)})
+    return LMHeadModel(config).to(DEVICE).eval()
+
+
+def test_lm_state_dict_names_as_mamba_ssm():
+    keys = set(hybrid_lm().state_dict())
+    for key in ("backbone.embedding.weight", "backbone.layers.0.norm.weight", "backbone.layers.0.mixer.A_log",
+                "backbone.layers.1.mixer.in_proj.weight", "backbone.layers.2.mixer.dt_proj.bias",
+                "backbone.layers.0.norm2.weight", "backbone.layers.0.mlp.fc1.weight", "backbone.norm_f.weight",
+                "lm_head.weight"):
+        assert key in keys, key
+    lm = hybrid_lm()
+    assert lm.lm_head.weight is lm.backbone.embedding.weight  # tied
+    assert lm.backbone.embedding.weight.shape == (40, 32)     # 37 padded to a multiple of 8
+
+
+def test_generate_greedy_is_deterministic_and_equals_the_forward_argmax():
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (2, 5), device=DEVICE)
+    first = lm.generate(prompt, max_length=12)
+    assert first.shape == (2, 12) and torch.equal(first[:, :5], prompt)
+    assert torch.equal(lm.generate(prompt, max_length=12), first)
+    with torch.no_grad():
+        logits = lm(first).logits[:, 4:-1, :37]   # teacher forcing over the generated sequence
+    assert torch.equal(logits.argmax(-1), first[:, 5:])
+
+
+def test_generate_sampling_is_reproducible_and_stays_in_the_top_k():
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (2, 4), device=DEVICE)
+
+    def draw():
+        return lm.generate(prompt, max_length=10, top_k=3, temperature=0.8,
+                           generator=torch.Generator(device=DEVICE).manual_seed(7))
+    tokens = draw()
+    assert torch.equal(draw(), tokens)
+    with torch.no_grad():
+        logits = lm(tokens).logits[:, 3:-1, :37]
+    top3 = logits.topk(3, dim=-1).indices
+    assert (top3 == tokens[:, 4:, None]).any(-1).all()
+
+
+def test_generate_stops_at_eos_and_returns_scores():
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (1, 3), device=DEVICE)
+    greedy = lm.generate(prompt, max_length=9)
+    eos = int(greedy[0, 4])
+    out = lm.generate(prompt, max_length=9, eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(out.sequences, greedy[:, :5 if eos not in greedy[0, 3:4].tolist() else 4])
+    assert len(out.scores) == out.sequences.shape[1] - 3 and out.scores[0].shape == (1, 37)
+
+
+def test_encoder_lm_runs_forward_and_refuses_to_generate():
+    config = LMConfig(d_model=32, vocab_size=16, layer_types=["hydra", "bimamba2"],
+                      mixer_cfg={"hydra": dict(d_state=8, headdim=16, chunk_size=16),
+                                 "bimamba2": dict(d_state=8, headdim=16, chunk_size=16)})
+    lm = LMHeadModel(config).to(DEVICE)
+    ids = torch.randint(0, 16, (2, 6), device=DEVICE)
+    assert lm(ids).logits.shape == (2, 6, 16)
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        lm.generate(ids, max_length=8)
