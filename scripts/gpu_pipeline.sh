@@ -3,7 +3,8 @@
 # (2) execute every notebook in place, (3) re-run them all with strict `pytest --nbval` against the
 # outputs just stored, then print a summary. Commit the executed notebooks afterwards.
 #   usage: bash scripts/gpu_pipeline.sh [book/NN_topic.ipynb ...]     (default: every chapter)
-#   STEPS="tests execute nbval" (the default) picks steps, e.g. to split the work over two sessions.
+#   STEPS="tests execute nbval" (the default) picks steps, e.g. to split the work over two sessions;
+#   the optional step "reliability" (run only when named) runs scripts/gpu_reliability.sh (issue 14).
 # Needs torch, triton, pytest, nbval, nbclient, ipykernel and jupytext importable (scripts/setup.sh
 # provides them; on the offline GPU box, .device/activate.sh does).
 set -uo pipefail
@@ -21,7 +22,7 @@ if python3 -c "import xdist" 2>/dev/null; then
   tests_parallel=(-n 12) nbval_parallel=(-n 4 --dist loadfile)
 fi
 steps=${STEPS:-tests execute nbval}
-tests=skipped executed=skipped nbval=skipped
+tests=skipped executed=skipped nbval=skipped reliability=skipped
 if [[ " $steps " == *" tests "* ]]; then
   python3 -m pytest -q -p no:cacheprovider "${tests_parallel[@]}" tests; tests=$?
 fi
@@ -31,10 +32,14 @@ fi
 if [[ " $steps " == *" nbval "* ]]; then
   python3 -m pytest -q --nbval --nbval-current-env -p no:cacheprovider "${nbval_parallel[@]}" "${notebooks[@]}"; nbval=$?
 fi
+if [[ " $steps " == *" reliability "* ]]; then
+  STEPS="${RELIABILITY_STEPS:-}" bash scripts/gpu_reliability.sh; reliability=$?
+fi
 
 status() { case $1 in 0) echo PASS ;; skipped) echo "not run (STEPS)" ;; *) echo "FAIL ($1)" ;; esac; }
 echo "=== GPU pipeline on $(python3 -c 'import torch; print(torch.cuda.get_device_name())') ==="
 echo "tests (compiled kernels):   $(status $tests)"
 echo "notebooks executed:         $(status $executed)"
 echo "pytest --nbval (strict):    $(status $nbval)"
-for rc in $tests $executed $nbval; do [ "$rc" = 0 ] || [ "$rc" = skipped ] || exit 1; done
+echo "reliability (issue 14):     $(status $reliability)"
+for rc in $tests $executed $nbval $reliability; do [ "$rc" = 0 ] || [ "$rc" = skipped ] || exit 1; done

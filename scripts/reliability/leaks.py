@@ -1,0 +1,100 @@
+"""No leaks, and CUDA graphs (scripts/gpu_reliability.sh, step ``leaks``).
+
+Per op, on its first small case (:meth:`cases.Op.small`): ``--calls`` calls forward and backward
+leave ``torch.cuda.memory_allocated()`` where it was after a warm-up; then the op captured in a
+CUDA graph, forward alone and forward with backward (``torch.autograd.grad`` inside the capture),
+replays to the same bits as an eager call. Needs CUDA; on CPU it says so and exits 0.
+
+    python scripts/reliability/leaks.py --calls 10000 --json out.json
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import OPS, forward_backward  # noqa: E402
+from mamba_annotated.testing import seed_everything  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.ops = [o for o in args.ops.split(",") if o]
+    if set(args.ops) - set(OPS):
+        parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}")
+    return args
+
+
+def leaked_bytes(op, params, leaves, calls):
+    for _ in range(3):
+        forward_backward(op, params, leaves, seed=0)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(calls):
+        forward_backward(op, params, leaves, seed=0)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() - before
+
+
+def graph_differences(op, params, leaves, backward):
+    """Names of what a replayed CUDA graph gives differently from an eager call (or why it failed)."""
+    def step():
+        if backward:
+            outs, grads = forward_backward(op, params, leaves, seed=0)
+            return [*outs, *grads.values()]
+        with torch.no_grad():
+            return list(op.ours(params)(**op.views(params, leaves)))
+
+    eager = [t.clone() for t in step()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            captured = step()
+    except Exception as e:
+        return [f"capture raised {type(e).__name__}: {str(e).splitlines()[0]}"]
+    graph.replay()
+    torch.cuda.synchronize()
+    return [f"output {i}" for i, (a, b) in enumerate(zip(eager, captured)) if not torch.equal(a, b)]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("leaks: skipped (memory_allocated and CUDA graphs need a CUDA device)")
+        return 0
+    report, failed = {}, False
+    for name in args.ops:
+        op = OPS[name]
+        params = op.small()[0]
+        seed_everything(0)
+        leaves = op.inputs(params)
+        start = time.monotonic()
+        r = report[name] = dict(calls=args.calls, leaked_bytes=leaked_bytes(op, params, leaves, args.calls))
+        r["graph_forward"] = graph_differences(op, params, leaves, backward=False)
+        r["graph_forward_backward"] = graph_differences(op, params, leaves, backward=True)
+        r["seconds"] = round(time.monotonic() - start, 1)
+        bad = r["leaked_bytes"] != 0 or r["graph_forward"] or r["graph_forward_backward"]
+        failed |= bool(bad)
+        print(f"leaks {name}: {args.calls} calls leaked {r['leaked_bytes']} bytes; CUDA graph forward "
+              f"{r['graph_forward'] or 'equal'}, forward+backward {r['graph_forward_backward'] or 'equal'}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(item="leaks", ops=report), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Non-finite inputs (scripts/gpu_reliability.sh, step ``nonfinite``): a NaN, +inf or -inf at
+position t of one input must not reach the outputs it cannot reach (for a causal op, positions
+before t; for the bidirectional op, the other packed sequences): those stay the same bits as
+without it. Where it does reach, each output is non-finite exactly where the float64 reference
+on the same inputs is non-finite (never a finite garbage value, never a NaN the math has not got).
+Forward, then a backward pass that must not crash. Ops are not fixed here: failures are reported.
+
+The reference is not used before t: there its own 0 x NaN (a masked score times a NaN value)
+would be NaN too; the unpoisoned call is the yardstick there.
+
+    python scripts/reliability/nonfinite.py --json out.json
+"""
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import OPS, as64, forward_backward  # noqa: E402
+from mamba_annotated.bidirectional.reference import bidirectional_ref, packed_seq_idx  # noqa: E402
+from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref  # noqa: E402
+from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
+from mamba_annotated.testing import seed_everything  # noqa: E402
+
+# op -> (the inputs poisoned, their time dim, the output's time dim)
+PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -1, -1),
+          "selective_scan": (("u", "delta", "B", "C"), -1, -1), "ssd_chunk_scan": (("x", "dt", "B", "C"), 1, 1),
+          "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1)}
+VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(PROBES))
+    parser.add_argument("--values", default=",".join(VALUES), help="of nan, +inf, -inf")
+    parser.add_argument("--positions", default="first,middle,last,25", help="of first, middle, last, 25")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.values = [v for v in args.values.split(",") if v]
+    args.positions = [p for p in args.positions.split(",") if p]
+    if set(args.values) - set(VALUES) or set(args.positions) - {"first", "middle", "last", "25"}:
+        parser.error("unknown --values or --positions")
+    if set(args.ops) - set(PROBES):
+        parser.error(f"unknown ops {sorted(set(args.ops) - set(PROBES))}")
+    return args
+
+
+def plain_case(op):
+    """The op's first small case with contiguous inputs, and (but for the bidirectional op, whose
+    packed sequences are the point) one sequence per row."""
+    params = json.loads(json.dumps(op.small()[0]))
+    params["layouts"] = {k: "contiguous" for k in params["layouts"]}
+    if op.name == "ssd_chunk_scan":
+        params["opts"]["packing"] = None
+    if op.name == "attention":
+        params["dims"]["Lk"] = params["dims"]["Lq"]
+        params["opts"]["causal"] = True
+    if op.name == "bidirectional_chunk_scan":
+        params["opts"]["packing"] = "seq_idx"
+    return params
+
+
+def reference(op, params):
+    """The float64 reference of the op's first output, on the op's arguments."""
+    opts = params["opts"]
+    if op.name in ("linear_scan", "sequential_scan"):
+        return lambda a, b, h0=None: linear_scan_ref(a, b, h0, opts["reverse"])
+    if op.name == "selective_scan":
+        return lambda **a: selective_scan_ref(**a, delta_softplus=opts["delta_softplus"])
+    if op.name == "attention":
+        from mamba_annotated.attention.reference import attention_ref
+        return lambda q, k, v: attention_ref(q, k, v, opts["causal"], opts["softmax_scale"])[0]
+    kw = dict(dt_softplus=opts["dt_softplus"], dt_limit=tuple(opts["dt_limit"] or (0.0, float("inf"))))
+    if op.name == "ssd_chunk_scan":
+        return lambda **a: ssd_quadratic_ref(**a, **kw)
+    return lambda **a: bidirectional_ref(**a, **kw, shift=opts["shift"])
+
+
+def reached(op, args, t, length):
+    """(batch-independent) positions of the output the poison may reach: from t on (causal), or
+    t's packed sequence (bidirectional)."""
+    positions = torch.arange(length)
+    if op.name != "bidirectional_chunk_scan":
+        return positions >= t
+    ids = packed_seq_idx(args.get("seq_idx"), args.get("cu_seqlens"), length)[0].cpu()
+    return ids == ids[t]
+
+
+def probe(op, params, leaves, name, t, value):
+    """What went wrong with ``value`` at position t of input ``name`` (empty: nothing)."""
+    _, time_dim, out_dim = PROBES[op.name]
+    fn = op.ours(params)
+    with torch.no_grad():
+        clean = fn(**op.views(params, leaves))[0]
+        poisoned_leaves = {k: v.detach().clone() for k, v in leaves.items()}
+        poisoned_leaves[name].select(time_dim, t).fill_(value)
+        args = op.views(params, poisoned_leaves)
+        out = fn(**args)[0]
+        args64 = op.views(params, as64(poisoned_leaves))
+        ref = reference(op, params)(**{k: v for k, v in args64.items() if k in ("a", "b", "h0") or
+                                       op.name not in ("linear_scan", "sequential_scan")})
+    length = out.shape[out_dim]
+    reach = reached(op, args, t, length).to(out.device)
+    shape = [1] * out.dim()
+    shape[out_dim] = length
+    reach = reach.view(shape).expand(out.shape)
+    problems = []
+    before = ~reach
+    changed = (out[before] != clean[before]) & ~(out[before].isnan() & clean[before].isnan())
+    if changed.any():
+        where = before.nonzero()[changed.nonzero()[:, 0]][:, out_dim].unique().tolist()
+        problems.append(f"{int(changed.sum())} outputs it cannot reach changed (positions {where[:8]})")
+    mismatch = out[reach].isfinite() != ref.to(out.device)[reach].isfinite()
+    if mismatch.any():
+        problems.append(f"{int(mismatch.sum())} of {int(reach.sum())} reached outputs finite where the reference "
+                        f"is not, or the reverse")
+    try:
+        forward_backward(op, params, {k: v.requires_grad_(leaves[k].requires_grad) for k, v in
+                                      poisoned_leaves.items()}, seed=0)
+    except Exception as e:
+        problems.append(f"backward raised {type(e).__name__}: {str(e).splitlines()[0]}")
+    return problems
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", "invalid value encountered")  # numpy's, in the interpreter
+    report, failed = {}, False
+    for name in args.ops:
+        op = OPS[name]
+        params = plain_case(op)
+        seed_everything(0)
+        leaves = op.inputs(params)
+        inputs, time_dim, _ = PROBES[name]
+        r = report[name] = dict(cases=0, failures=0, problems=[])
+        for input_name in inputs:
+            length = leaves[input_name].shape[time_dim]
+            where = dict(first=0, middle=length // 2 + 1, last=length - 1, **{"25": min(25, length - 1)})
+            for t in sorted({where[p] for p in args.positions}):
+                for label in args.values:
+                    problems = probe(op, params, leaves, input_name, t, VALUES[label])
+                    r["cases"] += 1
+                    if problems:
+                        r["failures"] += 1
+                        line = f"{name}: {label} in {input_name} at t={t}: " + "; ".join(problems)
+                        r["problems"].append(line)
+                        print(line, flush=True)
+        failed |= bool(r["failures"])
+        print(f"nonfinite {name}: {r['cases']} probes, {r['failures']} failed "
+              f"(case {json.dumps(params['dims'], sort_keys=True)})", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(item="nonfinite", ops=report), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""compute-sanitizer over every op's forward and backward (scripts/gpu_reliability.sh, step ``sanitize``).
+
+Each (tool, op) pair runs in its own process under ``compute-sanitizer --tool TOOL`` (memcheck,
+racecheck, initcheck, synccheck), so every error is charged to one op; the process is this file
+with ``--driver``, which runs the op's small odd cases (:meth:`cases.Op.small`: lengths off the
+blocks, odd head dims, permuted, strided, offset and stride-0 views, every option) once forward and
+once backward. The environment of each run:
+
+* ``TRITON_DISABLE_LINE_INFO=0`` (Triton's default, set to be explicit): kernels keep their line
+  tables, so the sanitizer names the source line of a bad access;
+* ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor is its own cudaMalloc, so memcheck sees an
+  access past a tensor's end (with the caching allocator it usually lands inside a pooled block);
+* ``MAMBA_ANNOTATED_AUTOTUNE=0``: two configurations per tuned kernel, not the full sweep (the
+  tuner's trial runs still run, on the real buffers, as they do for users).
+
+Outputs are *not* poisoned (mamba_annotated/outputs.py): they come from ``torch.empty`` as in
+production, so initcheck reports a kernel that reads an element nobody wrote (an accumulator
+not zeroed, a tail read of the output); a NaN fill would initialise every element and hide exactly
+that. An output a kernel fully writes is never read uninitialised, so it raises nothing.
+The driver runs once without the sanitizer first, so Triton's compilation (ptxas, child
+processes) is cached and the sanitized run only loads kernels.
+
+    python scripts/reliability/sanitize.py --tools memcheck,racecheck --ops attention --json out.json
+    python scripts/reliability/sanitize.py --driver --ops attention      (what runs under the tool)
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-sanitizer")
+ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
+OP_NAMES = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
+            "attention")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(OP_NAMES))
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--driver", action="store_true", help="run the ops once (what the sanitizer watches)")
+    parser.add_argument("--log-dir", default=None, help="keep each sanitizer log here")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per (tool, op) run")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.tools = [t for t in args.tools.split(",") if t]
+    bad = (set(args.ops) - set(OP_NAMES)) | (set(args.tools) - set(TOOLS))
+    if bad:
+        parser.error(f"unknown ops or tools: {sorted(bad)}")
+    return args
+
+
+def drive(ops):
+    """Each op's small cases once forward and once backward, then a device synchronisation."""
+    import torch
+    from cases import OPS, forward_backward
+    from mamba_annotated.testing import seed_everything
+
+    for name in ops:
+        op = OPS[name]
+        for i, params in enumerate(op.small()):
+            seed_everything(i)
+            forward_backward(op, params, op.inputs(params), seed=i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        print(f"driver: {name} ran {len(op.small())} cases forward and backward", flush=True)
+
+
+def sanitizer_command(tool, op):
+    """The command line of one sanitized run."""
+    extra = {"racecheck": ["--racecheck-report", "all"], "initcheck": [], "synccheck": [],
+             "memcheck": ["--leak-check", "no"]}[tool]
+    return [SANITIZER, "--tool", tool, "--target-processes", "application-only", "--print-limit", "20", *extra,
+            sys.executable, str(HERE / "sanitize.py"), "--driver", "--ops", op]
+
+
+def count_errors(log):
+    """(errors, the kernels they were found in) from a sanitizer log."""
+    found = re.findall(r"ERROR SUMMARY: (\d+) error", log)
+    errors = int(found[-1]) if found else None
+    kernels = sorted(set(re.findall(r"=+\s+(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)[+(\s]", log)))
+    return errors, kernels[:10]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.driver:
+        drive(args.ops)
+        return 0
+    import torch
+
+    if not torch.cuda.is_available() or not shutil.which(SANITIZER):
+        print(f"sanitize: skipped (needs a CUDA device and {SANITIZER})")
+        return 0
+    env = dict(os.environ, **ENV)
+    warm = subprocess.run([sys.executable, str(HERE / "sanitize.py"), "--driver", "--ops", ",".join(args.ops)],
+                          env=env)
+    report, failed = {}, warm.returncode != 0
+    for op in args.ops:
+        report[op] = {}
+        for tool in args.tools:
+            start = time.monotonic()
+            try:
+                run = subprocess.run(sanitizer_command(tool, op), env=env, capture_output=True, text=True,
+                                     timeout=args.timeout)
+                log, code = run.stdout + run.stderr, run.returncode
+            except subprocess.TimeoutExpired as e:
+                log, code = f"timed out after {args.timeout} s\n{e.stdout or ''}", "timeout"
+            errors, kernels = count_errors(log)
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+                Path(args.log_dir, f"{tool}_{op}.log").write_text(log)
+            ok = errors == 0 and code == 0
+            failed |= not ok
+            report[op][tool] = dict(errors=errors, exit=code, kernels=kernels, seconds=round(time.monotonic() - start))
+            print(f"sanitize {tool:9s} {op:25s} errors={errors} exit={code} {'' if ok else kernels}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(item="sanitize", env=ENV, ops=report), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Property sweep: random cases of every op against the float64 references, forward and every
+gradient, with the autotuner on (scripts/gpu_reliability.sh, step ``sweep``).
+
+Case i of an op has the seed ``--seed + i``: it draws the case's sizes, options and views and
+seeds its tensors, and is printed with it. A failing case is shrunk (smaller sizes, plain options,
+contiguous inputs, while it still fails) and printed as a one-line reproducer:
+
+    python scripts/reliability/sweep.py --ops ssd_chunk_scan --cases 1000 --time-budget 540
+    python scripts/reliability/sweep.py --ops attention --seed 17 --params '{"dims": ...}'   (one case)
+
+``--time-budget`` stops early (the cases run so far are reported); ``--json`` writes the report
+that scripts/reliability/summary.py reads. Exit status 1 when a case failed.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import OPS, draw_case, reproducer, run_case, shrink  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
+    parser.add_argument("--cases", type=int, default=1000, help="cases per op")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first case")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds for all ops together")
+    parser.add_argument("--params", default=None, help="run this one case (JSON, as a reproducer prints it)")
+    parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
+    parser.add_argument("--verbose", action="store_true", help="print every case")
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    args.ops = [name.strip() for name in args.ops.split(",") if name.strip()]
+    unknown = set(args.ops) - set(OPS)
+    if unknown:
+        parser.error(f"unknown ops {sorted(unknown)}; known: {', '.join(OPS)}")
+    return args
+
+
+def grow(largest, measured):
+    for key, value in measured.items():
+        largest[key] = max(largest.get(key, value), value)
+
+
+def sweep_op(op, args, deadline):
+    """Run the cases of one op until done or the deadline; returns its report."""
+    report = dict(cases=0, failures=0, unjudged=0, largest={}, reproducers=[], stopped_early=False)
+    for i in range(1 if args.params else args.cases):
+        if deadline is not None and time.monotonic() > deadline:
+            report["stopped_early"] = True
+            break
+        seed = args.seed + i
+        params = json.loads(args.params) if args.params else draw_case(op, seed)
+        verdict = run_case(op, params, seed)
+        report["cases"] += 1
+        report["unjudged"] += bool(verdict.unjudged)
+        if args.verbose or verdict.failures:
+            status = "FAIL " + "; ".join(verdict.failures) if verdict.failures else "ok"
+            print(f"{op.name} seed={seed} {json.dumps(params, sort_keys=True)}: {status}", flush=True)
+        if not verdict.failures:
+            grow(report["largest"], op.measure(params))
+            continue
+        report["failures"] += 1
+        if not args.no_shrink:
+            params = shrink(op, params, seed, lambda p, s: bool(run_case(op, p, s).failures))
+            verdict = run_case(op, params, seed)
+        line = reproducer(op, params, seed)
+        print(f"  minimal: {'; '.join(verdict.failures) or 'passes once shrunk: flaky?'}\n  REPRO: {line}",
+              flush=True)
+        report["reproducers"].append(dict(seed=seed, failures=verdict.failures, command=line))
+        if any("CUDA error" in f or "illegal memory access" in f for f in verdict.failures):
+            print(f"{op.name}: the CUDA context is lost; stopping this op", flush=True)
+            report["stopped_early"] = True
+            break
+    return report
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    start = time.monotonic()
+    deadline = start + args.time_budget if args.time_budget is not None else None
+    reports = {}
+    for name in args.ops:
+        op_start = time.monotonic()
+        reports[name] = sweep_op(OPS[name], args, deadline)
+        reports[name]["seconds"] = round(time.monotonic() - op_start, 1)
+        r = reports[name]
+        print(f"sweep {name}: {r['cases']} cases, {r['failures']} failed, {r['unjudged']} with an unjudged output, "
+              f"{r['seconds']} s{' (stopped by the time budget)' if r['stopped_early'] else ''}; "
+              f"largest passed {r['largest']}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(item="sweep", seed=args.seed, ops=reports), indent=1))
+    return 1 if any(r["failures"] for r in reports.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""scripts/gpu_reliability.sh's pieces (scripts/reliability/) in a smoke mode on CPU: a few cases
+per op at interpreter sizes, so CI proves the script works before it meets a GPU. The pieces
+that need CUDA (compute-sanitizer, memory_allocated, CUDA graphs) skip here, saying why, after
+their argument parsing and case generation are tested."""
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "reliability"))
+import cases  # noqa: E402
+import large  # noqa: E402
+import leaks  # noqa: E402
+import nonfinite  # noqa: E402
+import reproducible  # noqa: E402
+import sanitize  # noqa: E402
+import summary  # noqa: E402
+import sweep  # noqa: E402
+
+from mamba_annotated import linear_scan  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU box only)")
+
+
+def test_draws_are_seeded_plain_data_that_respect_the_constraints():
+    for op in cases.OPS.values():
+        for seed in range(40):
+            params = cases.draw_case(op, seed)
+            assert params == cases.draw_case(op, seed) == json.loads(json.dumps(params))
+            dims = params["dims"]
+            if "groups" in dims and "heads" in dims:
+                assert dims["heads"] % dims["groups"] == 0
+            if "kv_heads" in dims:
+                assert dims["heads"] % dims["kv_heads"] == 0 and 16 <= dims["head_dim"] <= 256
+            for smaller in cases.smaller(op, params):  # every shrinking step is a valid, smaller case
+                assert all(smaller["dims"][k] >= op.minimum.get(k, 1) for k in smaller["dims"])
+
+
+def test_views_have_the_shapes_asked_for_and_the_strides_promised():
+    for layout in cases.LAYOUTS:
+        base = torch.randn(cases.base_shape((3, 4, 5), layout))
+        v = cases.view(base, (3, 4, 5), layout)
+        assert v.shape == (3, 4, 5)
+        assert v.is_contiguous() == (layout in ("contiguous", "offset"))
+        assert (v.storage_offset() > 0) == (layout == "offset")
+    assert 0 in cases.view(torch.randn(1, 4, 5), (3, 4, 5), "expanded").stride()
+
+
+def test_sweep_runs_every_op_and_writes_its_report(tmp_path):
+    out = tmp_path / "sweep.json"
+    code = sweep.main(["--cases", "2", "--seed", "3", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert set(report["ops"]) == set(cases.OPS)
+    assert all(r["cases"] == 2 for r in report["ops"].values())
+    assert code == 0, [r["reproducers"] for r in report["ops"].values()]
+
+
+class WrongScan(cases.FirstOrderScan):
+    """linear_scan with its last step dropped: the sweep must catch and shrink it."""
+
+    def __init__(self):
+        super().__init__("linear_scan", lambda a, b, h0=None, reverse=False: linear_scan(a, b, h0=h0, reverse=reverse)
+                         * (torch.arange(a.shape[-1]) < a.shape[-1] - 1))
+
+
+def test_sweep_catches_a_wrong_op_and_prints_a_shrunk_reproducer(capsys):
+    op = WrongScan()
+    args = sweep.parse_args(["--ops", "linear_scan", "--cases", "1", "--seed", "5"])
+    report = sweep.sweep_op(op, args, deadline=None)
+    assert report["failures"] == 1
+    printed = capsys.readouterr().out
+    assert "REPRO: python scripts/reliability/sweep.py --ops linear_scan --seed 5 --params" in printed
+    params = json.loads(report["reproducers"][0]["command"].split("--params ")[1].strip("'"))
+    assert params["dims"] == {"rows": 1, "L": 1} and all(v == "contiguous" for v in params["layouts"].values())
+
+
+def test_time_budget_stops_early_and_says_so(tmp_path):
+    out = tmp_path / "sweep.json"
+    sweep.main(["--ops", "sequential_scan", "--cases", "1000", "--time-budget", "0", "--json", str(out)])
+    r = json.loads(out.read_text())["ops"]["sequential_scan"]
+    assert r["stopped_early"] and r["cases"] == 0
+
+
+def test_unknown_ops_are_refused():
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--ops", "flash"])
+    with pytest.raises(SystemExit):
+        sanitize.parse_args(["--tools", "asan"])
+
+
+def test_sanitizer_command_and_log_parsing():
+    args = sanitize.parse_args(["--ops", "attention", "--tools", "memcheck,initcheck"])
+    assert args.tools == ["memcheck", "initcheck"]
+    command = sanitize.sanitizer_command("racecheck", "attention")
+    assert command[1:3] == ["--tool", "racecheck"] and command[-3:] == ["--driver", "--ops", "attention"]
+    assert sanitize.ENV["TRITON_DISABLE_LINE_INFO"] == "0"
+    log = ("========= Invalid __global__ write of size 4 bytes\n=========     at chunk_scan_kernel+0x1a0 in "
+           "/x/chunk_scan.py:120\n========= ERROR SUMMARY: 3 errors\n")
+    errors, kernels = sanitize.count_errors(log)
+    assert errors == 3 and kernels == ["chunk_scan_kernel"]
+
+
+def test_sanitizer_driver_runs_each_op_forward_and_backward(capsys):
+    sanitize.drive(["sequential_scan", "attention"])
+    assert capsys.readouterr().out.count("forward and backward") == 2
+
+
+@needs_cuda
+def test_sanitizer_runs_under_cuda(tmp_path):
+    assert sanitize.main(["--ops", "sequential_scan", "--tools", "memcheck", "--json", str(tmp_path / "s.json")]) == 0
+
+
+def test_reproducible_compares_repeated_calls(tmp_path):
+    out = tmp_path / "r.json"
+    assert reproducible.main(["--ops", "linear_scan,attention", "--cases", "1", "--runs", "2", "--json", str(out)]) == 0
+    assert all(r["cases"] == 3 for r in json.loads(out.read_text())["ops"].values())
+
+
+def test_large_checks_at_smoke_sizes(tmp_path):
+    """The window references of the 2^20-token checks, exact in float64, pass at a few hundred tokens."""
+    out = tmp_path / "l.json"
+    code = large.main(["--smoke", "--checks", "ssd_chunk_scan,bidirectional_chunk_scan,attention,linear_scan",
+                       "--json", str(out)])
+    report = json.loads(out.read_text())["ops"]
+    assert code == 0, {k: v["failures"] for k, v in report.items()}
+    assert len(report["ssd_chunk_scan"]["windows"]) == 4
+
+
+def test_nonfinite_probes_report_per_op(tmp_path):
+    out = tmp_path / "n.json"
+    nonfinite.main(["--ops", "linear_scan,attention", "--values", "nan", "--positions", "25", "--json", str(out)])
+    report = json.loads(out.read_text())["ops"]
+    assert report["linear_scan"] == dict(cases=2, failures=0, problems=[])
+    assert report["attention"]["cases"] == 3
+
+
+def test_leaks_arguments_and_skip_without_cuda():
+    assert leaks.parse_args(["--calls", "7"]).calls == 7
+    if not torch.cuda.is_available():
+        assert leaks.main(["--calls", "1"]) == 0  # prints why it skipped
+        pytest.skip("memory_allocated and CUDA graphs need a CUDA device")
+    assert leaks.main(["--ops", "sequential_scan", "--calls", "10"]) == 0
+
+
+def test_summary_merges_reports_into_one_table(tmp_path, capsys):
+    rng = random.Random(0)
+    paths = []
+    for i in range(2):  # two sweep files (one op split over two device calls) add up
+        ops = {"attention": dict(cases=10, failures=i, unjudged=0, largest={"Lq": rng.randint(1, 99)},
+                                 reproducers=[dict(command="python ...")] * i)}
+        paths.append(tmp_path / f"sweep{i}.json")
+        paths[-1].write_text(json.dumps(dict(item="sweep", ops=ops)))
+    paths.append(tmp_path / "san.json")
+    paths[-1].write_text(json.dumps(dict(item="sanitize", ops={"attention": {
+        "memcheck": dict(errors=0, exit=0, kernels=[]), "racecheck": dict(errors=2, exit=0, kernels=["k"])}})))
+    out = tmp_path / "summary.json"
+    assert summary.main([*map(str, paths), "--json", str(out)]) == 1
+    table = {row["op"]: row for row in json.loads(out.read_text())["table"]}
+    assert table["attention"]["sweep"] == "20 cases, 1 failed"
+    assert "racecheck" in table["attention"]["sanitize"] and table["linear_scan"]["sweep"] == "not run"
+    assert "| attention |" in capsys.readouterr().out
