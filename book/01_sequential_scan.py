@@ -118,7 +118,7 @@ plt.tight_layout()
 # %% [markdown]
 # ## Walking time on a GPU
 #
-# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences. The first kernel uses exactly that and nothing more. One program owns a block of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in registers. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
+# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
 
 # %%
 def draw_sequential_schedule(channels=8, steps=12, block=4):
@@ -206,7 +206,7 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # %% [markdown]
 # ## What walking time costs
 #
-# The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot C \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 more). Dividing by the measured device-to-device copy bandwidth gives the **memory floor**, the time no kernel can beat. We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) at Mamba-like width: `8 × 1536` channels.
+# The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot C \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 more). Dividing by the measured device-to-device copy bandwidth gives the **{term}`memory floor`**, the time no kernel can beat. We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) at Mamba-like width: `8 × 1536` channels.
 #
 # On a GPU the kernel's time grows with $L$ like the floor, but sits well above it: each step is a dependent load-multiply-add-store, and a program cannot start step $t+1$ before step $t$ is done, so what the hardware gives is latency, not bandwidth. The PyTorch loop is far slower still, since each step costs several kernel launches.
 
@@ -241,3 +241,45 @@ plot_series(rows, "length", "ms", "implementation", floor=floor, logy=True,
 #
 # 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0=h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_0$.
 # 2. Show that the reverse scan is the forward scan of the time-flipped inputs, flipped back: `sequential_scan(a, b, reverse=True)` equals `sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)`.
+# 3. *A reverse walk in Triton.* Write `reverse_scan(a, b)`, the recurrence $h_t = a_t h_{t+1} + b_t$ for `a`, `b` of shape (channels, L), float32, as a Triton kernel of your own: one program per block of channels, the states in registers, time walked from the last step to the first (the forward kernel above, read from the end).
+#
+# Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) compares your function with the float64 loop on fresh random inputs, with channel counts that are not a multiple of your block and a single step.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def reverse_scan(a, b):
+    raise NotImplementedError  # your code here
+
+
+attempted = check_exercise("1.3", reverse_scan)
+
+# %% [markdown]
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+@triton.jit
+def reverse_scan_kernel(a_ptr, b_ptr, h_ptr, channels, length, BLOCK_C: tl.constexpr):
+    channel = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = channel < channels
+    h = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for step in range(length):
+        t = length - 1 - step  # walk time backwards
+        a = tl.load(a_ptr + channel * length + t, mask=mask)
+        b = tl.load(b_ptr + channel * length + t, mask=mask)
+        h = a * h + b
+        tl.store(h_ptr + channel * length + t, h, mask=mask)
+
+
+def reverse_scan(a, b):
+    channels, length = a.shape
+    h = torch.empty_like(a)
+    reverse_scan_kernel[(triton.cdiv(channels, 16),)](a, b, h, channels, length, BLOCK_C=16)
+    return h
+
+
+assert check_exercise("1.3", reverse_scan)

@@ -68,7 +68,7 @@ runtime.describe()
 #
 # **The initial state** is one more map: $h_{-1}$ folds into the first element as $b_0 \leftarrow b_0 + a_0 h_{-1}$.
 #
-# **Why this gives $O(\log L)$ depth.** The prefix $P_t = e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds the whole sequence's composition is known, and with it the compositions of aligned blocks of every power-of-two size. The prefixes that are not such a block come from a second pass of $\log_2 L$ rounds back down the tree (Blelloch, below), or from overlapping combines in every round (Hillis–Steele). Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
+# **Why this gives $O(\log L)$ depth.** The prefix $P_t = e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds the whole sequence's composition is known, and with it the compositions of aligned {term}`blocks <block>` of every power-of-two size. The prefixes that are not such a block come from a second pass of $\log_2 L$ rounds back down the tree (Blelloch, below), or from overlapping combines in every round (Hillis–Steele). Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
 #
 # The implementation in the package, in Triton and in PyTorch (`mamba_annotated/scan/combine.py`):
 
@@ -76,7 +76,7 @@ runtime.describe()
 show_source(first_order_combine)
 
 # %% [markdown]
-# Before trusting any scan, we test the claim itself: random triples, both bracketings, in float64. (This matters more than it looks: Triton's interpreter folds a scan strictly left to right, so a non-associative combine passes every CPU test, and then fails on a GPU, which brackets differently.)
+# Before trusting any scan, we test the claim itself: random triples, both bracketings, in float64. (This matters more than it looks: Triton's {term}`interpreter` folds a scan strictly left to right, so a non-associative {term}`combine` passes every CPU test, and then fails on a GPU, which brackets differently.)
 
 # %%
 def random_element():
@@ -104,7 +104,7 @@ check("Triton combine vs PyTorch combine", left, torch.stack(first_order_combine
 #
 # *Blelloch* {cite}`blelloch1990prefix` (drawn here in its inclusive, Brent–Kung form): an up-sweep builds a reduction tree (the pairs, the quadruples, ...), and a down-sweep pushes the partial results back down to the elements that still miss a prefix. Depth $2\log_2 L - 1$, work $O(L)$: about $2L$ combines.
 #
-# On a GPU the two are mixed: each thread first folds its few consecutive elements sequentially (work-efficient), the threads of a warp then run a Hillis–Steele scan through register shuffles (shallow), and warps exchange their totals through shared memory. `tl.associative_scan` generates that code for us from the combine function.
+# On a GPU the two are mixed: each thread first folds its few consecutive elements sequentially (work-efficient), the threads of a {term}`warp` then run a Hillis–Steele scan through {term}`register <registers>` {term}`shuffles <shuffle>` (shallow), and warps exchange their totals through {term}`shared memory`. `tl.associative_scan` generates that code for us from the combine function.
 
 # %%
 def hillis_steele_edges(n):
@@ -177,7 +177,7 @@ for name, rounds in [("Hillis–Steele", hillis_steele_edges(8)), ("Blelloch", b
 # %% [markdown]
 # ## The kernel: one `tl.associative_scan` over a tuple
 #
-# `tl.associative_scan(inputs, axis, combine_fn)` scans a block along one axis with any associative `combine_fn`; when `inputs` is a tuple of tensors, the combine receives and returns tuples. The scan of the pairs gives at position $t$ the composed map $(\prod_{s\le t} a_s,\, h_t)$: its second component *is* the state. One program owns one row and holds all of it in one block; padding is the identity $(1, 0)$; the initial state folds into the first element; `reverse=True` scans from the end, which is exactly $h_t = a_t h_{t+1} + b_t$.
+# `tl.associative_scan(inputs, axis, combine_fn)` scans a block along one axis with any associative `combine_fn`; when `inputs` is a tuple of tensors, the combine receives and returns tuples. The scan of the pairs gives at position $t$ the composed map $(\prod_{s\le t} a_s,\, h_t)$: its second component *is* the state. One {term}`program` owns one row and holds all of it in one block; padding is the identity $(1, 0)$; the initial state folds into the first element; `reverse=True` scans from the end, which is exactly $h_t = a_t h_{t+1} + b_t$.
 
 # %%
 show_source(tuple_scan_fwd_kernel)
@@ -217,7 +217,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # \lambda_t = g_t + a_{t+1}\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}.
 # $$
 #
-# This is the same first-order recurrence, run from the end, over the pairs $(a_{t+1}, g_t)$: the decay that multiplies $\lambda_{t+1}$ belongs to the *next* step. So it is one more associative scan, with `reverse=True` and the decays loaded one position later (with anything, say 0, past the end, where $\lambda_L = 0$ makes it irrelevant). Then, as before,
+# This is the same first-order recurrence, run from the end, over the pairs $(a_{t+1}, g_t)$: the decay that multiplies $\lambda_{t+1}$ belongs to the *next* step. So it is one more {term}`associative scan`, with `reverse=True` and the decays loaded one position later (with anything, say 0, past the end, where $\lambda_L = 0$ makes it irrelevant). Then, as before,
 #
 # $$
 # \frac{\partial\mathcal L}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal L}{\partial a_t} = \lambda_t h_{t-1}, \qquad \frac{\partial\mathcal L}{\partial h_{-1}} = a_0\lambda_0 ,
@@ -312,9 +312,51 @@ plt.tight_layout()
 #
 # The step of the recurrence is an affine map; composing affine maps is associative with identity $(1, 0)$; so the recurrence is a scan, computable in $O(\log L)$ depth. One `tl.associative_scan` over the tuple $(a, b)$ is the whole forward kernel, and the backward pass is the same scan run the other way over $(a_{t+1}, g_t)$. Working on pairs keeps float32 precision at any length, where the log-space rewrite loses accuracy linearly with length.
 #
-# Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps in one program: 131072 32-bit values, twice the register file of an H100 SM, so the block does not even fit in registers) by chaining blocks with carries.
+# Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps in one program: 131072 32-bit values, twice the register file of an H100 {term}`SM`, so the block does not even fit in registers) by chaining blocks with {term}`carries <carry>`.
 #
 # **Exercises** (the tests in `tests/test_associative_scan.py` check the answers):
 #
 # 1. Show that $(1, 0)$ is a two-sided identity of the combine, and that no other pair is (`test_identity_element` checks the first part on random pairs).
 # 2. The first component of the scanned pair is $\prod_{s \le t} a_s$. Use this to compute the running product of a tensor with `tuple_scan_forward` alone (hint: choose $b$ and $h_0$). `test_running_product_from_the_scan` checks the solution `tuple_scan_forward(a, torch.zeros_like(a), torch.ones(rows))` against `torch.cumprod`.
+# 3. *A cumulative sum.* With every decay $a_t = 1$ the recurrence is a running sum. Write `cumsum(x)`, the inclusive cumulative sum along the last dimension of `x` (rows, L), float32, $L \le 1024$, as a Triton kernel: one program per row, the whole row in one block, and `tl.associative_scan` with an `add` combine of your own.
+#
+# Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) compares your function with the float64 scan on fresh random rows, lengths that are not a power of two included.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def cumsum(x):
+    raise NotImplementedError  # your code here
+
+
+attempted = check_exercise("2.3", cumsum)
+
+# %% [markdown]
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+@triton.jit
+def add(x, y):
+    return x + y
+
+
+@triton.jit
+def cumsum_kernel(x_ptr, y_ptr, length, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * length + t, mask=t < length, other=0.0)  # 0: the identity of the combine
+    tl.store(y_ptr + row * length + t, tl.associative_scan(x, 0, add), mask=t < length)
+
+
+def cumsum(x):
+    rows, length = x.shape
+    y = torch.empty_like(x)
+    cumsum_kernel[(rows,)](x, y, length, BLOCK=triton.next_power_of_2(length))
+    return y
+
+
+assert check_exercise("2.3", cumsum)

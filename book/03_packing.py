@@ -18,7 +18,7 @@
 # In this chapter you will learn:
 #
 # - why early Triton kernels bit-packed the pair $(a, b)$ into a single integer to scan it, and how: bitcast, shift, or;
-# - how to write a combine that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
+# - how to write a {term}`combine` that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
 # - whether packing still pays on today's Triton, measured on the GPU against the tuple scan.
 #
 # It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\circ(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ and the one-block tuple scan `tuple_scan_forward`.
@@ -89,7 +89,7 @@ show_source(unpack_pair)
 show_source(combine_words)
 
 # %% [markdown]
-# The kernel: load, pack, scan the words, unpack the state. Like chapter 2's, one program holds one row in one block.
+# The kernel: load, pack, scan the words, unpack the state. Like chapter 2's, one {term}`program` holds one row in one {term}`block`.
 
 # %%
 show_source(packed_scan_kernel)
@@ -115,7 +115,7 @@ print("packed float32 == tuple scan, bit for bit: True")
 #
 # For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every level of the tree, and the errors add up with length.
 #
-# The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One interpreter fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
+# The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One {term}`interpreter` fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
 
 # %%
 def sixteen_bit_loop(a, b):
@@ -166,7 +166,7 @@ plt.tight_layout()
 # %% [markdown]
 # ## Does packing still pay?
 #
-# The old argument for packing was speed as much as necessity: one 64-bit shuffle between threads instead of two 32-bit ones. Today's tuple scan moves two registers per exchange; the packed scan moves one 64-bit value but spends integer shifts, masks and casts on every combine. Both read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
+# The old argument for packing was speed as much as necessity: one 64-bit {term}`shuffle` between threads instead of two 32-bit ones. Today's tuple scan moves two {term}`registers` per exchange; the packed scan moves one 64-bit value but spends integer shifts, {term}`masks <mask>` and casts on every combine. Both read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
 
 # %% tags=["nbval-ignore-output"]
 rows = runtime.size(gpu=8 * 1536, cpu=4)
@@ -196,9 +196,66 @@ plt.tight_layout()
 #
 # Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs, packing a pair into one 32-bit word keeps the scan's arithmetic in 16 bits, and its error grows with length where the tuple scan's does not; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, at twice the word width and twice the shuffle traffic. The trade is word width and shuffle cost, not accuracy alone. The tuple scan stays our building block.
 #
-# Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 SM. Chapter 4 chains blocks with carries to scan any length.
+# Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 {term}`SM`. Chapter 4 chains blocks with {term}`carries <carry>` to scan any length.
 #
 # **Exercises** (the tests in `tests/test_packed_scan.py` check the answers):
 #
 # 1. Why is the float32 packed scan bit-exact while the bfloat16 one is not, although both round-trip their inputs exactly? (`test_float32_words_match_the_tuple_scan_bit_for_bit` checks the first half; `test_sixteen_bit_words_lose_to_float32_accumulation_on_long_rows` the second.)
 # 2. Pack float16 instead of bfloat16: only the `FLOAT` type changes. The float16 cases of `test_sixteen_bit_words_are_as_accurate_as_sixteen_bit_accumulation` check `combine_float16_words`.
+# 3. *Two float16 in one word.* Write `pack_halves(high, low)`: for two float16 tensors of one shape, an int32 tensor whose words hold the 16 bits of `high` in their top half and those of `low` in their bottom half, as a Triton kernel. (Widening a negative 16-bit integer copies its sign bit into the top half: reinterpret as `tl.uint16` first.)
+# 4. *And back.* Write `unpack_halves(words)` returning `(high, low)`, float16, equal to the packed numbers bit for bit: zeros of both signs, infinities and NaN included.
+#
+# Replace the `raise` in each stub and run the cell; the checkers (`mamba_annotated.exercises`) compare the bits with those PyTorch's integer operations give, on fresh random numbers and every special value.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def pack_halves(high, low):
+    raise NotImplementedError  # your code here
+
+
+def unpack_halves(words):
+    raise NotImplementedError  # your code here
+
+
+attempted = [check_exercise(number, answer) for number, answer in (("3.3", pack_halves), ("3.4", unpack_halves))]
+
+# %% [markdown]
+# The solutions (click to show), run through the same checkers:
+
+# %% tags=["hide-input"]
+@triton.jit
+def pack_kernel(high_ptr, low_ptr, word_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    high = tl.load(high_ptr + i, mask=i < n).to(tl.uint16, bitcast=True).to(tl.int32)
+    low = tl.load(low_ptr + i, mask=i < n).to(tl.uint16, bitcast=True).to(tl.int32)  # zero-extended
+    tl.store(word_ptr + i, (high << 16) | low, mask=i < n)
+
+
+def pack_halves(high, low):
+    words = torch.empty(high.shape, dtype=torch.int32, device=high.device)
+    pack_kernel[(triton.cdiv(high.numel(), 128),)](high, low, words, high.numel(), BLOCK=128)
+    return words
+
+
+@triton.jit
+def unpack_kernel(word_ptr, high_ptr, low_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    word = tl.load(word_ptr + i, mask=i < n)
+    tl.store(high_ptr + i, (word >> 16).to(tl.int16).to(tl.float16, bitcast=True), mask=i < n)
+    tl.store(low_ptr + i, word.to(tl.int16).to(tl.float16, bitcast=True), mask=i < n)  # keeps the low bits
+
+
+def unpack_halves(words):
+    high = torch.empty(words.shape, dtype=torch.float16, device=words.device)
+    low = torch.empty_like(high)
+    unpack_kernel[(triton.cdiv(words.numel(), 128),)](words, high, low, words.numel(), BLOCK=128)
+    return high, low
+
+
+for number, answer in (("3.3", pack_halves), ("3.4", unpack_halves)):
+    assert check_exercise(number, answer)

@@ -17,9 +17,9 @@
 #
 # In this chapter you will learn:
 #
-# - how to scan sequences longer than one block: three phases (reduce blocks, scan their totals, re-scan with carries) or one program walking its blocks with a running carry — and when each wins;
+# - how to scan sequences longer than one {term}`block`: three phases (reduce blocks, scan their totals, re-scan with {term}`carries <carry>`) or one {term}`program` walking its blocks with a running carry — and when each wins;
 # - how the same two kernels, run in "adjoint" mode, give the backward pass for any length, either direction and an initial state;
-# - how `linear_scan`, the book's fast default, compares with accelerated-scan and with the memory floor.
+# - how `linear_scan`, the book's fast default, compares with accelerated-scan and with the {term}`memory floor`.
 #
 # It builds on [chapter 2](02_associative_scan.ipynb) (one `tl.associative_scan` over the pairs $(a, b)$ per block, and the backward pass as the reverse scan over $(a_{t+1}, g_t)$) and [chapter 3](03_packing.ipynb) (which kept the tuple scan as the building block).
 
@@ -58,7 +58,7 @@ runtime.describe()
 #
 # **(a) Three phases.** (1) Reduce every block to its total map $(A^{(k)}, B^{(k)})$, all blocks in parallel. (2) Scan the totals: they form a recurrence of their own, $c_{k+1} = A^{(k)} c_k + B^{(k)}$ with $c_0 = h_0$, one step per block. (3) Re-scan every block in parallel with its carry. Every block runs on its own program, so one long row fills the GPU; the price is reading $a$ and $b$ twice.
 #
-# **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a register: scan block $k$, add $A_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
+# **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a {term}`register <registers>`: scan block $k$, add $A_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
 #
 # The package uses both in one kernel family: a row is cut into *segments* of consecutive blocks; one program walks one segment (b), and when there is more than one segment per row, phases 1 and 2 supply each segment's carry (a). With many rows (Mamba's `batch × channels`) each row is one segment; with few long rows, the rows are split.
 
@@ -104,7 +104,7 @@ show_source(chained_scan_kernel)
 show_source(segment_totals_kernel)
 
 # %% [markdown]
-# `plan` decides the segments: one per row when the rows alone give every SM several programs, or when a row is only a few blocks long (cutting it would add two launches, which cost about as much as walking a few blocks), otherwise as many as it takes.
+# `plan` decides the segments: one per row when the rows alone give every {term}`SM` several programs, or when a row is only a few blocks long (cutting it would add two launches, which cost about as much as walking a few blocks), otherwise as many as it takes.
 
 # %%
 show_source(plan)
@@ -135,7 +135,7 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 #
 # Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_0 = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_0$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_0$, one number per row, is left to PyTorch.
 #
-# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load, which the compiler does not vectorise, so the kernels read $a_t$ where it lies and scan triples instead of pairs. With $\mu_t = a_t\lambda_t$, a run of steps $s, \dots, u$ (nearest the result first) is $(\alpha, p, q) = (a_s,\ a_{s+1}\cdots a_u,\ q)$ with $\lambda_s = q + p\,\mu_{u+1}$: the run keeps its own first decay $\alpha$ aside and applies it only when it is joined to the run before it. A single step is $(a_t, 1, g_t)$, and the carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.) On an H200 in bfloat16 the triples made the backward 8% faster than the shifted load of $a$; moving $a$ and $h$ one step in registers with `tl.gather` instead (through shared memory) made it 30% slower.
+# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load, which the compiler does not vectorise, so the kernels read $a_t$ where it lies and scan triples instead of pairs. With $\mu_t = a_t\lambda_t$, a run of steps $s, \dots, u$ (nearest the result first) is $(\alpha, p, q) = (a_s,\ a_{s+1}\cdots a_u,\ q)$ with $\lambda_s = q + p\,\mu_{u+1}$: the run keeps its own first decay $\alpha$ aside and applies it only when it is joined to the run before it. A single step is $(a_t, 1, g_t)$, and the carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.) On an H200 in bfloat16 the triples made the backward 8% faster than the shifted load of $a$; moving $a$ and $h$ one step in registers with `tl.gather` instead (through {term}`shared memory`) made it 30% slower.
 
 # %%
 show_source(adjoint_combine)
@@ -217,7 +217,7 @@ plt.tight_layout()
 # %% [markdown]
 # ## Speed against the peers and the memory floor
 #
-# Mamba-like width, `(8, 1536, T)` in float32 and bfloat16, forward and forward+backward, beside chapter 1's sequential kernel and, where installed, accelerated-scan's Triton scan (`accelerated_scan.scalar` in version 0.3.1). Its CUDA warp scan (`accelerated_scan.warp`) compiles a C++ extension and only takes power-of-two lengths from 32 to 65536; `benchmarks/bench_linear_scan.py` times it, with everything else, in one run (on bfloat16 inputs it stopped with an illegal memory access on an H200, at `T = 4096` in one run and `T = 65536` in another, which ends the process's use of the GPU, so the script times it on bfloat16 only when asked: `--sections warp_bfloat16`). The floor counts the bytes that must move: forward reads $a$, $b$ and writes $h$; backward reads $a$, $h$, $g$ and writes two gradients.
+# Mamba-like width, `(8, 1536, T)` in float32 and bfloat16, forward and forward+backward, beside chapter 1's sequential kernel and, where installed, accelerated-scan's Triton scan (`accelerated_scan.scalar` in version 0.3.1). Its CUDA {term}`warp` scan (`accelerated_scan.warp`) compiles a C++ extension and only takes power-of-two lengths from 32 to 65536; `benchmarks/bench_linear_scan.py` times it, with everything else, in one run (on bfloat16 inputs it stopped with an illegal memory access on an H200, at `T = 4096` in one run and `T = 65536` in another, which ends the process's use of the GPU, so the script times it on bfloat16 only when asked: `--sections warp_bfloat16`). The floor counts the bytes that must move: forward reads $a$, $b$ and writes $h$; backward reads $a$, $h$, $g$ and writes two gradients.
 
 # %% [markdown]
 # The stored run of the benchmark script (`python benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json` on the GPU box), with both accelerated-scan kernels; `ours_faster_by` is a peer's time over `linear_scan`'s. The cell after it times this machine. At `T = 4096` the kernels are short enough for the host to matter: on the H200 box one call of `linear_scan` forward and backward through autograd took 0.22 ms of Python and launch work, as long as its bfloat16 kernels (0.20 ms), and the forward alone 0.05 ms. A timing at that length can therefore follow how busy the host is rather than the kernels (the GPU waits for launches); the longer rows, and the script's run, time the kernels.
@@ -293,7 +293,7 @@ plt.tight_layout()
 # %% [markdown]
 # ### Scanning backwards without `reverse=True`
 #
-# The backward pass of the forward recurrence, and `reverse=True`, scan from the end of the block. The first version used `tl.associative_scan(..., reverse=True)`, and in bfloat16 its forward+backward stopped near 70% of the floor. The bytes were not the problem: on the H200 a kernel with the backward's exact loads and stores (the load of $h$ one step off included) but no scan ran at 95% of the floor, the real backward at 58%. The reverse scan was: even the forward pass fell from 97% to 44% of its floor with `reverse=True`. Triton implements a reverse scan by reversing the values across the lanes of a warp with shuffles, and it does so even along an axis that one thread holds entirely; compiled for `sm_90` (Triton 3.9), one block of the backward had 139 shuffles against 43 for the ascending scan. Half precision halves the bytes per step but not this work, which is why only 16-bit inputs showed it.
+# The backward pass of the forward recurrence, and `reverse=True`, scan from the end of the block. The first version used `tl.associative_scan(..., reverse=True)`, and in bfloat16 its forward+backward stopped near 70% of the floor. The bytes were not the problem: on the H200 a kernel with the backward's exact loads and stores (the load of $h$ one step off included) but no scan ran at 95% of the floor, the real backward at 58%. The reverse scan was: even the forward pass fell from 97% to 44% of its floor with `reverse=True`. Triton implements a reverse scan by reversing the values across the lanes of a warp with {term}`shuffles <shuffle>`, and it does so even along an axis that one thread holds entirely; compiled for `sm_90` (Triton 3.9), one block of the backward had 139 shuffles against 43 for the ascending scan. Half precision halves the bytes per step but not this work, which is why only 16-bit inputs showed it.
 #
 # So a descending block is a **tile of rows**: row $r$ holds $K$ consecutive steps, 16 bytes, one vector load for one thread. Each thread scans its own row from the end in registers: `tl.flip`, an ascending scan, `tl.flip` back, none of which moves data between threads. The carry entering row $r$ is the composition of the maps of rows $r+1, r+2, \dots$ applied to the block's carry: one scan over rows, one value per thread. That scan needs, in row $r$, the map of row $r+1$ (an *exclusive* scan); rather than move that value one thread over, each thread loads the next row again, from cache mostly, and reduces it itself.
 #
@@ -324,3 +324,43 @@ show_source(scan_rows_descending)
 #
 # 1. Show that the result cannot depend on how a row is cut into segments: any `blocks_per_segment` gives the same $h$ and gradients up to rounding. `test_every_path_forward_and_backward` runs one, three and all blocks per segment.
 # 2. Write the reverse scan with the forward one: `linear_scan(a, b, h0=h0, reverse=True)` equals `linear_scan(a.flip(-1), b.flip(-1), h0=h0).flip(-1)`. `test_reverse_is_the_flipped_forward_scan` checks it.
+# 3. *A blocked cumulative sum.* Write `blocked_cumsum(x, block)`, the cumulative sum along the last dimension of `x` (rows, L), float32, for any $L$, as a Triton kernel that walks each row in blocks of `block` elements with the carry in a register: the chained walk of this chapter with every decay 1 (`tl.cumsum` scans one block).
+#
+# Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) calls it with `block = 16` on rows shorter than a block, exactly one block and many blocks with a partial last one, against the float64 scan.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def blocked_cumsum(x, block):
+    raise NotImplementedError  # your code here
+
+
+attempted = check_exercise("4.3", blocked_cumsum)
+
+# %% [markdown]
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+@triton.jit
+def blocked_cumsum_kernel(x_ptr, y_ptr, length, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    carry = tl.zeros([], dtype=tl.float32)  # the sum of every earlier block
+    for start in range(0, length, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * length + t, mask=t < length, other=0.0)
+        tl.store(y_ptr + row * length + t, tl.cumsum(x, 0) + carry, mask=t < length)
+        carry += tl.sum(x, 0)
+
+
+def blocked_cumsum(x, block):
+    rows, length = x.shape
+    y = torch.empty_like(x)
+    blocked_cumsum_kernel[(rows,)](x, y, length, BLOCK=block)
+    return y
+
+
+assert check_exercise("4.3", blocked_cumsum)

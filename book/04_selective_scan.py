@@ -17,11 +17,11 @@
 #
 # In this section you will learn:
 #
-# - how Mamba's selective SSM (S6) becomes one fused kernel: discretization on chip ($\bar A = e^{\Delta A}$, $\bar B u = \Delta B u$), $N$ states per channel kept in registers and never written to memory, $y = C h + D u$ and the $z$ gate in the same pass;
-# - how its backward pass is the adjoint recurrence run from the end, with the states recomputed chunk by chunk from a few stored boundary states;
+# - how Mamba's selective SSM (S6) becomes one fused kernel: discretization on chip ($\bar A = e^{\Delta A}$, $\bar B u = \Delta B u$), $N$ states per channel kept in {term}`registers` and never written to memory, $y = C h + D u$ and the $z$ gate in the same pass;
+# - how its backward pass is the adjoint recurrence run from the end, with the states recomputed {term}`chunk` by chunk from a few stored boundary states;
 # - what fusing buys over materializing the discretized tensors, and how far the kernel is from the hardware floor.
 #
-# It builds on the first half of this chapter, [blocked scans with carries](04_blocked_carries.ipynb): a chunk is scanned with `tl.associative_scan` over pairs $(a, b)$, and a carry links the chunks.
+# It builds on the first half of this chapter, [blocked scans with carries](04_blocked_carries.ipynb): a chunk is scanned with `tl.associative_scan` over pairs $(a, b)$, and a {term}`carry` links the chunks.
 
 # %%
 import json
@@ -99,11 +99,11 @@ plt.tight_layout()
 # %% [markdown]
 # ## One program, one batch row, a block of channels
 #
-# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $u_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one program owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
+# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $u_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
 #
 # 1. loads `u`, `Δ` (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
 # 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $x = \Delta u B$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
-# 3. scans the pairs $(a, x)$ along time with `tl.associative_scan` and the first-order combine of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
+# 3. scans the pairs $(a, x)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
 # 4. adds the carry: $h_t = \big(\prod_{s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of the first half;
 # 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D u$, times $\operatorname{silu}(z)$) and stores it;
 # 6. keeps the last column of $h$ as the next chunk's carry.
@@ -232,7 +232,7 @@ for name, inputs in cases.items():
 show_source(selective_scan_bwd_kernel)
 
 # %% [markdown]
-# Every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the interpreter, 32 on a GPU), and once more through the last state:
+# Every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 32 on a GPU), and once more through the last state:
 
 # %%
 def check_gradients(label, inputs, dtype, use_last_state=False):
@@ -257,7 +257,7 @@ check_gradients("through the last state", make_inputs(1, 4, 4, grad_length), tor
 # %% [markdown]
 # ## Speed
 #
-# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $u$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per SM: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
+# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $u$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per {term}`SM`: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
 #
 # **The peers**, timed in one run by `benchmarks/bench_selective_scan.py`: mamba.py's parallel scan {cite}`repo_mambapy` (`mambapy.pscan.pscan` fed the materialized $e^{\Delta A}$ and $\Delta B u$ in its layout `(batch, L, dim, N)`, then the $C$ contraction, exactly as its `selective_scan` does) and mamba_ssm's PyTorch reference {cite}`repo_mamba` (a Python loop over time; its backward ran once, not repeated). The plot shows the stored run; the cell below it times this machine.
 
@@ -322,6 +322,6 @@ print_table(timing_rows)
 #
 # The selective scan is the first-order scan of the first half of this chapter with the inputs computed on chip: per chunk, the kernel forms $e^{\Delta A}$ and $\Delta B u$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $u, \Delta, A, B, C, D, z$ and the bias — checked against float64.
 #
-# The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that tensor cores cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \circ \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
+# The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that {term}`tensor cores <tensor core>` cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \circ \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
 #
 # **Exercise** (checked by `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py`). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * u$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?

@@ -17,8 +17,8 @@
 #
 # In this chapter you will learn:
 #
-# - how Mamba-2's SSM is a multiplication by a *semiseparable* matrix $M$, and how the attention-like quadratic form and the recurrent linear form are two ways to do that multiplication;
-# - how cutting $M$ into chunks gives an algorithm that is quadratic (matmuls on tensor cores) inside chunks and linear (a short carry of states) across them, and what each part costs as the chunk size varies;
+# - how Mamba-2's SSM is a multiplication by a *{term}`semiseparable`* matrix $M$, and how the attention-like quadratic form and the recurrent linear form are two ways to do that multiplication;
+# - how cutting $M$ into {term}`chunks <chunk>` gives an algorithm that is quadratic (matmuls on {term}`tensor cores <tensor core>`) inside chunks and linear (a short {term}`carry` of states) across them, and what each part costs as the chunk size varies;
 # - the five Triton kernels of the forward pass and the backward pass, derived, including the reverse cumulative sum that turns gradients of the decays into gradients of $\Delta$ and $A$.
 #
 # It builds on chapter 4's [blocked scans with carries](04_blocked_carries.ipynb): there blocks of a scalar scan passed one number to the next block; here chunks pass a (headdim × dstate) state.
@@ -69,7 +69,7 @@ runtime.describe()
 #
 # $M$ is lower-triangular and *semiseparable*: every block of $M$ that lies below the diagonal has rank at most $N$, because $M_{ts} = e^{a_t} C_t \cdot B_s e^{-a_s} \Delta_s$ factors into a term of $t$ times a term of $s$. Two ways to multiply by $M$ follow:
 #
-# - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, and $e^{a_t - a_s}$ a causal mask with decay;
+# - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, and $e^{a_t - a_s}$ a causal {term}`mask` with decay;
 # - **linear** (the recurrent form): walk $t$ and carry $h_t$, $O(L N P)$ work, but a chain of $L$ dependent steps.
 #
 # Inputs follow mamba_ssm's `mamba_chunk_scan_combined`: `x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)` (the heads of a group share $B$ and $C$), with the optional skip $D$, gate $z$ ($y \cdot \mathrm{silu}(z)$), `dt_bias`, softplus and a clamp on $\Delta$.
@@ -153,7 +153,7 @@ for chunk in (8, 16, 64):
 # %% [markdown]
 # ## The kernels
 #
-# Each kernel below is shown from the package source, run, and checked against the matching step of the chunked reference (`return_intermediates=True` returns each step in the kernels' layouts). On a CPU the interpreter runs them at chunk 16.
+# Each kernel below is shown from the package source, run, and checked against the matching step of the chunked reference (`return_intermediates=True` returns each step in the kernels' layouts). On a CPU the {term}`interpreter` runs them at chunk 16.
 
 # %%
 chunk = 16
@@ -163,7 +163,7 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 # %% [markdown]
 # ### 1. The cumulative log-decay inside each chunk
 #
-# One program per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot always holds the decay of the whole chunk.
+# One {term}`program` per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot always holds the decay of the whole chunk.
 
 # %%
 show_source(chunk_cumsum_kernel)
@@ -193,7 +193,7 @@ check("chunk_cb (lower triangle)", CB[..., lower], steps["CB"][..., lower], tole
 # %% [markdown]
 # ### 3. The chunk states
 #
-# $S_c = (x \odot w)^\top B$ with $w_s = e^{a_{\text{last}} - a_s}\Delta_s$: a (headdim × Q) by (Q × dstate) matmul per chunk and head. The weight goes on $x$, not on $B$, though both are the same mathematics: on a Hopper GPU the first operand of `tl.dot` may come from registers, the second must sit in shared memory, so a scaled $B$ would be written back to shared memory before every matmul. Scaling $x$ took the kernel from 0.139 to 0.118 ms on an H200 (bfloat16, chunk 256, the first benchmark shape below). The same kernel, with the weight $w_t = e^{a_t}$ and `(dy, C)` in place of `(x, B)`, will give the backward pass the gradient of the states, so it takes a flag.
+# $S_c = (x \odot w)^\top B$ with $w_s = e^{a_{\text{last}} - a_s}\Delta_s$: a (headdim × Q) by (Q × dstate) matmul per chunk and head. The weight goes on $x$, not on $B$, though both are the same mathematics: on a Hopper GPU the first operand of `tl.dot` may come from {term}`registers`, the second must sit in {term}`shared memory`, so a scaled $B$ would be written back to shared memory before every matmul. Scaling $x$ took the kernel from 0.139 to 0.118 ms on an H200 (bfloat16, chunk 256, the first benchmark shape below). The same kernel, with the weight $w_t = e^{a_t}$ and `(dy, C)` in place of `(x, B)`, will give the backward pass the gradient of the states, so it takes a flag.
 
 # %%
 show_source(chunk_state_kernel.fn)  # .fn: the kernel inside its autotuner
@@ -220,7 +220,7 @@ check("state_passing: final state", final, steps["final_states"], tolerance(torc
 #
 # One program per (batch, chunk, head, block of rows, block of headdim): first $e^{a_t} C_t \cdot H_c$ (a matmul over dstate), then the diagonal block, looping over column blocks only up to the diagonal (the causal half is skipped), then $D x_t$ and the gate $y \cdot \mathrm{silu}(z)$.
 #
-# The loop over the diagonal block runs $Q^2/2$ weights per chunk and head, and it is the kernel's hot spot: the tensor cores finish a step's matmul sooner than the SM can compute the step's weights $CB_{ts}\, e^{a_t - a_s} \Delta_s$. So its body is kept to a few instructions per weight:
+# The loop over the diagonal block runs $Q^2/2$ weights per chunk and head, and it is the kernel's hot spot: the tensor cores finish a step's matmul sooner than the {term}`SM` can compute the step's weights $CB_{ts}\, e^{a_t - a_s} \Delta_s$. So its body is kept to a few instructions per weight:
 #
 # - the decay is `exp2` of $a$ pre-scaled by $\log_2 e$ (`tl.exp` would multiply every element by $\log_2 e$ first);
 # - one select applies the causal mask, as $-\infty$ in the exponent;
@@ -422,9 +422,61 @@ else:
 #
 # Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels, and four backward ones beside the forward's chunk-state and state-passing kernels run again on gradients, implement it, each checked against a float64 reference; the gradient of the decays reduces to $C \cdot dC - B \cdot dB$ followed by a reverse cumulative sum.
 #
-# [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional (quasiseparable) SSMs of Hydra and Bi-Mamba2, both directions computed on one grid of chunks by one fused pipeline.
+# [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional ({term}`quasiseparable`) SSMs of Hydra and Bi-Mamba2, both directions computed on one grid of chunks by one fused pipeline.
 #
 # **Exercises** (the tests in `tests/test_ssd.py` check both):
 #
 # 1. Show that packing two sequences into one row with `seq_idx` gives exactly the outputs of two separate calls.
 # 2. Show that the chunk size does not change the result: `ssd_chunk_scan(..., chunk_size=16)` and `chunk_size=32` agree to float32 rounding (and both agree with `ssd_recurrent_ref`).
+# 3. *A chunk state by a matmul.* Write `chunk_states(x, B, dt, dA_cumsum)`, what each chunk adds to the state, $S_c = \sum_{s \in c} e^{a_{\text{last}} - a_s}\, \Delta_s\, x_s B_s^\top = X_c^\top \operatorname{diag}(w)\, B_c$, as a Triton kernel with one `tl.dot` per (batch, chunk, head). Inputs, contiguous float32: `x` (batch, L, heads, P); `B` (batch, L, heads, N), one group per head; `dt` and `dA_cumsum` (batch, heads, chunks, Q) as `chunk_cumsum` returns them, `dt` zero past $L$. Output (batch, chunks, heads, P, N). $L$ need not be a multiple of $Q$: mask the last chunk's loads.
+#
+# Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) compares your function with the chunk states of `ssd_chunked_ref` (float64) on fresh random inputs. Its bound, $2 \cdot 10^{-3}$, allows the {term}`TF32` inputs that `tl.dot` uses for float32 tiles on a GPU.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def chunk_states(x, B, dt, dA_cumsum):
+    raise NotImplementedError  # your code here
+
+
+attempted = check_exercise("5.3", chunk_states)
+
+# %% [markdown]
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+@triton.jit
+def chunk_states_kernel(x_ptr, b_ptr, dt_ptr, a_ptr, s_ptr, length, heads, chunks,
+                        Q: tl.constexpr, P: tl.constexpr, N: tl.constexpr):
+    pid = tl.program_id(0)  # one program per (batch, chunk, head)
+    head = pid % heads
+    chunk = (pid // heads) % chunks
+    batch = pid // (heads * chunks)
+    s = chunk * Q + tl.arange(0, Q)  # positions of the chunk
+    inside = s < length
+    rows = (batch * length + s) * heads + head  # rows of (batch, L, heads, ...)
+    x = tl.load(x_ptr + rows[:, None] * P + tl.arange(0, P)[None, :], mask=inside[:, None], other=0.0)
+    B = tl.load(b_ptr + rows[:, None] * N + tl.arange(0, N)[None, :], mask=inside[:, None], other=0.0)
+    steps = ((batch * heads + head) * chunks + chunk) * Q + tl.arange(0, Q)
+    dt = tl.load(dt_ptr + steps)
+    a = tl.load(a_ptr + steps)
+    a_last = tl.load(a_ptr + ((batch * heads + head) * chunks + chunk) * Q + Q - 1)
+    weight = tl.exp(a_last - a) * dt  # (Q,): decay to the chunk's end times the step
+    states = tl.dot(tl.trans(x * weight[:, None]), B)  # (P, Q) @ (Q, N), on the tensor cores
+    out = (pid * P + tl.arange(0, P))[:, None] * N + tl.arange(0, N)[None, :]
+    tl.store(s_ptr + out, states)
+
+
+def chunk_states(x, B, dt, dA_cumsum):
+    batch, length, heads, P = x.shape
+    N, (chunks, Q) = B.shape[-1], dt.shape[-2:]
+    states = torch.empty(batch, chunks, heads, P, N, dtype=torch.float32, device=x.device)
+    chunk_states_kernel[(batch * chunks * heads,)](x, B, dt, dA_cumsum, states, length, heads, chunks, Q=Q, P=P, N=N)
+    return states
+
+
+assert check_exercise("5.3", chunk_states)

@@ -17,8 +17,8 @@
 #
 # In this chapter you will learn:
 #
-# - how a bidirectional SSM is a multiplication by a *quasiseparable* matrix, a lower semiseparable triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ only on that diagonal;
-# - why the reverse direction needs no second cumulative sum: its decays are the forward ones read one position earlier, so both directions share one chunk grid;
+# - how a bidirectional SSM is a multiplication by a *{term}`quasiseparable`* matrix, a lower {term}`semiseparable` triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ only on that diagonal;
+# - why the reverse direction needs no second cumulative sum: its decays are the forward ones read one position earlier, so both directions share one {term}`chunk` grid;
 # - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ and $B$, both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
 #
 # It builds on [chapter 5](05_ssd.ipynb): there a causal SSM was a lower-triangular semiseparable matrix $M$, multiplied chunk by chunk, quadratic inside a chunk and through $P \times N$ states across chunks. Here a second matrix of the same kind runs backwards in time and both are multiplied in one pass.
@@ -218,7 +218,7 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 # \end{aligned}
 # $$
 #
-# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when shared, the same $B$), so one kernel computes both from one read. The two carries are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $a_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $a'_t$.
+# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when shared, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $a_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $a'_t$.
 #
 # The pipeline is then chapter 5's, each stage serving both directions: (1) the cumulative sums; (2) $C \cdot B$ on the diagonal blocks; (3) both chunk states; (4) both carries; (5) the outputs. The figure shows which blocks of $M$ each part computes and which way each state travels.
 
@@ -277,7 +277,7 @@ show_source(pair_weight)
 # %% [markdown]
 # ### The scores of the diagonal blocks
 #
-# `chunk_scores` writes one $Q \times Q$ block of scores per chunk and group: $C_t \cdot B_s$ (with the shift $C_{t-1} \cdot B_s$) on and below the diagonal, $C'_t \cdot B'_s$ (with the shift $C'_{t+1} \cdot B'_s$) above it. A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector `Gd` the reverse one. Every entry written is a finite number, because the kernels that read the scores mask the weights, not the scores (chapter 5's reason).
+# `chunk_scores` writes one $Q \times Q$ block of scores per chunk and group: $C_t \cdot B_s$ (with the shift $C_{t-1} \cdot B_s$) on and below the diagonal, $C'_t \cdot B'_s$ (with the shift $C'_{t+1} \cdot B'_s$) above it. A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector `Gd` the reverse one. Every entry written is a finite number, because the kernels that read the scores {term}`mask` the weights, not the scores (chapter 5's reason).
 
 # %%
 show_source(chunk_scores_kernel)
@@ -285,7 +285,7 @@ show_source(chunk_scores_kernel)
 # %% [markdown]
 # ### Both chunk states from one read of $x$ and $B$
 #
-# One program per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ and of $B$ once and accumulates two matmuls: $S_c$ with the weight $e^{a_{Q-1} - a_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{e_s}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from registers. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and $C$.
+# One {term}`program` per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ and of $B$ once and accumulates two matmuls: $S_c$ with the weight $e^{a_{Q-1} - a_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{e_s}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from {term}`registers`. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and $C$.
 
 # %%
 show_source(chunk_states_kernel)
@@ -400,7 +400,7 @@ for shift in (False, True):
           bidirectional_two_calls(**inp, chunk_size=chunk, shift=shift), tolerance(torch.float32))
 
 # %% [markdown]
-# Timed on this machine at a chapter-sized problem, forward only, beside one causal call for scale (bfloat16 on a GPU; on a CPU the interpreter's times say nothing about a GPU):
+# Timed on this machine at a chapter-sized problem, forward only, beside one causal call for scale (bfloat16 on a GPU; on a CPU the {term}`interpreter`'s times say nothing about a GPU):
 
 # %% tags=["nbval-ignore-output"]
 size = runtime.size(gpu=dict(batch=4, length=4096, heads=80, headdim=64, groups=1, dstate=128, dtype=torch.bfloat16),

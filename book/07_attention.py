@@ -17,9 +17,9 @@
 #
 # In this chapter you will learn:
 #
-# - how an *online softmax* computes attention in one sweep over the keys, and why one float per query row, the log-sum-exp, is all the backward pass needs to rebuild any tile of the attention matrix;
+# - how an *{term}`online softmax`* computes attention in one sweep over the keys, and why one float per query row, the {term}`log-sum-exp`, is all the backward pass needs to rebuild any tile of the attention matrix;
 # - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (two kernels, one kernel, atomics), measured against each other;
-# - how causal masks, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one.
+# - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one.
 #
 # [Chapter 5](05_ssd.ipynb) wrote Mamba-2 as a masked matrix $M = L \circ (C B^\top)$ applied to the input and computed it chunk by chunk, never materialising all of $M$. Softmax attention is the model Mamba set out to replace, and it has the same shape of problem: an $N \times N$ matrix that we want to use without ever storing. Here the matrix is $\operatorname{softmax}(QK^\top)$, and the tool is FlashAttention {cite}`dao2022flashattention,dao2023flashattention2`.
 
@@ -87,7 +87,7 @@ print("out", tuple(out_ref.shape), "lse", tuple(lse_ref.shape))
 # %% [markdown]
 # ## One sweep over the keys: the online softmax
 #
-# Split the keys into blocks. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $a_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
+# Split the keys into {term}`blocks <block>`. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $a_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
 #
 # $$
 # \begin{aligned}
@@ -130,7 +130,7 @@ check("P rebuilt as exp(S - lse)", torch.exp(scores - lse_full[0, 0][:, None]), 
 # %% [markdown]
 # ## The tiles, and which of them are skipped
 #
-# The kernel gives each program a tile of `BLOCK_M` query rows of one (batch, head) and walks the key blocks, exactly as the loop above walks `block`. With a causal mask, a key block wholly to the right of the diagonal is never loaded; a key block wholly to its left needs no mask at all; only the blocks the diagonal crosses pay for the `where`. The backward pass walks the same tiles twice, once by rows (for $dQ$) and once by columns (for $dK$, $dV$). Blue tiles run unmasked, orange ones are masked, grey ones are skipped.
+# The kernel gives each {term}`program` a tile of `BLOCK_M` query rows of one (batch, head) and walks the key blocks, exactly as the loop above walks `block`. With a causal mask, a key block wholly to the right of the diagonal is never loaded; a key block wholly to its left needs no mask at all; only the blocks the diagonal crosses pay for the `where`. The backward pass walks the same tiles twice, once by rows (for $dQ$) and once by columns (for $dK$, $dV$). Blue tiles run unmasked, orange ones are masked, grey ones are skipped.
 
 # %%
 def tile_kind(m0, n0, block_m, block_n, seqlen_q, seqlen_k):
@@ -166,13 +166,13 @@ plt.tight_layout()
 #
 # ## The forward kernel
 #
-# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in shared memory (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 registers with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
+# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in {term}`shared memory` (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 {term}`registers` with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
 
 # %%
 show_source(attention_fwd_kernel)
 
 # %% [markdown]
-# Tile sizes come from a small table per head dim and dtype, chosen with `benchmarks/bench_attention.py --tune` on an H200 (bfloat16, batch 4, 16 heads, $N = 4096$); the interpreter gets small unequal tiles. In that sweep the forward pass ran at 487 TFLOP/s at head dim 128 with 128 x 128 tiles, 8 warps and 3 pipeline stages (4 stages no longer fit in shared memory), and at 436 TFLOP/s at head dim 64 with 128 x 64 tiles and 4 warps.
+# Tile sizes come from a small table per head dim and dtype, chosen with `benchmarks/bench_attention.py --tune` on an H200 (bfloat16, batch 4, 16 heads, $N = 4096$); the {term}`interpreter` gets small unequal tiles. In that sweep the forward pass ran at 487 TFLOP/s at head dim 128 with 128 x 128 tiles, 8 {term}`warps <warp>` and 3 pipeline stages (4 stages no longer fit in shared memory), and at 436 TFLOP/s at head dim 64 with 128 x 64 tiles and 4 warps.
 
 # %% tags=["nbval-ignore-output"]
 print("forward", forward_config(128, torch.bfloat16))
@@ -202,7 +202,7 @@ check_within_same_computation("forward, out", out, out_same, out_ref, q.dtype)
 check_within_same_computation("forward, lse", lse, lse_same, lse_ref, q.dtype)
 
 # %% [markdown]
-# Edge cases: causal with more keys than queries and with more queries than keys (the first rows see no key: output 0 and, as in flash_attn, lse $= +\infty$, so that $e^{S - \mathrm{lse}} = 0$ for every score), a single query, a head dim that is not a power of two, every dtype. float32 uses exact IEEE products unless TF32 is allowed with `torch.set_float32_matmul_precision("high")`.
+# Edge cases: causal with more keys than queries and with more queries than keys (the first rows see no key: output 0 and, as in flash_attn, lse $= +\infty$, so that $e^{S - \mathrm{lse}} = 0$ for every score), a single query, a head dim that is not a power of two, every dtype. float32 uses exact IEEE products unless {term}`TF32` is allowed with `torch.set_float32_matmul_precision("high")`.
 
 # %%
 n = dims["seqlen"]
@@ -438,3 +438,101 @@ axes[1].legend(fontsize="small");
 #
 # 1. *Attention in pieces.* Split the keys and values into two parts, run `attention(q, k1, v1, return_lse=True)` and `attention(q, k2, v2, return_lse=True)`, and combine the two results into attention over all keys using only the outputs and the two lse. (Hint: each part is normalised by its own $\sum_j e^{S_{ij}} = e^{\mathrm{lse}_i}$.) This is how split-KV decoding and ring attention merge partial results; the solution is `merge_attention` in the tests.
 # 2. *Decoding.* Show that with the bottom-right alignment, `attention(q[:, -1:], k, v, causal=True)` equals `attention(q[:, -1:], k, v)`: the last query sees every key, which is what generating one token against a key/value cache needs.
+# 3. *Softmax in passes.* Write `softmax(x, block)`, the softmax of each row of `x` (rows, L), float32, for rows longer than one block, as a Triton kernel that walks the row in blocks of `block` three times: for the maximum $m$, for $\ell = \sum_j e^{x_j - m}$, and to write $e^{x_j - m} / \ell$.
+# 4. *Online.* Write `logsumexp(x, block)`, the {term}`log-sum-exp` of each row, shape (rows,), in *one* pass: keep a running maximum $m$ and a running sum $\ell$, and when a block raises the maximum to $m'$, rescale $\ell \leftarrow \ell\, e^{m - m'}$ before adding the block's terms {cite}`milakov2018online`. This is the recurrence the forward kernel runs over blocks of keys.
+#
+# Exercise 1, the merge, can be written as a Triton kernel too (one program per query row and head) or in PyTorch. Replace the `raise` in each stub and run the cell; the checkers (`mamba_annotated.exercises`) compare with float64 on fresh random inputs, including rows whose exponentials overflow or underflow in float32.
+
+# %%
+import triton  # the exercises write their own kernels
+import triton.language as tl
+
+from mamba_annotated.exercises import check as check_exercise
+
+
+def merge_attention(out1, lse1, out2, lse2):
+    raise NotImplementedError  # your code here
+
+
+def softmax(x, block):
+    raise NotImplementedError  # your code here
+
+
+def logsumexp(x, block):
+    raise NotImplementedError  # your code here
+
+
+attempted = [check_exercise(number, answer)
+             for number, answer in (("7.1", merge_attention), ("7.3", softmax), ("7.4", logsumexp))]
+
+# %% [markdown]
+# The solutions (click to show), run through the same checkers:
+
+# %% tags=["hide-input"]
+@triton.jit
+def merge_kernel(o1_ptr, l1_ptr, o2_ptr, l2_ptr, o_ptr, l_ptr, seqlen, heads, D: tl.constexpr):
+    pid = tl.program_id(0)  # one program per (batch, query, head) row of out
+    head = pid % heads
+    query = (pid // heads) % seqlen
+    batch = pid // (heads * seqlen)
+    at = ((batch * heads) + head) * seqlen + query  # lse is (batch, heads, Nq)
+    lse1, lse2 = tl.load(l1_ptr + at), tl.load(l2_ptr + at)
+    lse = tl.maximum(lse1, lse2) + tl.log(1.0 + tl.exp(-tl.abs(lse1 - lse2)))  # log(e^lse1 + e^lse2)
+    d = pid * D + tl.arange(0, D)
+    out = tl.exp(lse1 - lse) * tl.load(o1_ptr + d) + tl.exp(lse2 - lse) * tl.load(o2_ptr + d)
+    tl.store(o_ptr + d, out)
+    tl.store(l_ptr + at, lse)
+
+
+def merge_attention(out1, lse1, out2, lse2):
+    batch, seqlen, heads, D = out1.shape
+    out, lse = torch.empty_like(out1), torch.empty_like(lse1)
+    merge_kernel[(batch * seqlen * heads,)](out1, lse1, out2, lse2, out, lse, seqlen, heads, D=D)
+    return out, lse
+
+
+@triton.jit
+def softmax_kernel(x_ptr, y_ptr, length, BLOCK: tl.constexpr):
+    row = x_ptr + tl.program_id(0) * length
+    m = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, length, BLOCK):  # pass 1: the maximum
+        t = start + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.max(tl.load(row + t, mask=t < length, other=float("-inf")), 0))
+    total = tl.zeros([], dtype=tl.float32)
+    for start in range(0, length, BLOCK):  # pass 2: the sum of exp(x - m), every term <= 1
+        t = start + tl.arange(0, BLOCK)
+        total += tl.sum(tl.exp(tl.load(row + t, mask=t < length, other=float("-inf")) - m), 0)
+    for start in range(0, length, BLOCK):  # pass 3: write
+        t = start + tl.arange(0, BLOCK)
+        p = tl.exp(tl.load(row + t, mask=t < length, other=float("-inf")) - m) / total
+        tl.store(y_ptr + tl.program_id(0) * length + t, p, mask=t < length)
+
+
+def softmax(x, block):
+    y = torch.empty_like(x)
+    softmax_kernel[(x.shape[0],)](x, y, x.shape[1], BLOCK=block)
+    return y
+
+
+@triton.jit
+def logsumexp_kernel(x_ptr, out_ptr, length, BLOCK: tl.constexpr):
+    row = x_ptr + tl.program_id(0) * length
+    m = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    for start in range(0, length, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        x = tl.load(row + t, mask=t < length, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, 0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)  # rescale the old sum
+        m = m_new
+    tl.store(out_ptr + tl.program_id(0), m + tl.log(total))
+
+
+def logsumexp(x, block):
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    logsumexp_kernel[(x.shape[0],)](x, out, x.shape[1], BLOCK=block)
+    return out
+
+
+for number, answer in (("7.1", merge_attention), ("7.3", softmax), ("7.4", logsumexp)):
+    assert check_exercise(number, answer)

@@ -1,16 +1,36 @@
 """Checkers for the chapters' exercises: ``check("6.1", your_function)``.
 
 Each checker draws fresh random inputs, runs the reader's function and compares it with an oracle
-built from the float64 references the tests use (never from a stored answer). A wrong answer raises
+built from the float64 references the tests use (never from a stored answer; for the bit packing
+of chapter 3 the oracle is the same bits formed by PyTorch's integer operations). Inputs live on
+``runtime.DEVICE``, so a reader's Triton kernel runs on the GPU there and in the interpreter on a
+laptop; the sizes are small enough for the interpreter. A wrong answer raises
 AssertionError saying which case failed and by how much; a stub that still raises
 NotImplementedError is reported as not attempted; a right one prints one line. The solutions live
 in the chapters (collapsed) and in ``tests/test_exercises.py``.
 """
+import math
+
 import torch
 
+from .attention.reference import attention_ref
 from .bidirectional.reference import quasiseparable_matrix, shift_within_sequences
 from .runtime import DEVICE
-from .testing import assert_close
+from .scan.reference import linear_scan_ref
+from .ssd.reference import ssd_chunked_ref
+from .testing import assert_close, randn, random_scan_inputs, tolerance, uniform
+
+# The bound of the chunk-state exercise: a reader's tl.dot of float32 tiles runs on TF32 tensor
+# cores on a GPU (10 explicit mantissa bits, unit roundoff 2^-11 ~ 4.9e-4 per input), exact in the
+# interpreter.
+TF32_TOLERANCE = 2e-3
+
+
+def expect_tensor(exercise, got, shape, layout=""):
+    """Raise AssertionError unless ``got`` is a tensor of ``shape`` (``layout`` names its axes)."""
+    if not isinstance(got, torch.Tensor) or got.shape != torch.Size(shape):
+        raise AssertionError(f"exercise {exercise}: expected a tensor of shape {tuple(shape)}{layout}, got "
+                             f"{getattr(got, 'shape', type(got).__name__)}")
 
 
 def packed_cases(length):
@@ -29,15 +49,23 @@ def shift_adjoint_oracle(g, seq_idx):
     return grad
 
 
+def check_axpy(axpy):
+    """0.1: axpy(alpha, x, y) -> alpha * x + y for 1-D float32 tensors x, y of any length."""
+    for length in (1, 100, 1000, 1025):
+        alpha = float(torch.randn(()).item())
+        x, y = randn(length), randn(length)
+        got = axpy(alpha, x.clone(), y.clone())
+        expect_tensor("0.1", got, (length,))
+        assert_close(got, alpha * x.double() + y.double(), tolerance(torch.float32), f"exercise 0.1 (length {length})")
+
+
 def check_shift_adjoint(shift_adjoint):
     """6.1: shift_adjoint(g, seq_idx) is the backward of shift_within_sequences: (batch, L, ...)."""
     for length in (1, 2, 13):
         for seq_idx in packed_cases(length):
             g = torch.randn(2, length, 3, 4, dtype=torch.float64, device=DEVICE)
             got = shift_adjoint(g.clone(), seq_idx)
-            if not isinstance(got, torch.Tensor) or got.shape != g.shape:
-                raise AssertionError(f"exercise 6.1: expected a tensor of shape {tuple(g.shape)}, got "
-                                     f"{getattr(got, 'shape', type(got).__name__)}")
+            expect_tensor("6.1", got, g.shape)
             case = f"L = {length}, seq_idx = {None if seq_idx is None else seq_idx.tolist()}"
             assert_close(got, shift_adjoint_oracle(g, seq_idx), 1e-12, f"exercise 6.1 ({case})")
 
@@ -59,13 +87,161 @@ def check_diagonal(diagonal):
         D = torch.randn(heads, dtype=torch.float64, device=DEVICE)
         got = diagonal(dt, B, C, D, dt_rev, B_rev, C_rev)
         want = diagonal_oracle(dt, B, C, D, dt_rev, B_rev, C_rev)
-        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            raise AssertionError(f"exercise 6.2: expected a tensor of shape {tuple(want.shape)} (batch, heads, L), "
-                                 f"got {getattr(got, 'shape', type(got).__name__)}")
+        expect_tensor("6.2", got, want.shape, " (batch, heads, L)")
         assert_close(got, want, 1e-12, f"exercise 6.2 ({heads} heads, {groups} groups)")
 
 
-CHECKERS = {"6.1": check_shift_adjoint, "6.2": check_diagonal}
+def check_reverse_scan(reverse_scan):
+    """1.3: reverse_scan(a, b) -> h, h_t = a_t h_{t+1} + b_t along the last dim; a, b (channels, L)
+    float32, any channel count and length."""
+    for channels, length in ((1, 1), (5, 8), (37, 50)):
+        a, b, _ = random_scan_inputs((channels, length), with_h0=False)
+        got = reverse_scan(a.clone(), b.clone())
+        expect_tensor("1.3", got, (channels, length), " (channels, L)")
+        assert_close(got, linear_scan_ref(a, b, reverse=True), tolerance(torch.float32),
+                     f"exercise 1.3 (channels = {channels}, L = {length})")
+
+
+def cumsum_oracle(x):
+    """The cumulative sum along the last dim in float64: the linear scan with every decay 1."""
+    return linear_scan_ref(torch.ones_like(x), x)
+
+
+def check_cumsum(cumsum):
+    """2.3: cumsum(x) -> the inclusive cumulative sum along the last dim of x (rows, L), float32,
+    L <= 1024 (one block per row)."""
+    for rows, length in ((1, 1), (3, 10), (4, 100), (2, 1024)):
+        x = randn(rows, length)
+        got = cumsum(x.clone())
+        expect_tensor("2.3", got, (rows, length), " (rows, L)")
+        assert_close(got, cumsum_oracle(x), tolerance(torch.float32), f"exercise 2.3 (rows = {rows}, L = {length})")
+
+
+def float16_test_values(count):
+    """float16 numbers of both signs and every kind: normal, subnormal, +-0, +-inf, NaN."""
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 6e-8, -6e-8, 65504.0, -1.0, 1.0],
+                           dtype=torch.float16, device=DEVICE)
+    return torch.cat([special, randn(count, dtype=torch.float16, scale=100.0)])[torch.randperm(count + 10, device=DEVICE)]
+
+
+def packed_words_oracle(high, low):
+    """int32 words holding the 16 bits of ``high`` above those of ``low``, by integer operations."""
+    high_bits = high.view(torch.int16).to(torch.int32)
+    low_bits = low.view(torch.int16).to(torch.int32) & 0xFFFF  # zero-extend: keep 16 bits, no sign
+    return (high_bits << 16) | low_bits
+
+
+def check_pack_halves(pack_halves):
+    """3.3: pack_halves(high, low) -> int32 words, high's float16 bits in the top 16, low's below."""
+    for count in (1, 37, 300):
+        high, low = float16_test_values(count), float16_test_values(count)
+        got = pack_halves(high.clone(), low.clone())
+        expect_tensor("3.3", got, high.shape)
+        if got.dtype != torch.int32:
+            raise AssertionError(f"exercise 3.3: expected int32 words, got {got.dtype}")
+        wrong = (got != packed_words_oracle(high, low)).sum().item()
+        if wrong:
+            raise AssertionError(f"exercise 3.3 ({len(high)} pairs): {wrong} words differ from the packed bits")
+
+
+def check_unpack_halves(unpack_halves):
+    """3.4: unpack_halves(words) -> (high, low), the two float16 of each int32 word, bit for bit."""
+    for count in (1, 37, 300):
+        high, low = float16_test_values(count), float16_test_values(count)
+        got = unpack_halves(packed_words_oracle(high, low))
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise AssertionError("exercise 3.4: expected a pair (high, low) of float16 tensors")
+        for name, half, want in zip(("high", "low"), got, (high, low)):
+            expect_tensor("3.4", half, want.shape)
+            if half.dtype != torch.float16:
+                raise AssertionError(f"exercise 3.4: expected float16 {name} halves, got {half.dtype}")
+            wrong = (half.view(torch.int16) != want.view(torch.int16)).sum().item()  # bits: NaN == NaN
+            if wrong:
+                raise AssertionError(f"exercise 3.4 ({count} words): {wrong} {name} halves differ in their bits")
+
+
+def check_blocked_cumsum(blocked_cumsum):
+    """4.3: blocked_cumsum(x, block) -> the cumulative sum along the last dim of x (rows, L) for
+    any L, walking each row in blocks of ``block`` with a carry."""
+    block = 16
+    for rows, length in ((1, 1), (2, 16), (3, 37), (2, 300)):
+        x = randn(rows, length)
+        got = blocked_cumsum(x.clone(), block)
+        expect_tensor("4.3", got, (rows, length), " (rows, L)")
+        assert_close(got, cumsum_oracle(x), tolerance(torch.float32),
+                     f"exercise 4.3 (rows = {rows}, L = {length}, block = {block})")
+
+
+def check_chunk_states(chunk_states):
+    """5.3: chunk_states(x, B, dt, dA_cumsum) -> (batch, chunks, heads, P, N), what each chunk adds
+    to the state: S_c = sum_{s in c} exp(a_last - a_s) dt_s x_s B_s^T.
+
+    x (batch, L, heads, P); B (batch, L, heads, N) (one group per head); dt, dA_cumsum
+    (batch, heads, chunks, Q) as chunk_cumsum returns them (dt zero past L); L need not be a
+    multiple of Q; every tensor contiguous, float32."""
+    for batch, length, heads, P, N, Q in ((1, 16, 1, 16, 16, 16), (2, 45, 2, 16, 32, 16), (1, 70, 3, 32, 16, 32)):
+        x = randn(batch, length, heads, P, dtype=torch.float64)
+        dt = uniform(batch, length, heads, low=0.01, high=0.5, dtype=torch.float64)
+        A = -uniform(heads, low=0.5, high=2.0, dtype=torch.float64)
+        B, C = (randn(batch, length, heads, N, dtype=torch.float64) for _ in range(2))
+        _, steps = ssd_chunked_ref(x, dt, A, B, C, Q, return_intermediates=True)
+        dt_chunks, dA_cumsum = (steps[name].float().contiguous() for name in ("dt", "dA_cumsum"))
+        got = chunk_states(x.float(), B.float(), dt_chunks, dA_cumsum)
+        want = steps["states"]
+        expect_tensor("5.3", got, want.shape, " (batch, chunks, heads, P, N)")
+        assert_close(got, want, TF32_TOLERANCE, f"exercise 5.3 (L = {length}, Q = {Q}, P = {P}, N = {N})")
+
+
+def check_merge_attention(merge_attention):
+    """7.1: merge_attention(out1, lse1, out2, lse2) -> (out, lse) over the keys of both parts;
+    out (batch, Nq, heads, d) float32, lse (batch, heads, Nq) float32, as attention returns them,
+    contiguous."""
+    for split in (1, 30):
+        q, k, v = (randn(2, n, 2, 32, dtype=torch.float64) for n in (37, 70, 70))
+        parts = [attention_ref(q, k[:, keys], v[:, keys]) for keys in (slice(0, split), slice(split, None))]
+        (out1, lse1), (out2, lse2) = [(out.float().contiguous(), lse.float().contiguous()) for out, lse in parts]
+        got = merge_attention(out1, lse1, out2, lse2)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise AssertionError("exercise 7.1: expected a pair (out, lse)")
+        want = attention_ref(q, k, v)
+        for name, mine, ref in zip(("out", "lse"), got, want):
+            expect_tensor("7.1", mine, ref.shape, f" ({name})")
+            assert_close(mine, ref, tolerance(torch.float32), f"exercise 7.1 ({name}, first part {split} keys)")
+
+
+def rows_that_overflow(rows, length):
+    """Scores whose exponentials overflow (row means +100), underflow (-200) or neither, in float32."""
+    offsets = torch.tensor([100.0, -200.0, 0.0], device=DEVICE).repeat(rows)[:rows, None]
+    return randn(rows, length, scale=5.0) + offsets
+
+
+def check_softmax(softmax):
+    """7.3: softmax(x, block) -> the softmax of each row of x (rows, L), any L, float32, by passes
+    over the row in blocks of ``block`` (the row need not fit in one block)."""
+    block = 16
+    for rows, length in ((1, 1), (3, 16), (3, 50), (4, 200)):
+        x = rows_that_overflow(rows, length)
+        got = softmax(x.clone(), block)
+        expect_tensor("7.3", got, (rows, length), " (rows, L)")
+        assert_close(got, torch.softmax(x.double(), dim=-1), tolerance(torch.float32),
+                     f"exercise 7.3 (rows = {rows}, L = {length}, block = {block})")
+
+
+def check_logsumexp(logsumexp):
+    """7.4: logsumexp(x, block) -> (rows,), log sum_j exp(x_ij) of each row of x (rows, L), any L,
+    in one pass over the row (a running maximum and a rescaled running sum)."""
+    block = 16
+    for rows, length in ((1, 1), (3, 16), (3, 50), (4, 200)):
+        x = rows_that_overflow(rows, length)
+        got = logsumexp(x.clone(), block)
+        expect_tensor("7.4", got, (rows,), " (rows,)")
+        assert_close(got, torch.logsumexp(x.double(), dim=-1), tolerance(torch.float32),
+                     f"exercise 7.4 (rows = {rows}, L = {length}, block = {block})")
+
+
+CHECKERS = {"0.1": check_axpy, "1.3": check_reverse_scan, "2.3": check_cumsum, "3.3": check_pack_halves, "3.4": check_unpack_halves,
+            "4.3": check_blocked_cumsum, "5.3": check_chunk_states, "6.1": check_shift_adjoint,
+            "6.2": check_diagonal, "7.1": check_merge_attention, "7.3": check_softmax, "7.4": check_logsumexp}
 
 
 def check(exercise: str, fn) -> bool:
