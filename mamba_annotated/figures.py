@@ -1,4 +1,6 @@
-"""The book's one colour code, used by every figure: input x, state h, output y, carries."""
+"""The book's one colour code, used by every figure (input x, state h, output y, carries), and the
+display of package source in the chapters: whole functions, or a fragment between two anchors."""
+import inspect
 
 COLORS = {
     "x": "#1f77b4",      # input: blue
@@ -9,13 +11,43 @@ COLORS = {
 }
 
 
+def source_of(obj) -> str:
+    """The source text of a function or Triton kernel (through @triton.autotune and @triton.jit,
+    which wrap the function in objects with a ``fn`` attribute)."""
+    fn = obj
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return inspect.getsource(fn)
+
+
 def show_source(obj):
     """Display the source of a function or Triton kernel as a highlighted code block."""
-    import inspect
-
     from IPython.display import Markdown
 
-    fn = obj
-    while hasattr(fn, "fn"):  # @triton.autotune wraps a @triton.jit kernel, which wraps the function
-        fn = fn.fn
-    return Markdown(f"```python\n{inspect.getsource(fn)}```")
+    return Markdown(f"```python\n{source_of(obj)}```")
+
+
+def source_fragment(obj, start: str, end: str | None = None) -> str:
+    """The lines of ``obj``'s source from the first line containing ``start`` up to, not including,
+    the first later line containing ``end`` (to the end of the function when ``end`` is None).
+    Anchors are text, not line numbers, so a fragment follows the code when lines move; an anchor
+    that is missing or ambiguous raises, so a chapter cannot silently show the wrong lines."""
+    lines = source_of(obj).splitlines()
+    starts = [i for i, line in enumerate(lines) if start in line]
+    if len(starts) != 1:
+        raise ValueError(f"source_fragment: {start!r} occurs {len(starts)} times in {obj!r}; expected once")
+    first = starts[0]
+    last = len(lines)
+    if end is not None:
+        ends = [i for i, line in enumerate(lines) if end in line and i > first]
+        if not ends:
+            raise ValueError(f"source_fragment: {end!r} does not occur after {start!r} in {obj!r}")
+        last = ends[0]
+    return "\n".join(lines[first:last]) + "\n"
+
+
+def show_fragment(obj, start: str, end: str | None = None):
+    """Display :func:`source_fragment` as a highlighted code block."""
+    from IPython.display import Markdown
+
+    return Markdown(f"```python\n{source_fragment(obj, start, end)}```")
