@@ -542,6 +542,25 @@ def test_bad_inputs_raise_clear_errors(build, error, message):
         ssd_chunk_scan(**build(inputs))
 
 
+@pytest.mark.parametrize("argument", ["dt", "B", "C"])
+def test_a_non_finite_value_never_reaches_earlier_outputs(argument):
+    """A NaN in dt, B or C at position t (mid-chunk) leaves every output before t finite (dt went
+    through the clamp as a number: Triton's min and max drop NaN by default; a later B or dt
+    reached earlier rows through 0 * NaN in the within-chunk weights: the causal select now comes
+    after the products). The output at t is NaN, and so are all later ones for dt and B (C_t is
+    read by row t alone)."""
+    t = 25
+    inputs = make_inputs(batch=1, length=40, heads=2, groups=1)
+    inputs[argument] = inputs[argument].clone()
+    inputs[argument][0, t] = float("nan")
+    y = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
+    assert torch.isfinite(y[:, :t]).all(), "a NaN reached an output before its position"
+    later = y[:, t:] if argument != "C" else y[:, t:t + 1]
+    assert torch.isnan(later).flatten(2).any(-1).all(), "the outputs that read the NaN should be NaN"
+    if argument == "C":
+        assert torch.isfinite(y[:, t + 1:]).all()
+
+
 # ---------------------------------------------------------------- GPU: real sizes and the peer
 
 @pytest.mark.gpu

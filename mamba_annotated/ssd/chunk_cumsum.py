@@ -42,7 +42,8 @@ def step_and_slope(dt, bias, dt_min, dt_max, DT_SOFTPLUS: tl.constexpr):
         slope = tl.where(v <= 20.0, sigmoid(v), 1.0)
         v = tl.where(v <= 20.0, softplus(v), v)
     slope = tl.where((v < dt_min) | (v > dt_max), 0.0, slope)
-    v = tl.minimum(tl.maximum(v, dt_min), dt_max)
+    # a NaN step stays NaN (torch.clamp's behaviour): Triton's min and max drop NaN by default
+    v = tl.minimum(tl.maximum(v, dt_min, propagate_nan=tl.PropagateNan.ALL), dt_max, propagate_nan=tl.PropagateNan.ALL)
     return v, slope
 
 

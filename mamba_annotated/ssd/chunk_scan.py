@@ -108,9 +108,11 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     # chunk and head, so it is kept to a few instructions per weight: the decay as exp2 of
     # log2(e)-scaled a (tl.exp would scale every element), one select for the causal mask, and no
     # test of s against the chunk's end: for a row t inside it, s <= t is inside too, and rows
-    # past the end are never stored. The select alone zeroes the weights above the diagonal, so
-    # the CB entries there must be finite: chunk_cb writes all of each diagonal block of SCAN_ROWS
-    # rows, and BLOCK_M divides SCAN_ROWS.
+    # past the end are never stored. The select alone zeroes the weights above the diagonal, and
+    # it comes after the products, so whatever the decay or CB is there (an overflowed exp2, a NaN
+    # of a later position) never reaches row t. Those CB entries are still read, so they are
+    # written: chunk_cb writes all of each diagonal block of SCAN_ROWS rows, and BLOCK_M divides
+    # SCAN_ROWS.
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     a2_t = a_t * LOG2E
     for k0 in range(0, (pid_m + 1) * BLOCK_M, BLOCK_K):
@@ -123,10 +125,11 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
         if HAS_SEQ_IDX:
             seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s < chunk_end, other=-2)
             keep &= seq_t[:, None] == seq_s[None, :]
-        decay = tl.exp2(tl.where(keep, a2_t[:, None] - a2_s[None, :], float("-inf")))
+        # the select comes last: a NaN or inf in a later step's dt or B (in CB) stays out of row t
+        weight = tl.where(keep, CB * tl.exp2(a2_t[:, None] - a2_s[None, :]) * dt_s[None, :], 0.0)
         xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                      mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        acc += mm((CB * decay * dt_s[None, :]).to(xs.dtype), xs, PRECISION)
+        acc += mm(weight.to(xs.dtype), xs, PRECISION)
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = t[:, None].to(tl.int64)
