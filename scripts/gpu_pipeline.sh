@@ -30,7 +30,7 @@ if [[ " $steps " == *" execute "* ]]; then
   python3 scripts/execute_notebooks.py "${notebooks[@]}"; executed=$?
 fi
 if [[ " $steps " == *" nbval "* ]]; then
-  python3 -m pytest -q --nbval --nbval-current-env -p no:cacheprovider "${nbval_parallel[@]}" "${notebooks[@]}"; nbval=$?
+  python3 -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with book/nbval_sanitize.cfg -p no:cacheprovider "${nbval_parallel[@]}" "${notebooks[@]}"; nbval=$?
 fi
 if [[ " $steps " == *" reliability "* ]]; then
   STEPS="${RELIABILITY_STEPS:-}" bash scripts/gpu_reliability.sh; reliability=$?

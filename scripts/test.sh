@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 python scripts/check_pairs.py
 python -m pytest -q tests
-python -m pytest -q --nbval-lax --nbval-current-env book/
+python -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with book/nbval_sanitize.cfg book/
 bash scripts/build_book.sh
 python scripts/check_pages.py

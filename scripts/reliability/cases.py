@@ -757,13 +757,15 @@ def reproducer(op, params, seed):
             f"--params '{json.dumps(params, sort_keys=True)}'")
 
 
-def forward_backward(op, params, leaves, seed):
-    """Our op once forward and once backward (one random upstream gradient for every output):
+def forward_backward(op, params, leaves, seed, grad_out=None):
+    """Our op once forward and once backward (one random upstream gradient for every output, or
+    ``grad_out``, already on the device: a CUDA graph capture cannot copy one from the CPU):
     (outputs, {leaf name: gradient})."""
     args = op.views(params, leaves)
     wrt = [k for k, v in args.items() if v.requires_grad]
     outputs = op.ours(params)(**args)
     like = flat(outputs)
-    grad_out = upstream(like.numel(), like.dtype, seed).to(like.dtype)
+    if grad_out is None:
+        grad_out = upstream(like.numel(), like.dtype, seed).to(like.dtype)
     grads = torch.autograd.grad(like, [args[k] for k in wrt], grad_out)
     return [t.detach() for t in outputs], dict(zip(wrt, grads))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import OPS, forward_backward  # noqa: E402
+from cases import OPS, flat, forward_backward, upstream  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -45,9 +45,13 @@ def leaked_bytes(op, params, leaves, calls):
 
 def graph_differences(op, params, leaves, backward):
     """Names of what a replayed CUDA graph gives differently from an eager call (or why it failed)."""
+    with torch.no_grad():
+        like = flat(op.ours(params)(**op.views(params, leaves)))
+    grad_out = upstream(like.numel(), like.dtype, seed=0).to(like.dtype)  # made before the capture
+
     def step():
         if backward:
-            outs, grads = forward_backward(op, params, leaves, seed=0)
+            outs, grads = forward_backward(op, params, leaves, seed=0, grad_out=grad_out)
             return [*outs, *grads.values()]
         with torch.no_grad():
             return list(op.ours(params)(**op.views(params, leaves)))
