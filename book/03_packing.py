@@ -22,6 +22,15 @@
 # - whether packing still pays on today's Triton, measured on the GPU against the tuple scan.
 #
 # It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\circ(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ and the one-block tuple scan `tuple_scan_forward`.
+#
+# ```{admonition} Notation (as in chapter 2)
+# | symbol | meaning |
+# |---|---|
+# | $t$, $L$ | time step, sequence length |
+# | $a_t$, $b_t$ | decay and input of step $t$, the pair the scan combines |
+# | $h_t$ | the state after step $t$ |
+# | $w$ | a packed word: the bits of $a$ in its high half, those of $b$ in its low half |
+# ```
 
 # %%
 import matplotlib.pyplot as plt
@@ -70,6 +79,10 @@ ax.set_xlabel("bit position (from the most significant)")
 for side in ("left", "right", "top"):
     ax.spines[side].set_visible(False)
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Two layouts, one idea: a float32 pair fills a 64-bit word, a 16-bit pair a 32-bit word, and in both the decay sits in the high half.
 
 # %% [markdown]
 # ## Pack, unpack, and the combine between them
@@ -117,7 +130,7 @@ print("packed float32 == tuple scan, bit for bit: True")
 #
 # The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One {term}`interpreter` fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def sixteen_bit_loop(a, b):
     def round_like_the_kernel(x):
         if a.dtype == torch.bfloat16 and runtime.INTERPRETED:
@@ -139,9 +152,9 @@ for dtype in (torch.bfloat16, torch.float16):
     tuple_error = rel_error(tuple_scan_forward(a16, b16), ref)
     name = str(dtype).removeprefix("torch.")
     assert packed_error <= 2 * loop_error + 1e-3, (name, packed_error, loop_error)
-    print(f"{name}: packed error <= 2 x error of 16-bit accumulation in PyTorch: True")
+    print(f"{name}: packed rel err {packed_error:.1e} <= 2 x {loop_error:.1e} (16-bit accumulation in PyTorch) + 1e-3")
     assert tuple_error < packed_error, (name, tuple_error, packed_error)
-    print(f"{name}: tuple scan (float32 accumulation) more accurate than packed: True")
+    print(f"{name}: tuple scan (float32 accumulation) rel err {tuple_error:.1e} < packed {packed_error:.1e}")
 
 # %% [markdown]
 # How the gap grows with the length (bfloat16 inputs, float64 reference):
@@ -156,12 +169,16 @@ for length_case in lengths:
     errors["tuple scan (float32 accumulation)"].append(rel_error(tuple_scan_forward(a_l, b_l), ref))
     errors["packed 16-bit words"].append(rel_error(packed_scan_forward(a_l, b_l), ref))
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
-for (name, errs), color in zip(errors.items(), [COLORS["h"], COLORS["decay"]]):
+for (name, errs), color in zip(errors.items(), [COLORS["y"], COLORS["decay"]]):
     ax.loglog(lengths, errs, "o-", color=color, label=name)
 ax.set(xlabel="sequence length L", ylabel="relative error vs float64", title="bfloat16 inputs")
 ax.grid(alpha=0.3)
 ax.legend(fontsize="small")
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The verdict: the packed scan's error grows with the length, while the tuple scan's stays at the one rounding of its output, whatever the length.
 
 # %% [markdown]
 # ## Does packing still pay?
@@ -184,12 +201,16 @@ print(f"device: {runtime.device_name()}")
 print_table(timing_rows)
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
 for ax, dtype in zip(axes, ("float32", "bfloat16")):
-    for name, color in [("tuple", COLORS["h"]), ("packed", COLORS["decay"])]:
+    for name, color in [("tuple", COLORS["y"]), ("packed", COLORS["decay"])]:
         points = [(r["L"], r["ms"]) for r in timing_rows if r["scan"] == name and r["dtype"] == dtype]
         ax.loglog(*zip(*points), "o-", base=2, color=color, label=name)
     ax.set(title=f"{dtype}, {rows} rows", xlabel="sequence length L", ylabel="median time (ms)")
     ax.legend(fontsize="small")
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The verdict, on the GPU: in float32 the two scans take the same time (both at the memory floor from $L = 4096$ on); in bfloat16 the packed scan is 14–18% slower from $L = 4096$ on, where the tuple scan reaches the floor. Packing no longer pays.
 
 # %% [markdown]
 # ## What we have, and what comes next

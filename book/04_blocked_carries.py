@@ -22,6 +22,18 @@
 # - how `linear_scan`, the book's fast default, compares with accelerated-scan and with the {term}`memory floor`.
 #
 # It builds on [chapter 2](02_associative_scan.ipynb) (one `tl.associative_scan` over the pairs $(a, b)$ per block, and the backward pass as the reverse scan over $(a_{t+1}, g_t)$) and [chapter 3](03_packing.ipynb) (which kept the tuple scan as the building block).
+#
+# ```{admonition} Notation (as in chapter 2)
+# | symbol | meaning |
+# |---|---|
+# | $t$, $L$ | time step, sequence length (one row) |
+# | $a_t$, $b_t$, $h_t$ | decay, input and state of step $t$; $h_{-1}$ the initial state (`h0`) |
+# | $k$, $c_k$ | block index, the carry: the state entering block $k$ |
+# | $\pi_t$, $\tilde h_t$ | inside a block: the running product of its decays, the state reached from $h = 0$ |
+# | $(a^{(k)}, b^{(k)})$ | the total map of block $k$: one step of the same kind |
+# | $g_t$, $\lambda_t$, $\mu_t$ | the upstream gradient, the adjoint $d\mathcal L/dh_t$, and $\mu_t = a_t \lambda_t$ |
+# | $(\alpha, p, q)$ | a run of steps in the backward scan (defined in the backward section) |
+# ```
 
 # %%
 import importlib
@@ -48,17 +60,17 @@ runtime.describe()
 # %% [markdown]
 # ## Carries: what a block needs from the past
 #
-# Cut a row into blocks of $B$ steps. Inside block $k$, scanning the pairs gives for each position $t$ the composed map of the block's steps so far, $(A_t, \tilde h_t)$ with $A_t = \prod a_s$ and $\tilde h_t$ the state the block would reach from $h = 0$. The state that really enters the block, the **carry** $c_k$, enters linearly:
+# Cut a row into blocks of a fixed number of steps. Inside block $k$, scanning the pairs gives for each position $t$ the composed map of the block's steps so far, $(\pi_t, \tilde h_t)$ with $\pi_t$ the product of the block's decays up to $t$ and $\tilde h_t$ the state the block would reach from $h = 0$. The state that really enters the block, the **carry** $c_k$, enters linearly:
 #
 # $$
-# h_t = \tilde h_t + A_t\, c_k, \qquad c_{k+1} = h_{\text{last step of block } k}.
+# h_t = \tilde h_t + \pi_t\, c_k, \qquad c_{k+1} = h_{\text{last step of block } k}.
 # $$
 #
 # So each block needs one number from the past. There are two ways to provide it.
 #
-# **(a) Three phases.** (1) Reduce every block to its total map $(A^{(k)}, B^{(k)})$, all blocks in parallel. (2) Scan the totals: they form a recurrence of their own, $c_{k+1} = A^{(k)} c_k + B^{(k)}$ with $c_0 = h_0$, one step per block. (3) Re-scan every block in parallel with its carry. Every block runs on its own program, so one long row fills the GPU; the price is reading $a$ and $b$ twice.
+# **(a) Three phases.** (1) Reduce every block to its total map $(a^{(k)}, b^{(k)})$, all blocks in parallel. (2) Scan the totals: they form a recurrence of their own, $c_{k+1} = a^{(k)} c_k + b^{(k)}$ with $c_0 = h_{-1}$, one step per block. (3) Re-scan every block in parallel with its carry. Every block runs on its own program, so one long row fills the GPU; the price is reading $a$ and $b$ twice.
 #
-# **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a {term}`register <registers>`: scan block $k$, add $A_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
+# **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a {term}`register <registers>`: scan block $k$, add $\pi_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
 #
 # The package uses both in one kernel family: a row is cut into *segments* of consecutive blocks; one program walks one segment (b), and when there is more than one segment per row, phases 1 and 2 supply each segment's carry (a). With many rows (Mamba's `batch × channels`) each row is one segment; with few long rows, the rows are split.
 
@@ -79,7 +91,7 @@ def draw_blocks(ax, n_blocks, title, arrows, phase_labels):
 
 n_blocks = 6
 fig, axes = plt.subplots(2, 1, figsize=(10, 5.5))
-three_phase_arrows = [(k + 0.2, k + 0.75, -0.35, f"(A{k},B{k})") for k in range(n_blocks)]
+three_phase_arrows = [(k + 0.2, k + 0.75, -0.35, f"(a{k},b{k})") for k in range(n_blocks)]
 three_phase_arrows += [(k + 0.75, k + 1.2, -0.8, f"c{k + 1}") for k in range(n_blocks - 1)]
 three_phase_arrows += [(k + 0.2, k + 0.75, -1.25, "re-scan") for k in range(n_blocks)]
 draw_blocks(axes[0], n_blocks, "(a) three phases: every block on its own program",
@@ -88,6 +100,10 @@ walk_arrows = [(k + 0.8, k + 1.1, 0.75, f"c{k + 1}") for k in range(n_blocks - 1
 draw_blocks(axes[1], n_blocks, "(b) chained walk: one program per row, carry in a register",
             walk_arrows, [(0.3, "one program")])
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# In (a) only phase 2 is a chain, one step per block; in (b) the whole row is one chain of blocks, but the data is read once.
 
 # %% [markdown]
 # ## The kernels
@@ -133,9 +149,27 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 # %% [markdown]
 # ## The backward pass: the same kernels in adjoint mode
 #
-# Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_0 = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_0$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_0$, one number per row, is left to PyTorch.
+# Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_{-1} = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_{-1}$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_{-1}$, one number per row, is left to PyTorch.
 #
-# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load, which the compiler does not vectorise, so the kernels read $a_t$ where it lies and scan triples instead of pairs. With $\mu_t = a_t\lambda_t$, a run of steps $s, \dots, u$ (nearest the result first) is $(\alpha, p, q) = (a_s,\ a_{s+1}\cdots a_u,\ q)$ with $\lambda_s = q + p\,\mu_{u+1}$: the run keeps its own first decay $\alpha$ aside and applies it only when it is joined to the run before it. A single step is $(a_t, 1, g_t)$, and the carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.) On an H200 in bfloat16 the triples made the backward 8% faster than the shifted load of $a$; moving $a$ and $h$ one step in registers with `tl.gather` instead (through {term}`shared memory`) made it 30% slower.
+# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load, which the compiler does not vectorise, so the kernels read $a_t$ where it lies and scan triples instead of pairs. Write $\mu_t = a_t\lambda_t$, so that $\lambda_t = g_t + \mu_{t+1}$. A run of consecutive steps $s, \dots, u$ (the scan meets $u$ first and $s$, the one nearest the result, last) is the triple
+#
+# $$
+# (\alpha, p, q) = \Big(a_s,\;\; \prod_{k=s+1}^{u} a_k,\;\; \sum_{r=s}^{u} \Big(\prod_{k=s+1}^{r} a_k\Big) g_r\Big),
+# \qquad \lambda_s = q + p\, \mu_{u+1} :
+# $$
+#
+# $q$ is the part of $\lambda_s$ that the run's own upstream gradients give, each decayed back to step $s$; $p$ carries in what lies beyond the run, through $\mu_{u+1}$; and the run keeps its own first decay $\alpha = a_s$ aside, unused, until it is joined to the run before it in time. A single step is $(a_t, 1, g_t)$. Joining a run $(\alpha_1, p_1, q_1)$ that the scan met first (later in time) to the run $(\alpha_2, p_2, q_2)$ just before it: with $\mu$ at the later run's first step being $\alpha_1(q_1 + p_1\mu)$, substituting gives
+#
+# $$
+# (\alpha_1, p_1, q_1) \circ (\alpha_2, p_2, q_2) = \big(\alpha_2,\;\; p_2\,\alpha_1 p_1,\;\; q_2 + p_2\,\alpha_1 q_1\big),
+# $$
+#
+# which is `adjoint_combine` below. The carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.)
+#
+# ```{admonition} Performance notes: the triples
+# :class: dropdown
+# On an H200 in bfloat16 the triples made the backward 8% faster than the shifted load of $a$; moving $a$ and $h$ one step in registers with `tl.gather` instead (through {term}`shared memory`) made it 30% slower.
+# ```
 
 # %%
 show_source(adjoint_combine)
@@ -213,14 +247,18 @@ for name, color in [("chained walk", COLORS["h"]), ("three phases", COLORS["carr
 ax.set(xlabel="rows", ylabel="GB/s", title=f"forward, float32, L = {length}")
 ax.legend(fontsize="small")
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The verdict, on the GPU: with one or eight rows three phases are 4 to 17 times faster, since the chained walk leaves most of the SMs idle; from 64 rows on the rows fill the GPU and the chained walk, which reads the data once, wins (by 1.6× at 512 rows). `plan` picks accordingly.
 
 # %% [markdown]
 # ## Speed against the peers and the memory floor
 #
-# Mamba-like width, `(8, 1536, T)` in float32 and bfloat16, forward and forward+backward, beside chapter 1's sequential kernel and, where installed, accelerated-scan's Triton scan (`accelerated_scan.scalar` in version 0.3.1). Its CUDA {term}`warp` scan (`accelerated_scan.warp`) compiles a C++ extension and only takes power-of-two lengths from 32 to 65536; `benchmarks/bench_linear_scan.py` times it, with everything else, in one run (on bfloat16 inputs it stopped with an illegal memory access on an H200, at `T = 4096` in one run and `T = 65536` in another, which ends the process's use of the GPU, so the script times it on bfloat16 only when asked: `--sections warp_bfloat16`). The floor counts the bytes that must move: forward reads $a$, $b$ and writes $h$; backward reads $a$, $h$, $g$ and writes two gradients.
+# Mamba-like width, `(8, 1536, L)` in float32 and bfloat16, forward and forward+backward, beside chapter 1's sequential kernel and, where installed, accelerated-scan's Triton scan (`accelerated_scan.scalar` in version 0.3.1). Its CUDA {term}`warp` scan (`accelerated_scan.warp`) compiles a C++ extension and only takes power-of-two lengths from 32 to 65536; `benchmarks/bench_linear_scan.py` times it, with everything else, in one run (on bfloat16 inputs it stopped with an illegal memory access on an H200, at $L = 4096$ in one run and $L = 65536$ in another, which ends the process's use of the GPU, so the script times it on bfloat16 only when asked: `--sections warp_bfloat16`). The floor counts the bytes that must move: forward reads $a$, $b$ and writes $h$; backward reads $a$, $h$, $g$ and writes two gradients.
 
 # %% [markdown]
-# The stored run of the benchmark script (`python benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json` on the GPU box), with both accelerated-scan kernels; `ours_faster_by` is a peer's time over `linear_scan`'s. The cell after it times this machine. At `T = 4096` the kernels are short enough for the host to matter: on the H200 box one call of `linear_scan` forward and backward through autograd took 0.22 ms of Python and launch work, as long as its bfloat16 kernels (0.20 ms), and the forward alone 0.05 ms. A timing at that length can therefore follow how busy the host is rather than the kernels (the GPU waits for launches); the longer rows, and the script's run, time the kernels.
+# The stored run of the benchmark script (`python benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json` on the GPU box), with both accelerated-scan kernels; `ours_faster_by` is a peer's time over `linear_scan`'s. The cell after it times this machine. At $L = 4096$ the kernels are short enough for the host to matter: on the H200 box one call of `linear_scan` forward and backward through autograd took 0.22 ms of Python and launch work, as long as its bfloat16 kernels (0.20 ms), and the forward alone 0.05 ms. A timing at that length can therefore follow how busy the host is rather than the kernels (the GPU waits for launches); the longer rows, and the script's run, time the kernels.
 
 # %% tags=["nbval-ignore-output"]
 stored = pathlib.Path("data/linear_scan_bench.json")
@@ -228,20 +266,23 @@ if stored.exists():
     result = json.loads(stored.read_text())
     print(f"stored run: {result['device']}, measured copy bandwidth {result['copy_GBps']:.0f} GB/s")
     stored_rows = result["sections"].get("linear_scan", []) + result["sections"].get("warp_bfloat16", [])
-    print_table([{k: r.get(k, "") for k in ("impl", "dtype", "T", "pass_", "ms", "pct_floor", "ours_faster_by")}
-                 for r in stored_rows])
+    print_table([{("L" if k == "T" else k): r.get(k, "") for k in ("impl", "dtype", "T", "pass_", "ms", "pct_floor",
+                                                                      "ours_faster_by")} for r in stored_rows])
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
         for name in dict.fromkeys(r["impl"] for r in stored_rows):
+            color = COLORS["y"] if name == "linear_scan" else COLORS["decay"] if name.startswith("sequential") \
+                else COLORS["x"] if "scalar" in name else COLORS["carry"]
             for dtype, style in [("float32", "o-"), ("bfloat16", "s--")]:
                 points = sorted((r["T"], r["pct_floor"]) for r in stored_rows
                                 if r["impl"] == name and r["pass_"] == passes and r["dtype"] == dtype)
                 if points:
-                    ax.semilogx(*zip(*points), style, base=2, label=f"{name}, {dtype}")
+                    ax.semilogx(*zip(*points), style, base=2, color=color, label=f"{name}, {dtype}")
         ax.axhline(100, color="black", ls=":", label="memory floor")
-        ax.set(title=f"{passes} ({result['device']})", xlabel="sequence length T", ylabel="% of memory-floor speed")
+        ax.set(title=f"{passes} ({result['device']})", xlabel="sequence length L", ylabel="% of memory-floor speed")
     axes[0].legend(fontsize="x-small")
     plt.tight_layout()
+    plt.show()
 else:
     print("no stored benchmark run (run benchmarks/bench_linear_scan.py --json book/data/linear_scan_bench.json)")
 
@@ -268,27 +309,31 @@ for dtype in (torch.float32, torch.bfloat16):
         for name, fn in impls.items():
             with torch.no_grad():
                 ms = median_ms(lambda: fn(a_s, b_s))
-            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), T=length_case, impl=name, passes="fwd",
+            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), L=length_case, impl=name, passes="fwd",
                                    ms=ms, pct_of_floor=100 * memory_floor_ms(3 * elements * size_of) / ms))
             ms = median_ms(lambda: torch.autograd.grad(fn(a_s, b_s), (a_s, b_s), grad_h))
-            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), T=length_case, impl=name, passes="fwd+bwd",
+            speed_rows.append(dict(dtype=str(dtype).removeprefix("torch."), L=length_case, impl=name, passes="fwd+bwd",
                                    ms=ms, pct_of_floor=100 * memory_floor_ms(8 * elements * size_of) / ms))
         del a_s, b_s, grad_h
 print(f"device: {runtime.device_name()}")
 print_table(speed_rows)
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
 for ax, passes in zip(axes, ("fwd", "fwd+bwd")):
-    for name, color in [("linear_scan", COLORS["h"]), ("accelerated_scan.scalar", COLORS["x"]),
+    for name, color in [("linear_scan", COLORS["y"]), ("accelerated_scan.scalar", COLORS["x"]),
                         ("sequential (ch. 1)", COLORS["decay"])]:
         for dtype, style in [("float32", "o-"), ("bfloat16", "s--")]:
-            points = [(r["T"], r["pct_of_floor"]) for r in speed_rows
+            points = [(r["L"], r["pct_of_floor"]) for r in speed_rows
                       if r["impl"] == name and r["passes"] == passes and r["dtype"] == dtype]
             if points:
                 ax.semilogx(*zip(*points), style, base=2, color=color, label=f"{name}, {dtype}")
     ax.axhline(100, color="black", ls=":", label="memory floor")
-    ax.set(title=f"{passes}, shape {shape_bc} x T", xlabel="sequence length T", ylabel="% of memory-floor speed")
+    ax.set(title=f"{passes}, shape {shape_bc} x L", xlabel="sequence length L", ylabel="% of memory-floor speed")
 axes[0].legend(fontsize="x-small")
 plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The verdict: in the stored H200 run `linear_scan` runs at 93–100% of the memory floor in every case, forward and backward, float32 and bfloat16; accelerated-scan's Triton scan is close in float32 (1–7% slower) and falls behind in bfloat16 (9–11% forward, 1.5× forward and backward, where it stays near 62% of the floor); its CUDA warp scan reaches 72–87% in float32; chapter 1's sequential kernel is 6 to 15 times slower. This machine's run above tells the same story wherever a row is long enough for the kernels, not the host, to set the time.
 
 # %% [markdown]
 # ### Scanning backwards without `reverse=True`
@@ -297,17 +342,22 @@ plt.tight_layout()
 #
 # So a descending block is a **tile of rows**: row $r$ holds $K$ consecutive steps, 16 bytes, one vector load for one thread. Each thread scans its own row from the end in registers: `tl.flip`, an ascending scan, `tl.flip` back, none of which moves data between threads. The carry entering row $r$ is the composition of the maps of rows $r+1, r+2, \dots$ applied to the block's carry: one scan over rows, one value per thread. That scan needs, in row $r$, the map of row $r+1$ (an *exclusive* scan); rather than move that value one thread over, each thread loads the next row again, from cache mostly, and reduces it itself.
 #
-# On the H200 the bfloat16 backward went from 61% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways). What did not help, measured on the way: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` along the rows (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
+# On the H200 the bfloat16 backward went from 61% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways).
+#
+# ```{admonition} Performance notes: what did not help
+# :class: dropdown
+# Measured on the way to the row tiles, bfloat16 backward on an H200, % of the memory floor: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` along the rows (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
+# ```
 
 # %% [markdown]
 # ```{admonition} Performance notes: launch shapes
 # :class: dropdown
-# The (largest block, warps) of each kind of scan in `scan/blocked.py` come from a sweep on an H200 at (12288, T) for T = 4096, 65536 and 100000, beside `accelerated_scan.scalar` (its Triton scan uses blocks of 2048 steps and 4 warps):
+# The (largest block, warps) of each kind of scan in `scan/blocked.py` come from a sweep on an H200 at (12288, L) for L = 4096, 65536 and 100000, beside `accelerated_scan.scalar` (its Triton scan uses blocks of 2048 steps and 4 warps):
 #
-# - ascending, float32: 8192 steps × 8 warps ran at 98.6–99.7% of the copy floor; 1024 × 4 lost 0.5–2 points, which at T = 100000 left it 1% behind the peer; 4096 × 16 lost 3;
+# - ascending, float32: 8192 steps × 8 warps ran at 98.6–99.7% of the copy floor; 1024 × 4 lost 0.5–2 points, which at L = 100000 left it 1% behind the peer; 4096 × 16 lost 3;
 # - ascending, 16-bit: 4096 × 4 ran at 92.8–98.7%, 8192 × 8 at 91.7–95.6%, 4096 × 8 at 89.7–92.9%;
 # - descending (`reverse=True`) row tiles: 1024 × 4 was best in both dtypes (94–96%); larger tiles lost 4–40 points;
-# - the backward: 2048 × 4 with row tiles (bfloat16 at T = 65536: 94.5% against 93.8% with 1024); 8 warps or 4096 steps lost 15–20 points.
+# - the backward: 2048 × 4 with row tiles (bfloat16 at L = 65536: 94.5% against 93.8% with 1024); 8 warps or 4096 steps lost 15–20 points.
 # ```
 
 # %%

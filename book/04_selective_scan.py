@@ -17,11 +17,25 @@
 #
 # In this section you will learn:
 #
-# - how Mamba's selective SSM (S6) becomes one fused kernel: discretization on chip ($\bar A = e^{\Delta A}$, $\bar B u = \Delta B u$), $N$ states per channel kept in {term}`registers` and never written to memory, $y = C h + D u$ and the $z$ gate in the same pass;
+# - how Mamba's selective SSM (S6) becomes one fused kernel: discretization on chip ($a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$), $N$ states per channel kept in {term}`registers` and never written to memory, $y = C h + D x$ and the $z$ gate in the same pass;
 # - how its backward pass is the adjoint recurrence run from the end, with the states recomputed {term}`chunk` by chunk from a few stored boundary states;
 # - what fusing buys over materializing the discretized tensors, and how far the kernel is from the hardware floor.
 #
 # It builds on the first half of this chapter, [blocked scans with carries](04_blocked_carries.ipynb): a chunk is scanned with `tl.associative_scan` over pairs $(a, b)$, and a {term}`carry` links the chunks.
+#
+# ```{admonition} Notation
+# | symbol | meaning |
+# |---|---|
+# | $t$, $L$ | time step, sequence length |
+# | $x_t$ | the layer input of one channel at step $t$ (mamba_ssm's argument `u`) |
+# | $\Delta_t$ | the step size of one channel (after the bias $\beta$, `delta_bias`, and the softplus) |
+# | $A$ | the diagonal state matrix, one negative number per channel $d$ and state $n$ |
+# | $B_t, C_t \in \mathbb{R}^N$ | input and readout maps ($N$: the state size, dstate), shared by the channels of a group |
+# | $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$ | the decay ($\bar A_t$) and the input ($\bar B_t x_t$) of the recurrence $h_t = a_t h_{t-1} + b_t$ |
+# | $h_t \in \mathbb{R}^N$, $y_t$ | the states and the output of one channel |
+# | $D$, $z_t$ | the skip and the gate |
+# | $\lambda_t$, $g_t$ | the adjoint $\partial\mathcal L/\partial h_t$ and the gradient arriving at $y_t$ |
+# ```
 
 # %%
 import json
@@ -33,12 +47,13 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from mamba_annotated import runtime
 from mamba_annotated.bench import median_ms, print_table
-from mamba_annotated.figures import COLORS, show_source
+from mamba_annotated.figures import COLORS, show_fragment, show_source
 from mamba_annotated.scan import linear_scan
 from mamba_annotated.scan.api import selective_scan
 from mamba_annotated.scan.reference import selective_scan_ref
 from mamba_annotated.scan.selective import (BWD_BLOCK_L, FWD_BLOCK_L, selective_scan_bwd_kernel,
                                             selective_scan_fwd_kernel)
+from mamba_annotated.scan.simple import selective_scan_simple, selective_scan_simple_kernel
 from mamba_annotated.testing import check, randn, seed_everything, tolerance, uniform
 
 seed_everything(0)
@@ -50,22 +65,22 @@ runtime.describe()
 # %% [markdown]
 # ## The selective SSM, one channel at a time
 #
-# Mamba's SSM layer {cite}`gu2023mamba` takes an input $u \in \mathbb{R}^{\text{dim} \times L}$ and, per token, a step size $\Delta_t$ (one per channel) and two vectors $B_t, C_t \in \mathbb{R}^N$ (shared by the channels of a group). Each channel $d$ has its own diagonal $A_d \in \mathbb{R}^N$ ($A < 0$). For channel $d$, state $n$ and step $t$:
+# Mamba's SSM layer {cite}`gu2023mamba` takes an input $x \in \mathbb{R}^{\text{dim} \times L}$ and, per token, a step size $\Delta_t$ (one per channel) and two vectors $B_t, C_t \in \mathbb{R}^N$ (shared by the channels of a group). Each channel $d$ has its own diagonal $A_d \in \mathbb{R}^N$ ($A < 0$). For channel $d$, state $n$ and step $t$:
 #
 # $$
 # \begin{aligned}
-# \Delta_t &= \operatorname{softplus}(\Delta^{\text{raw}}_t + b_d), & a_t &= e^{\Delta_t A_{dn}}, \\
-# x_t &= \Delta_t\, B_{nt}\, u_t, & h_t &= a_t\, h_{t-1} + x_t,
+# \Delta_t &= \operatorname{softplus}(\Delta^{\text{raw}}_t + \beta_d), & a_t &= e^{\Delta_t A_{dn}}, \\
+# b_t &= \Delta_t\, B_{nt}\, x_t, & h_t &= a_t\, h_{t-1} + b_t,
 # \end{aligned}
 # $$
 #
 # $$
-# y_t = \Big(\sum_n C_{nt}\, h_{nt} + D_d\, u_t\Big)\cdot \operatorname{silu}(z_t).
+# y_t = \Big(\sum_n C_{nt}\, h_{nt} + D_d\, x_t\Big)\cdot \operatorname{silu}(z_t).
 # $$
 #
-# The bias $b$ (`delta_bias`), the softplus, $D$ and the gate $z$ are each optional; the layout is mamba_ssm's `selective_scan_fn`: `u`, `delta`, `z` are `(batch, dim, L)`, `A` is `(dim, N)`, `B`, `C` are `(batch, N, L)` or `(batch, groups, N, L)`, channel $d$ using group $d \,/\!/\, (\text{dim}/\text{groups})$.
+# The bias $\beta$ (`delta_bias`), the softplus, $D$ and the gate $z$ are each optional; the layout is mamba_ssm's `selective_scan_fn`, whose argument `u` is our $x$: `u`, `delta`, `z` are `(batch, dim, L)`, `A` is `(dim, N)`, `B`, `C` are `(batch, N, L)` or `(batch, groups, N, L)`, channel $d$ using group $d \,/\!/\, (\text{dim}/\text{groups})$.
 #
-# For each $(d, n)$ this is exactly the recurrence of the first half of the chapter, with $a_t$ and $x_t$ *computed* from $(\Delta, A, B, u)$ rather than given. The naive way follows that literally: materialize $a$ and $x$ as `(batch, dim, N, L)` tensors, scan them, contract with $C$. That moves $N$ times more bytes than the inputs and outputs ($N = 16$ in Mamba), and it is what the fused kernel avoids: it reads $u$, $\Delta$, $B$, $C$ once, forms $a_t$ and $x_t$ in registers, and writes only $y$.
+# For each $(d, n)$ this is exactly the recurrence of the first half of the chapter, with $a_t$ and $b_t$ *computed* from $(\Delta, A, B, x)$ rather than given. The naive way follows that literally: materialize $a$ and $b$ as `(batch, dim, N, L)` tensors, scan them, contract with $C$. That moves $N$ times more bytes than the inputs and outputs ($N = 16$ in Mamba), and it is what the fused kernel avoids: it reads $x$, $\Delta$, $B$, $C$ once, forms $a_t$ and $b_t$ in registers, and writes only $y$.
 #
 # The float64 reference in `mamba_annotated/scan/reference.py` is the literal version, and the ground truth:
 
@@ -73,7 +88,7 @@ runtime.describe()
 show_source(selective_scan_ref)
 
 # %% [markdown]
-# What "selective" means: the step size $\Delta_t$ depends on the token. A large $\Delta_t$ makes $a_t = e^{\Delta_t A}$ small (forget the past, take in $u_t$); a small one keeps $a_t$ near 1 (ignore $u_t$, remember). Below, one channel with four states sees a random input with a small $\Delta$ everywhere except at $t = 48$: that one large step wipes the state and loads the current input, which then fades as the small steps resume.
+# What "selective" means: the step size $\Delta_t$ depends on the token. A large $\Delta_t$ makes $a_t = e^{\Delta_t A}$ small (forget the past, take in $x_t$); a small one keeps $a_t$ near 1 (ignore $x_t$, remember). Below, one channel with four states sees a random input with a small $\Delta$ everywhere except at $t = 48$: that one large step wipes the state and loads the current input, which then fades as the small steps resume.
 
 # %%
 steps = 96
@@ -86,7 +101,7 @@ C_demo = torch.full((1, 4, steps), 0.25, dtype=torch.float64)
 y_demo, _ = selective_scan_ref(u_demo, delta_demo, A_demo, B_demo, C_demo, return_last_state=True)
 
 fig, (ax_in, ax_out) = plt.subplots(1, 2, figsize=(11, 3.2))
-ax_in.plot(u_demo[0, 0], color=COLORS["x"], label="input $u_t$")
+ax_in.plot(u_demo[0, 0], color=COLORS["x"], label="input $x_t$")
 ax_in.plot(delta_demo[0, 0], color=COLORS["decay"], label=r"step size $\Delta_t$")
 ax_in.set(title="inputs", xlabel="time step $t$")
 ax_in.legend(fontsize="small")
@@ -94,21 +109,42 @@ ax_out.plot(y_demo[0, 0], color=COLORS["y"], label="$y_t = C h_t$")
 ax_out.axvline(48, color=COLORS["decay"], ls=":", label=r"large $\Delta$: reset")
 ax_out.set(title="output of one channel", xlabel="time step $t$")
 ax_out.legend(fontsize="small")
-plt.tight_layout()
+plt.show()
 
 # %% [markdown]
-# ## One program, one batch row, a block of channels
+# The plot shows selection at work: after the one large step the output jumps to follow the current input and then decays slowly, each state at its own rate $e^{\Delta A_n}$, while the small steps before it had let the input barely in.
 #
-# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $u_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
+# ## A first kernel: one channel, one step at a time
 #
-# 1. loads `u`, `Δ` (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
-# 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $x = \Delta u B$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
-# 3. scans the pairs $(a, x)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
+# The simplest fused kernel gives each {term}`program` one (batch row, channel) pair and walks time in order, as chapter 1 did, but now with a vector of $N$ states in registers instead of one number. Each step loads $x_t$ and $\Delta_t$ (one number each) and the columns $B_t$, $C_t$ ($N$ numbers each), forms $a_t$ and $b_t$, updates the $N$ states and writes the single number $y_t = C_t \cdot h_t$. The `(batch, dim, N, L)` tensors of the naive way never exist. This teaching version (`mamba_annotated/scan/simple.py`) has no $D$, $z$, bias or groups and no backward pass:
+
+# %%
+show_source(selective_scan_simple_kernel)
+
+# %% [markdown]
+# The next cell checks it against the float64 reference on fresh random inputs, with a state size that is not a power of two (padded to 8 inside, the padding masked):
+
+# %%
+x_s, delta_s = randn(2, 3, 37), uniform(2, 3, 37, low=0.02, high=0.6)
+A_s, B_s, C_s = -uniform(3, 5, low=0.2, high=2.0), randn(2, 5, 37), randn(2, 5, 37)
+check("teaching kernel, float32", selective_scan_simple(x_s, delta_s, A_s, B_s, C_s),
+      selective_scan_ref(x_s, delta_s, A_s, B_s, C_s), tolerance(torch.float32))
+
+# %% [markdown]
+# It is correct, but slow on a GPU for the reason of chapter 1: every step waits for the previous one, and a program does only $N$ multiply-adds per step. The production kernel keeps the fusion and removes the chain, with the blocked scan of the first half of the chapter.
+#
+# ## The production kernel: one batch row, a block of channels, a block of channels
+#
+# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $x_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
+#
+# 1. loads $x$ (`u`), $\Delta$ (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
+# 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $b = \Delta B x$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
+# 3. scans the pairs $(a, b)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
 # 4. adds the carry: $h_t = \big(\prod_{s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of the first half;
-# 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D u$, times $\operatorname{silu}(z)$) and stores it;
+# 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D x$, times $\operatorname{silu}(z)$) and stores it;
 # 6. keeps the last column of $h$ as the next chunk's carry.
 #
-# `BLOCK_D` divides `dim / groups`, so a program reads a single group's `B` and `C`. $N$ is padded to a power of two with $A = 0$ and $B = C = 0$ on the padding, which keeps those states at zero. Steps past $L$ get $\Delta = 0$: $a = 1$, $x = 0$, so the last column of the last chunk is the state at step $L - 1$, which `return_last_state` returns.
+# `BLOCK_D` divides `dim / groups`, so a program reads a single group's `B` and `C`. $N$ is padded to a power of two with $A = 0$ and $B = C = 0$ on the padding, which keeps those states at zero. Steps past $L$ get $\Delta = 0$: $a = 1$, $b = 0$, so the last column of the last chunk is the state at step $L - 1$, which `return_last_state` returns.
 
 # %%
 def draw_tile_schedule(channels=2, dstate=3, chunks=3, chunk_len=4):
@@ -140,12 +176,27 @@ def draw_tile_schedule(channels=2, dstate=3, chunks=3, chunk_len=4):
 
 
 draw_tile_schedule()
+plt.show()
 
 # %% [markdown]
-# The forward kernel, from `mamba_annotated/scan/selective.py`:
+# The figure is the whole schedule: inside a chunk every (channel, state) row is scanned in parallel, the red carries are the only dependence from one chunk to the next, and every column of states collapses into one output per channel.
+#
+# The forward kernel, from `mamba_annotated/scan/selective.py`, in three parts. In the kernel's names, `u` is the input $x$ (mamba_ssm's name) and `x` is the discretized input $b = \Delta B x$. First the setup: which channels, states and group the program owns, and what stays in registers for the whole walk, $A \log_2 e$, the bias and the skip $D$.
 
 # %%
-show_source(selective_scan_fwd_kernel)
+show_fragment(selective_scan_fwd_kernel, "def selective_scan_fwd_kernel(", "h = tl.zeros([BLOCK_D, BLOCK_N]")
+
+# %% [markdown]
+# The walk over chunks starts with the carry $h = 0$. When the backward pass will need them, each chunk first stores the state it starts from; then the chunk's inputs are loaded, all along time, and the step sizes get their bias and softplus (`load_delta`, which also sets $\Delta = 0$ past the end):
+
+# %%
+show_fragment(selective_scan_fwd_kernel, "h = tl.zeros([BLOCK_D, BLOCK_N]", "decay = tl.exp2(")
+
+# %% [markdown]
+# The heart of it: steps 2 to 6 of the list above, one line each. `decay` and `x` are the `BLOCK_D × N × BLOCK_L` tiles of $a$ and $b$; the scan returns $\prod a$ and the state started from zero; adding the decayed carry gives $h$; a sum over the state axis gives $y$; the last column is the next carry, and after the last chunk the last state.
+
+# %%
+show_fragment(selective_scan_fwd_kernel, "decay = tl.exp2(")
 
 # %% [markdown]
 # `selective_scan` validates its inputs, makes them contiguous and launches it. The next cell checks it against the float64 reference with every option on (bias, softplus, $D$, $z$) and the last state, on a length that is not a multiple of the chunk, in every input dtype (float32 accumulation inside; the output is rounded once to the input dtype):
@@ -192,7 +243,7 @@ for name, inputs in cases.items():
 # %% [markdown]
 # ## The backward pass
 #
-# Let $g_t = \partial \mathcal{L} / \partial y_t$ (after the gate: $g_t \leftarrow g_t \operatorname{silu}(z_t)$). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + x_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
+# Let $g_t = \partial \mathcal{L} / \partial y_t$ (after the gate: $g_t \leftarrow g_t \operatorname{silu}(z_t)$). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
 #
 # $$
 # \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + \bar g_{\text{last}},
@@ -201,38 +252,58 @@ for name, inputs in cases.items():
 # the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $\bar g_{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
 #
 # $$
-# \frac{\partial \mathcal{L}}{\partial x_t} = \lambda_t, \qquad
-# \frac{\partial \mathcal{L}}{\partial a_t}\, a_t = \lambda_t\, a_t h_{t-1} = \lambda_t\, (h_t - x_t),
+# \frac{\partial \mathcal{L}}{\partial b_t} = \lambda_t, \qquad
+# \frac{\partial \mathcal{L}}{\partial a_t}\, a_t = \lambda_t\, a_t h_{t-1},
 # $$
 #
-# and the chain rule through $x = \Delta u B$ and $a = e^{\Delta A}$ gives every input:
+# and the chain rule through $b = \Delta B x$ and $a = e^{\Delta A}$ gives every input:
 #
 # $$
 # \begin{aligned}
-# \partial u_t &= \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \\
-# \partial \Delta_t &= u_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}(h_{nt} - x_{nt}), \\
-# \partial A_n &= \sum_{b, t} \Delta_t \lambda_{nt} (h_{nt} - x_{nt}),
+# \partial x_t &= \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \\
+# \partial \Delta_t &= x_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}\, a_{nt} h_{n,t-1}, \\
+# \partial A_n &= \sum_{\text{batch}, t} \Delta_t \lambda_{nt}\, a_{nt} h_{n,t-1},
 # \end{aligned}
 # $$
 #
 # $$
 # \begin{aligned}
-# \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} u_{dt}, &
+# \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} x_{dt}, &
 # \partial C_{nt} &= \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \\
-# \partial D &= \sum_{b,t} g_t u_t, &
+# \partial D &= \sum_{\text{batch},t} g_t x_t, &
 # \partial z_t &= g^{\text{out}}_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
 # \end{aligned}
 # $$
 #
-# and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + b)$, summed over batch and time for `delta_bias`. The identity $a_t h_{t-1} = h_t - x_t$ saves computing $h_{t-1}$, which would need either a third exponential or a shifted scan.
+# and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + \beta)$, summed over batch and time for $\beta$ (`delta_bias`).
 #
-# The backward kernel needs $h_t$, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
+# The backward kernel needs the states, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. What it rescans is the decayed previous state $a_t h_{t-1}$, which both $\partial\Delta$ and $\partial A$ need: it obeys $a_t h_{t-1} = a_t\,(a_{t-1} h_{t-2}) + a_t b_{t-1}$, a first-order scan over the pairs $(a_t, a_t b_{t-1})$, and then $h_t = a_t h_{t-1} + b_t$. (Forming it as $h_t - b_t$ would be cheaper, but cancels when the decays are small, since $b_t$ is then nearly all of $h_t$.) $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
+#
+# The kernel in four parts. The setup is the forward kernel's, plus the adjoint carry `lam` (started from $\bar g_{\text{last}}$) and the registers that sum $\partial A$, $\partial D$ and $\partial\beta$ over time:
 
 # %%
-show_source(selective_scan_bwd_kernel)
+show_fragment(selective_scan_bwd_kernel, "def selective_scan_bwd_kernel(", "chunks = tl.cdiv(length, BLOCK_L)")
 
 # %% [markdown]
-# Every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 32 on a GPU), and once more through the last state:
+# Chunks are walked from the last. Each loads its inputs, $\Delta$ one step ahead (for $a_{t+1}$) and $x$, $\Delta$, $B$ one step behind (for $b_{t-1}$), and recomputes $a_t h_{t-1}$ (`decayed_prev`) and $h_t$ from the chunk's stored start state:
+
+# %%
+show_fragment(selective_scan_bwd_kernel, "chunks = tl.cdiv(length, BLOCK_L)", "grad_out = tl.load(")
+
+# %% [markdown]
+# The gate: with $z$, the gradient reaching $C h + D x$ is $g \operatorname{silu}(z)$, and $\partial z$ needs $y$ before the gate, which the states just recomputed give:
+
+# %%
+show_fragment(selective_scan_bwd_kernel, "grad_out = tl.load(", "# the adjoint: reverse scan")
+
+# %% [markdown]
+# The adjoint and the gradients. The reverse scan is `tl.associative_scan(..., reverse=True)`, which the first half of this chapter replaced by tiles of rows because it cost the linear scan's backward a third of its speed. Here it stays, for two reasons. The linear scan does one multiply-add per element and runs at the {term}`memory floor`, so any extra work per element shows; the selective scan's backward does two exponentials and about twenty multiply-adds per element of a `BLOCK_D × N × BLOCK_L` tile and runs many times above its floor, limited by the layout conversions of its 3-d tiles (the speed section below), so the reverse scan's extra shuffles are a small share of it. And the axis is short: chunks of 32 steps on a GPU, so the reverse scan has five rounds. (We have not measured its share; the row-tile trick of the first half is the candidate if it ever matters.)
+
+# %%
+show_fragment(selective_scan_bwd_kernel, "# the adjoint: reverse scan")
+
+# %% [markdown]
+# The next cell checks every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 32 on a GPU), and once more through the last state:
 
 # %%
 def check_gradients(label, inputs, dtype, use_last_state=False):
@@ -257,9 +328,9 @@ check_gradients("through the last state", make_inputs(1, 4, 4, grad_length), tor
 # %% [markdown]
 # ## Speed
 #
-# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $u$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per {term}`SM`: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
+# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $x$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per {term}`SM`: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
 #
-# **The peers**, timed in one run by `benchmarks/bench_selective_scan.py`: mamba.py's parallel scan {cite}`repo_mambapy` (`mambapy.pscan.pscan` fed the materialized $e^{\Delta A}$ and $\Delta B u$ in its layout `(batch, L, dim, N)`, then the $C$ contraction, exactly as its `selective_scan` does) and mamba_ssm's PyTorch reference {cite}`repo_mamba` (a Python loop over time; its backward ran once, not repeated). The plot shows the stored run; the cell below it times this machine.
+# **The peers**, timed in one run by `benchmarks/bench_selective_scan.py`: mamba.py's parallel scan {cite}`repo_mambapy` (`mambapy.pscan.pscan` fed the materialized $a = e^{\Delta A}$ and $b = \Delta B x$ in its layout `(batch, L, dim, N)`, then the $C$ contraction, exactly as its `selective_scan` does) and mamba_ssm's PyTorch reference {cite}`repo_mamba` (a Python loop over time; its backward ran once, not repeated). The plot shows the stored run; the cell below it times this machine.
 
 # %% tags=["nbval-ignore-output"]
 stored = pathlib.Path("data/selective_scan_bench.json")
@@ -282,13 +353,14 @@ if stored.exists():
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize="small")
     plt.tight_layout()
+    plt.show()
 else:
     print("no stored benchmark run (run benchmarks/bench_selective_scan.py --json book/data/selective_scan_bench.json)")
 
 # %% [markdown]
 # On the H200 the fused kernel is about 9× faster than mamba.py forward and 7.6× forward+backward, and far ahead of the PyTorch loop; the backward of mamba_ssm's loop is slowest, probably because autograd writes a full-size gradient of the `(batch, dim, L, N)` tensors for every time-step slice it reads. The kernel is still 20× (forward) and 38× (forward+backward) above the exponential floor: the 3-d tiles pay for layout conversions between the `(BLOCK_D, BLOCK_L)` loads and the `(BLOCK_D, N, BLOCK_L)` scan, for the scan's cross-thread steps, and for extracting the carry column with a reduction; mamba_ssm's CUDA kernel sidesteps most of this by giving each thread a run of time steps of one channel and looping over $n$, so no 3-d tile exists.
 #
-# The same comparison on this machine, at a size that fits it: the fused kernel beside the naive way built from this chapter's own pieces, materializing $a$ and $x$ as `(batch, dim, N, L)` float32 tensors and calling `linear_scan`:
+# The same comparison on this machine, at a size that fits it: the fused kernel beside the naive way built from this chapter's own pieces, materializing $a$ and $b$ as `(batch, dim, N, L)` float32 tensors and calling `linear_scan`:
 
 # %% tags=["nbval-ignore-output"]
 def materialized_selective_scan(u, delta, A, B, C, D):
@@ -318,10 +390,13 @@ print(f"device: {runtime.device_name()}; batch, dim, N, L = {sizes}, bfloat16")
 print_table(timing_rows)
 
 # %% [markdown]
+# Fusion pays even this far from the floor: in the stored GPU run the fused kernel is about 4× faster than the materialized version forward and over 3× forward and backward, the time that writing and reading the $N$-times larger tensors of $a$ and $b$ costs.
+
+# %% [markdown]
 # ## What we have, and what comes next
 #
-# The selective scan is the first-order scan of the first half of this chapter with the inputs computed on chip: per chunk, the kernel forms $e^{\Delta A}$ and $\Delta B u$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $u, \Delta, A, B, C, D, z$ and the bias — checked against float64.
+# The selective scan is the first-order scan of the first half of this chapter with the inputs computed on chip. A first kernel walked time step by step, one channel per program; the production kernel keeps its fusion and scans chunks in parallel: per chunk, the kernel forms $a = e^{\Delta A}$ and $b = \Delta B x$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $x, \Delta, A, B, C, D, z$ and the bias — checked against float64.
 #
 # The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that {term}`tensor cores <tensor core>` cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \circ \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
 #
-# **Exercise** (checked by `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py`). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * u$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?
+# **Exercise** (checked by `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py`). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * x$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?

@@ -21,7 +21,23 @@
 # - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (two kernels, one kernel, atomics), measured against each other;
 # - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one.
 #
-# [Chapter 5](05_ssd.ipynb) wrote Mamba-2 as a masked matrix $M = L \circ (C B^\top)$ applied to the input and computed it chunk by chunk, never materialising all of $M$. Softmax attention is the model Mamba set out to replace, and it has the same shape of problem: an $N \times N$ matrix that we want to use without ever storing. Here the matrix is $\operatorname{softmax}(QK^\top)$, and the tool is FlashAttention {cite}`dao2022flashattention,dao2023flashattention2`.
+# :::{admonition} Notation
+# | symbol | meaning |
+# |---|---|
+# | $L$; $L_q$, $L_k$ | sequence length; the query and key lengths where they differ |
+# | $i$, $j$ | query row, key column (the $t$ and $s$ of the other chapters) |
+# | $d$ | head dim |
+# | $H$, $H_{kv}$ | query heads, key/value heads (grouped-query attention: $H / H_{kv}$ query heads per key/value head) |
+# | $Q$, $K$, $V$, $O$ | queries, keys, values, output of one head (here $Q$ is a matrix, not a chunk size) |
+# | $\tau$ | the softmax scale, $1/\sqrt d$ by default |
+# | $S = \tau Q K^\top$, $P = \operatorname{softmax}(S)$ | scores and probabilities, $L_q \times L_k$ |
+# | $\mathrm{lse}_i$ | log-sum-exp of row $i$ of $S$ |
+# | $m_i$, $\ell_i$, $\tilde o_i$ | the online softmax's running maximum, sum and unnormalised output ($\ell_i$ as FlashAttention names it; not chapter 5's log-decay) |
+# | $dO, dP, dS$ | gradients of the loss with respect to $O$, $P$, $S$ |
+# | $\delta_i = dO_i \cdot O_i$ | the row sums that the backward pass precomputes |
+# :::
+#
+# [Chapter 5](05_ssd.ipynb) wrote Mamba-2 as a masked matrix $M$, $M_{ts} = (C_t \cdot B_s)\, e^{\ell_t - \ell_s} \Delta_s$ for $s \le t$ and 0 elsewhere, applied to the input and computed it chunk by chunk, never materialising all of $M$. Softmax attention is the model Mamba set out to replace, and it has the same shape of problem: an $L \times L$ matrix that we want to use without ever storing. Here the matrix is $\operatorname{softmax}(QK^\top)$, and the tool is FlashAttention {cite}`dao2022flashattention,dao2023flashattention2`.
 
 # %%
 import contextlib
@@ -38,27 +54,39 @@ from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel,
                                                 dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, naive_attention
+from mamba_annotated.attention.simple import (attention_backward_simple, attention_dkdv_simple_kernel,
+                                              attention_dq_simple_kernel, attention_forward_simple,
+                                              attention_forward_simple_kernel)
 from mamba_annotated.attention.teaching import attention_bwd_fused_kernel, attention_variant
-from mamba_annotated.bench import median_ms, print_table, progress, tflops
-from mamba_annotated.figures import COLORS, show_source
-from mamba_annotated.testing import check, check_within_same_computation, gradients, randn, seed_everything
+from mamba_annotated.bench import median_ms, print_table, tflops
+from mamba_annotated.figures import COLORS, show_fragment, show_source
+from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_within_same_computation, check,
+                                     check_within_same_computation, gradients, randn, same_computation_error,
+                                     seed_everything)
 
 seed_everything(0)
 device = runtime.DEVICE
+
+
+def report_within(name, out, same, ref, dtype):
+    """check_within_same_computation(), printing the measured errors (cells that call it are not compared by nbval)."""
+    error = assert_within_same_computation(name, out, same, ref, dtype)
+    reference = same_computation_error(out, same, ref, SAME_COMPUTATION_FLOOR[dtype])[1]
+    print(f"{name}: error {error:.1e} <= 2 x {reference:.1e} (PyTorch's in {str(dtype).removeprefix('torch.')} + floor)")
 
 # %% tags=["nbval-ignore-output"]
 runtime.describe()
 
 # %% [markdown]
-# ## Attention and its $N \times N$ matrix
+# ## Attention and its $L \times L$ matrix
 #
-# For one head, queries $Q \in \mathbb{R}^{N_q \times d}$, keys $K$ and values $V \in \mathbb{R}^{N_k \times d}$ and a scale $\tau$ (by default $1/\sqrt d$):
+# For one head, queries $Q \in \mathbb{R}^{L_q \times d}$, keys $K$ and values $V \in \mathbb{R}^{L_k \times d}$ and a scale $\tau$ (by default $1/\sqrt d$):
 #
 # $$
 # S = \tau\, Q K^\top, \qquad P_{ij} = \frac{e^{S_{ij}}}{\sum_{j'} e^{S_{ij'}}}, \qquad O = P V .
 # $$
 #
-# Written this way, $S$ and $P$ are $N_q \times N_k$ per head, and autograd keeps $P$ for the backward pass: at $N = 16384$, 16 heads and a batch of 4, that is 32 GiB in bfloat16 for one layer ($4 \cdot 16 \cdot 16384^2$ entries of 2 bytes). *Causal* attention lets query $i$ see key $j$ only if $j \le i + N_k - N_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
+# Written this way, $S$ and $P$ are $L_q \times L_k$ per head, and autograd keeps $P$ for the backward pass: at $L = 16384$, 16 heads and a batch of 4, that is 32 GiB in bfloat16 for one layer ($4 \cdot 16 \cdot 16384^2$ entries of 2 bytes). *Causal* attention lets query $i$ see key $j$ only if $j \le i + L_k - L_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
 #
 # The float64 reference does exactly what the formulas say, in the layout of `flash_attn_func`: `(batch, seqlen, heads, head_dim)`. It also returns the log-sum-exp of every query row, $\mathrm{lse}_i = \log \sum_j e^{S_{ij}}$, which will matter below.
 
@@ -81,27 +109,31 @@ for ax, causal in zip(axes, (False, True)):
     ax.imshow(torch.softmax(scores, -1).cpu(), cmap="Greens")
     ax.set(title=f"P, {'causal (bottom-right)' if causal else 'full'}", xlabel="key j", ylabel="query i")
 plt.tight_layout()
+plt.show()
 out_ref, lse_ref = attention_ref(q, k, v, causal=True)
 print("out", tuple(out_ref.shape), "lse", tuple(lse_ref.shape))
 
 # %% [markdown]
+# Each row of $P$ sums to 1 and concentrates on a few keys; the causal version is the full one with the upper-right triangle cut off and its rows renormalised over the keys that remain.
+
+# %% [markdown]
 # ## One sweep over the keys: the online softmax
 #
-# Split the keys into {term}`blocks <block>`. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $a_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
+# Split the keys into {term}`blocks <block>`. For query row $i$, keep three running quantities over the blocks seen so far: the maximum score $m_i$, the sum $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the unnormalised output $\tilde o_i = \sum_j e^{S_{ij} - m_i} v_j$ {cite}`milakov2018online,rabe2021self`. A new block with scores $S_{i,B}$ updates them as
 #
 # $$
 # \begin{aligned}
 # m_i' &= \max\big(m_i, \max_{j \in B} S_{ij}\big), \\
 # \ell_i' &= e^{m_i - m_i'}\,\ell_i + \sum_{j \in B} e^{S_{ij} - m_i'}, \\
-# a_i' &= e^{m_i - m_i'}\,a_i + \sum_{j \in B} e^{S_{ij} - m_i'}\, v_j .
+# \tilde o_i' &= e^{m_i - m_i'}\,\tilde o_i + \sum_{j \in B} e^{S_{ij} - m_i'}\, v_j .
 # \end{aligned}
 # $$
 #
-# The factor $e^{m_i - m_i'}$ rescales what was summed under the old maximum, so after the last block $O_i = a_i / \ell_i$ exactly, and $m_i + \log \ell_i = \mathrm{lse}_i$. Subtracting the running maximum keeps every exponent $\le 0$, so nothing overflows. In plain PyTorch, one head:
+# The factor $e^{m_i - m_i'}$ rescales what was summed under the old maximum, so after the last block $O_i = \tilde o_i / \ell_i$ exactly, and $m_i + \log \ell_i = \mathrm{lse}_i$. Subtracting the running maximum keeps every exponent $\le 0$, so nothing overflows. In plain PyTorch, one head:
 
 # %%
 def online_softmax_attention(q, k, v, block):
-    """q (Nq, d), k, v (Nk, d), scale folded into q: one sweep over key blocks."""
+    """q (Lq, d), k, v (Lk, d), scale folded into q: one sweep over key blocks."""
     m = torch.full((q.shape[0],), float("-inf"), dtype=q.dtype, device=q.device)
     l = torch.zeros(q.shape[0], dtype=q.dtype, device=q.device)
     acc = torch.zeros_like(q)
@@ -121,7 +153,7 @@ check("online softmax, out", out_online, out_full[0, :, 0], 1e-12)
 check("online softmax, lse", lse_online, lse_full[0, 0], 1e-12)
 
 # %% [markdown]
-# **Why one float per row is enough.** The backward pass needs $P$, tile by tile. Since $P_{ij} = e^{S_{ij}} / \sum_{j'} e^{S_{ij'}} = e^{S_{ij} - \mathrm{lse}_i}$, any tile of $P$ is one matrix product $Q_{\text{tile}} K_{\text{tile}}^\top$ and one exponential away, given $\mathrm{lse}$: no running maximum, no second pass over the keys. Storing $\mathrm{lse}$ costs $N_q$ floats per head against $N_q N_k$ for $P$. Recomputing $S$ costs flops, but flops are what a GPU has in excess; reading $P$ back from memory would cost bandwidth, which it does not. This is the observation behind the memory-efficient backward passes of Rabe and Staats {cite}`rabe2021self`, of xformers {cite}`repo_xformers` and of FlashAttention.
+# **Why one float per row is enough.** The backward pass needs $P$, tile by tile. Since $P_{ij} = e^{S_{ij}} / \sum_{j'} e^{S_{ij'}} = e^{S_{ij} - \mathrm{lse}_i}$, any tile of $P$ is one matrix product $Q_{\text{tile}} K_{\text{tile}}^\top$ and one exponential away, given $\mathrm{lse}$: no running maximum, no second pass over the keys. Storing $\mathrm{lse}$ costs $L_q$ floats per head against $L_q L_k$ for $P$. Recomputing $S$ costs flops, but flops are what a GPU has in excess; reading $P$ back from memory would cost bandwidth, which it does not. This is the observation behind the memory-efficient backward passes of Rabe and Staats {cite}`rabe2021self`, of xformers {cite}`repo_xformers` and of FlashAttention.
 
 # %%
 scores = (q[0, :, 0] @ k[0, :, 0].T) / math.sqrt(head_dim)
@@ -160,19 +192,68 @@ draw_schedule(axes[0], 512, 512, 128, 64, True, "forward and dQ: a program per r
 draw_schedule(axes[1], 512, 512, 64, 128, False, "dK, dV: a program per column\nof tiles walks the queries")
 draw_schedule(axes[2], 256, 512, 128, 64, True, "forward, seqlen_q < seqlen_k:\ndiagonal aligned bottom-right")
 plt.tight_layout()
+plt.show()
 
 # %% [markdown]
 # About half of the tiles are skipped when causal, so a causal pass does about half the work: the FLOP counts in the speed section are halved accordingly.
 #
 # ## The forward kernel
 #
-# The kernel is the online softmax above with three changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. And the mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. Two loops, one unmasked and one masked, would avoid even that test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in {term}`shared memory` (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 {term}`registers` with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $N = 16384$). Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`).
+# ### A first version
+#
+# The online softmax above, one program per (batch · head, block of queries), is a short kernel: load the query tile once, sweep the key blocks, keep $m_i$, $\ell_i$ and $\tilde o_i$ in registers, and write $O$ and $\mathrm{lse}$ at the end. This is the chapter's first version, from `mamba_annotated/attention/simple.py`: contiguous (batch · heads, $L$, $d$) float32 tensors, as many key/value heads as query heads, $L$ a multiple of the block, natural exponentials. With `CAUSAL` it stops at the diagonal block and masks scores right of the diagonal with $-\infty$; the first key block is always visible, so no row's maximum stays $-\infty$.
 
 # %%
-show_source(attention_fwd_kernel)
+show_source(attention_forward_simple_kernel)
 
 # %% [markdown]
-# Tile sizes come from a small table per head dim and dtype, chosen with `benchmarks/bench_attention.py --tune` on an H200 (bfloat16, batch 4, 16 heads, $N = 4096$); the {term}`interpreter` gets small unequal tiles. In that sweep the forward pass ran at 487 TFLOP/s at head dim 128 with 128 x 128 tiles, 8 {term}`warps <warp>` and 3 pipeline stages (4 stages no longer fit in shared memory), and at 436 TFLOP/s at head dim 64 with 128 x 64 tiles and 4 warps.
+# Against the float64 reference, by the rule of this chapter (at most twice the error of PyTorch doing the same in the same dtype, here float32):
+
+# %% tags=["nbval-ignore-output"]
+simple_qkv = [randn(2, runtime.size(gpu=256, cpu=48), 2, 32) for _ in range(3)]
+for causal in (False, True):
+    out, lse = attention_forward_simple(*simple_qkv, causal)
+    out_ref, lse_ref = attention_ref(*simple_qkv, causal)
+    out_same, lse_same = naive_attention(*simple_qkv, causal)
+    report_within(f"attention_forward_simple, causal={causal}, out", out, out_same, out_ref, torch.float32)
+    report_within(f"attention_forward_simple, causal={causal}, lse", lse, lse_same, lse_ref, torch.float32)
+
+# %% [markdown]
+# ### The production kernel
+#
+# The production kernel is that loop with four changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. The mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. And it takes any strides, grouped-query heads, unequal lengths and head dims that are not powers of two. Here it is in four pieces.
+#
+# The arguments, and which tile this program owns. Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch; with grouped-query attention, query head `head` reads key/value head `head // group`:
+
+# %%
+show_fragment(attention_fwd_kernel, "def attention_fwd_kernel(", "# 64-bit base offsets")
+
+# %% [markdown]
+# The query tile, loaded once, and the three running quantities. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`):
+
+# %%
+show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# Keys [0, hi) are seen")
+
+# %% [markdown]
+# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the last blocks, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0:
+
+# %%
+show_fragment(attention_fwd_kernel, "# Keys [0, hi) are seen", "# causal rows that see no key")
+
+# %% [markdown]
+# The end: $O = \tilde o / \ell$ and $\mathrm{lse} = m + \log \ell$ (back from base 2). A causal row that saw no key (more queries than keys) gets $O = 0$ and $\mathrm{lse} = +\infty$, as in flash_attn:
+
+# %%
+show_fragment(attention_fwd_kernel, "# causal rows that see no key")
+
+# %% [markdown]
+# ```{admonition} Performance notes
+# :class: dropdown
+# Two loops, one unmasked and one masked, would avoid even the per-block test, and an earlier version of this kernel had them, but with Triton 3.6 on an H200 they cost far more than they saved: each loop got its own pipeline buffers in {term}`shared memory` (at head dim 128 with 128 x 128 tiles, 256 KiB, more than the 227 KiB a program may have), and at head dim 64 the second loop pushed the kernel to 255 {term}`registers` with 200 spilled, so causal attention ran at 82 TFLOP/s against 435 without the mask. One loop with the test runs causal at 405 TFLOP/s (head dim 64, $L = 16384$).
+# ```
+
+# %% [markdown]
+# Tile sizes come from a small table per head dim and dtype, chosen with `benchmarks/bench_attention.py --tune` on an H200 (bfloat16, batch 4, 16 heads, $L = 4096$); the {term}`interpreter` gets small unequal tiles. In that sweep the forward pass ran at 487 TFLOP/s at head dim 128 with 128 x 128 tiles, 8 {term}`warps <warp>` and 3 pipeline stages (4 stages no longer fit in shared memory), and at 436 TFLOP/s at head dim 64 with 128 x 64 tiles and 4 warps.
 
 # %% tags=["nbval-ignore-output"]
 print("forward", forward_config(128, torch.bfloat16))
@@ -252,12 +333,49 @@ show_source(attention_bwd_preprocess_kernel)
 # - **dQ**: a program owns a block of queries and walks the key blocks, the same schedule as the forward pass.
 #
 # Both skip the causal tiles above the diagonal and mask only the diagonal ones; both are parallel across the sequence.
+#
+# The first version, from `mamba_annotated/attention/simple.py`, with the forward's teaching assumptions: the dK/dV kernel keeps its key block's $K$, $V$ and two accumulators in registers and walks every query block below the diagonal, rebuilding $P = e^{\tau QK^\top - \mathrm{lse}}$; $\delta = \operatorname{rowsum}(dO \circ O)$ is computed beforehand in PyTorch.
+
+# %%
+show_source(attention_dkdv_simple_kernel)
+
+# %% [markdown]
+# The dQ kernel walks the key blocks of its query block, the forward's schedule, with the same rebuilt $P$ and $dS$:
+
+# %%
+show_source(attention_dq_simple_kernel)
+
+# %% [markdown]
+# Checked as gradients: the three against float64 autograd through the reference, each within twice PyTorch's float32 error.
+
+# %% tags=["nbval-ignore-output"]
+simple_inputs = dict(zip("qkv", simple_qkv))
+simple_dout = randn(*simple_qkv[0].shape)
+for causal in (False, True):
+    out, lse = attention_forward_simple(*simple_qkv, causal)
+    ours = dict(zip("qkv", attention_backward_simple(*simple_qkv, out, lse, simple_dout, causal)))
+    leaves = {key: t.clone().requires_grad_() for key, t in simple_inputs.items()}
+    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal)[0], leaves, simple_dout.double())
+    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal)[0],
+                    {key: t.double().requires_grad_() for key, t in simple_inputs.items()}, simple_dout.double())
+    for key in "qkv":
+        report_within(f"attention_backward_simple, causal={causal}, d{key}", ours[key], same[key], ref[key],
+                      torch.float32)
+
+# %% [markdown]
+# The production kernels run the same two loops, split into a loop function and the program around it so that the one-kernel variant below can reuse them; they add grouped-query heads (a dK/dV program walks the query blocks of every head of its group), strides, the bounds masks, base-2 exponentials and 16-bit tiles. The dK/dV loop over query blocks:
 
 # %%
 show_source(dkdv_query_blocks)
 
+# %% [markdown]
+# The program around it: which key block and key/value head it owns, its $K$ and $V$ tiles loaded once, where the causal walk starts (`lo`) and up to which query block the diagonal crosses the tiles (`mask_until`: the loop's runtime test masks only those), the loop run for each query head of the group, and the stores:
+
 # %%
 show_source(dkdv_program)
+
+# %% [markdown]
+# The dQ loop over key blocks, the forward's sweep with $dS K$ in place of $P V$:
 
 # %%
 show_source(dq_key_blocks)
@@ -320,12 +438,12 @@ grad_out32 = torch.randn(q32.shape, dtype=torch.float64, device=q32.device)
 runs = [gradients(lambda q, k, v: attention_variant(q, k, v, False, backward="atomic"), inputs32, grad_out32)["q"]
         for _ in range(5)]
 differing = max((runs[0] != r).sum().item() for r in runs[1:])
-print(f"atomic dQ (float32, N = {n_atomic}): up to {differing} of {runs[0].numel()} elements differ between runs")
+print(f"atomic dQ (float32, L = {n_atomic}): up to {differing} of {runs[0].numel()} elements differ between runs")
 
 # %% [markdown]
 # ## Memory
 #
-# What a forward pass keeps for the backward pass, measured with `torch.autograd.graph.saved_tensors_hooks` (every distinct storage saved, inputs included): naive attention keeps the $N \times N$ probabilities, this kernel keeps $Q, K, V, O$ and the lse, as does PyTorch's SDPA when it picks a flash backend. On a GPU the cell also reports the peak memory of a forward and backward pass above the inputs.
+# What a forward pass keeps for the backward pass, measured with `torch.autograd.graph.saved_tensors_hooks` (every distinct storage saved, inputs included): naive attention keeps the $L \times L$ probabilities, this kernel keeps $Q, K, V, O$ and the lse, as does PyTorch's SDPA when it picks a flash backend. On a GPU the cell also reports the peak memory of a forward and backward pass above the inputs.
 
 # %%
 def saved_bytes(fn, q, k, v):
@@ -357,7 +475,7 @@ def peak_mib(fn, q, k, v):
 
 # %% tags=["nbval-ignore-output"]
 mem_rows = []
-for seqlen in progress(runtime.size(gpu=[1024, 2048, 4096, 8192], cpu=[32, 64, 128]), "memory "):
+for seqlen in runtime.size(gpu=[1024, 2048, 4096, 8192], cpu=[32, 64, 128]):
     q, k, v = (t.requires_grad_() for t in make_qkv(seqlen, seqlen, heads=dims["kv_heads"]))
     for name, fn in memory_impls.items():
         row = dict(seqlen=seqlen, impl=name, saved_MiB=saved_bytes(fn, q, k, v) / 2**20)
@@ -366,18 +484,20 @@ for seqlen in progress(runtime.size(gpu=[1024, 2048, 4096, 8192], cpu=[32, 64, 1
         mem_rows.append(row)
 print_table(mem_rows)
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
+memory_colors = {"naive": COLORS["decay"], "this kernel": COLORS["y"], "PyTorch SDPA": COLORS["x"]}
 for name in memory_impls:
     points = [(r["seqlen"], r["saved_MiB"]) for r in mem_rows if r["impl"] == name]
-    ax.loglog(*zip(*points), marker="o", base=2, label=name)
-ax.set(title="kept for the backward pass (bfloat16)", xlabel="sequence length N", ylabel="MiB")
-ax.legend();
+    ax.loglog(*zip(*points), marker="o", base=2, label=name, color=memory_colors[name])
+ax.set(title="kept for the backward pass (bfloat16)", xlabel="sequence length L", ylabel="MiB")
+ax.legend()
+plt.show()
 
 # %% [markdown]
-# The naive line is `naive_attention` as shown above, and it keeps more than the textbook's one bfloat16 copy of $P$: autograd also saves a float32 copy of the scores (for the log-sum-exp) and a second copy of $P$ (the output of `nan_to_num`), 8 bytes per entry against 2, so the measured curve is about four times what a minimal naive implementation keeps; its $N^2$ shape is the point. The naive line grows as $N^2$, the other two as $N$: at $N = 16384$, 16 heads and a batch of 4, the benchmark below measures this kernel's peak memory over a whole forward and backward pass beside SDPA's flash backend.
+# The naive line is `naive_attention` as shown above, and it keeps more than the textbook's one bfloat16 copy of $P$: autograd also saves a float32 copy of the scores (for the log-sum-exp) and a second copy of $P$ (the output of `nan_to_num`), 8 bytes per entry against 2, so the measured curve is about four times what a minimal naive implementation keeps; its $L^2$ shape is the point. The naive line grows as $L^2$, the other two as $N$: at $L = 16384$, 16 heads and a batch of 4, the benchmark below measures this kernel's peak memory over a whole forward and backward pass beside SDPA's flash backend.
 #
 # ## Speed
 #
-# FLOPs are counted as FlashAttention counts them: $4 B H N^2 d$ for the forward pass (two products of $2 N^2 d$), halved when causal, and $2.5\times$ that for the backward pass (five products). The backward kernels here do 7 products per tile (two kernels each recompute $S$ and $dP$), the atomic variant 5, so "TFLOP/s" is a rate of useful work, comparable across implementations. The peers are PyTorch's SDPA backends, pinned with `torch.nn.attention.sdpa_kernel`: flash (FlashAttention-2), memory-efficient and cuDNN. `benchmarks/bench_attention.py` runs the full table (batch 4, 16 heads, head dims 64 and 128, $N$ up to 16384); this cell runs a small version of it.
+# FLOPs are counted as FlashAttention counts them: $4 \cdot \text{batch} \cdot H L^2 d$ for the forward pass (two products of $2 L^2 d$), halved when causal, and $2.5\times$ that for the backward pass (five products). The backward kernels here do 7 products per tile (two kernels each recompute $S$ and $dP$), the atomic variant 5, so "TFLOP/s" is a rate of useful work, comparable across implementations. The peers are PyTorch's SDPA backends, pinned with `torch.nn.attention.sdpa_kernel`: flash (FlashAttention-2), memory-efficient and cuDNN. `benchmarks/bench_attention.py` runs the full table (batch 4, 16 heads, head dims 64 and 128, $N$ up to 16384); this cell runs a small version of it.
 
 # %% tags=["nbval-ignore-output"]
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
@@ -388,7 +508,7 @@ peers = {"sdpa flash": SDPBackend.FLASH_ATTENTION} if device.type == "cuda" else
 if device.type == "cuda":
     peers.update({"sdpa efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa cudnn": SDPBackend.CUDNN_ATTENTION})
 speed_rows = []
-for seqlen, causal in progress([(s, c) for s in speed["seqlens"] for c in (False, True)], "timing "):
+for seqlen, causal in [(s, c) for s in speed["seqlens"] for c in (False, True)]:
     shape = (speed["batch"], seqlen, speed["heads"], speed["head_dim"])
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn(shape, device=device, dtype=torch.bfloat16)
@@ -407,32 +527,39 @@ for seqlen, causal in progress([(s, c) for s in speed["seqlens"] for c in (False
         except RuntimeError as e:  # a backend that does not take this shape
             print(f"{name}: {str(e)[:80]}")
             continue
-        speed_rows.append(dict(N=seqlen, causal=causal, impl=name, fwd_ms=fwd_ms, fwd_TFLOPs=tflops(fwd_flops, fwd_ms),
+        speed_rows.append(dict(L=seqlen, causal=causal, impl=name, fwd_ms=fwd_ms, fwd_TFLOPs=tflops(fwd_flops, fwd_ms),
                                bwd_ms=bwd_ms, bwd_TFLOPs=tflops(2.5 * fwd_flops, bwd_ms)))
 print(f"device: {runtime.device_name()}, bfloat16, batch {speed['batch']}, {speed['heads']} heads, "
       f"head_dim {speed['head_dim']}")
 print_table(speed_rows)
+peer_colors = dict(zip(peers, (COLORS["x"], COLORS["h"], COLORS["decay"])))
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
 for ax, pass_ in zip(axes, ("fwd", "bwd")):
     for name in dict.fromkeys(r["impl"] for r in speed_rows):
-        points = sorted((r["N"], r[f"{pass_}_TFLOPs"]) for r in speed_rows if r["impl"] == name and not r["causal"])
-        ax.plot(*zip(*points), marker="o", label=name)
-    ax.set(title=f"{'forward' if pass_ == 'fwd' else 'backward'}, non-causal", xlabel="N", ylabel="TFLOP/s")
+        points = sorted((r["L"], r[f"{pass_}_TFLOPs"]) for r in speed_rows if r["impl"] == name and not r["causal"])
+        ours = name.startswith("ours")  # ours in one colour, its schedules by line style
+        style = dict(color=COLORS["y"], linestyle={"split": "-", "fused": "--", "atomic": ":"}[name[6:-1]]) if ours \
+            else dict(color=peer_colors[name], linestyle="-")
+        ax.plot(*zip(*points), marker="o", label=name, **style)
+    ax.set(title=f"{'forward' if pass_ == 'fwd' else 'backward'}, non-causal", xlabel="sequence length L", ylabel="TFLOP/s")
     ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
-axes[1].legend(fontsize="small");
+axes[1].legend(fontsize="small")
+plt.show()
 
 # %% [markdown]
 # Reading the table (on a GPU): "two kernels" and "one kernel" do the same arithmetic, so their difference is scheduling alone; the atomic variant saves two of seven products per tile but pays for float32 atomics into $dQ$, a float32 buffer the size of $Q$, and its non-determinism. The default is the deterministic two-kernel form.
 #
+# In the stored H100 run our forward pass is faster than SDPA's flash and memory-efficient backends and slower than cuDNN's; our default backward pass (two kernels) is faster than flash's at every length and behind cuDNN's. The one-kernel backward runs at about half the two-kernel rate even without a mask (205 against 396 TFLOP/s at $L = 4096$), so uneven causal load cannot be the whole story. Reading the code, not measuring it, the likely reasons are these. A fused program holds the registers and shared memory of both loops at once, so fewer programs fit on an SM. Its dQ half runs with the dK/dV launch settings (`attention_backward_fused` takes the warps and stages of "dkdv": at head dim 128, 4 warps and 2 stages, where the dQ kernel alone gets 8 warps and 3), and a 128-row dQ tile of float32 accumulators spread over 4 warps needs twice the registers per thread, which invites spills. And a program runs its two loops one after the other: with 64-key dK/dV blocks and 128-query dQ blocks (head dim 128), half of the programs do a dK/dV loop and a dQ loop twice as long, the other half only the dK/dV loop, so the launch ends waiting on the long ones. The split kernels give each loop its own tiles, warps and stages, and all their programs within a kernel do equal work (without a mask).
+#
 # ```{admonition} Performance notes
 # :class: dropdown
-# From the tuning sweep behind the tile tables (`benchmarks/bench_attention.py --tune` on an H200, Triton 3.6, bfloat16, batch 4, 16 heads, $N = 4096$). Forward, head dim 128: 128 x 128 tiles ran at 487 TFLOP/s, 128 x 64 at 471. Backward, head dim 64: the whole backward pass took 2.0 ms with each loop on its own tiles (dK/dV 128 keys x 32 queries, dQ 128 queries x 64 keys) and 2.3 ms with the dQ tiles for both loops; head dim 128: 3.75 ms with either tiling for both loops.
+# From the tuning sweep behind the tile tables (`benchmarks/bench_attention.py --tune` on an H200, Triton 3.6, bfloat16, batch 4, 16 heads, $L = 4096$). Forward, head dim 128: 128 x 128 tiles ran at 487 TFLOP/s, 128 x 64 at 471. Backward, head dim 64: the whole backward pass took 2.0 ms with each loop on its own tiles (dK/dV 128 keys x 32 queries, dQ 128 queries x 64 keys) and 2.3 ms with the dQ tiles for both loops; head dim 128: 3.75 ms with either tiling for both loops.
 # ```
 #
 # ## What we have
 #
-# An attention kernel that never forms the $N \times N$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns; dropout, local (sliding-window) attention, soft-capping and ALiBi raise `NotImplementedError`.
+# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns; dropout, local (sliding-window) attention, soft-capping and ALiBi raise `NotImplementedError`.
 #
 # **Exercises** (the tests in `tests/test_attention.py` check both):
 #
@@ -475,7 +602,7 @@ def merge_kernel(o1_ptr, l1_ptr, o2_ptr, l2_ptr, o_ptr, l_ptr, seqlen, heads, D:
     head = pid % heads
     query = (pid // heads) % seqlen
     batch = pid // (heads * seqlen)
-    at = ((batch * heads) + head) * seqlen + query  # lse is (batch, heads, Nq)
+    at = ((batch * heads) + head) * seqlen + query  # lse is (batch, heads, Lq)
     lse1, lse2 = tl.load(l1_ptr + at), tl.load(l2_ptr + at)
     lse = tl.maximum(lse1, lse2) + tl.log(1.0 + tl.exp(-tl.abs(lse1 - lse2)))  # log(e^lse1 + e^lse2)
     d = pid * D + tl.arange(0, D)
