@@ -160,11 +160,12 @@ class MixerModel(nn.Module):
         return self.norm_f(residual.to(dtype=self.norm_f.weight.dtype))
 
 
-def sample(logits, top_k=1, top_p=0.0, temperature=1.0, generator=None):
+def sample(logits, top_k=1, top_p=0.0, *, temperature=1.0, generator=None):
     """The next token of each row of logits (batch, vocab): greedy (argmax) when top_k == 1; else
     drawn from softmax(logits / temperature) restricted to the top_k logits (top_k = 0: all of
     them) and then to the smallest set whose probability reaches top_p (top_p = 0: no limit), as
-    mamba_ssm's ``sample``."""
+    mamba_ssm's ``sample``. Its ``min_p`` (the fourth positional argument there) is not
+    implemented: ``temperature`` is keyword-only here, so a positional ``min_p`` fails loudly."""
     if top_k == 1:
         return logits.argmax(dim=-1)
     if not 0.0 <= top_p <= 1.0:
@@ -195,6 +196,10 @@ class LMHeadModel(nn.Module):
         self.config = config
         self.backbone = MixerModel(config, device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size(), bias=False, device=device, dtype=dtype)
+        # mamba_ssm's MambaLMHeadModel initialises a second time here, over the whole model and with
+        # one residual per layer: that pass, not the backbone's, sets the weights (and the random
+        # draws), so it is repeated to give the same model from the same seed
+        self.apply(lambda m: init_weights(m, config.n_layer))
         if config.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
 
@@ -214,7 +219,8 @@ class LMHeadModel(nn.Module):
     def generate(self, input_ids, max_length, top_k=1, top_p=0.0, temperature=1.0, eos_token_id=None,
                  return_dict_in_generate=False, output_scores=False, generator: Optional[torch.Generator] = None):
         """Continue each row of input_ids (batch, L) up to ``max_length`` tokens in all (fewer when
-        every row has produced ``eos_token_id``): the prompt goes through the chunked kernels
+        every row has produced ``eos_token_id`` at some step; mamba_ssm stops only when all rows
+        produce it at the same step): the prompt goes through the chunked kernels
         once (the prefill, which leaves every layer's state or KV cache), then each new token
         through the blocks' decoding steps. Greedy with top_k=1 (the default); sampling otherwise
         (:func:`sample`; ``generator`` makes it reproducible). Returns the sequences (batch, L + new
