@@ -2,12 +2,12 @@
 # Run the benchmark scripts on a GPU, each timing a kernel beside its peers in one run, and store
 # their results under book/data/ where the chapters' speed sections read them. Run this before
 # scripts/gpu_pipeline.sh so the executed notebooks show the fresh results.
-#   usage: bash scripts/gpu_benchmarks.sh [linear_scan selective_scan ssd bidirectional attention host_cost]
+#   usage: bash scripts/gpu_benchmarks.sh [linear_scan selective_scan ssd bidirectional attention host_cost models]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 topics=("$@")
-[ ${#topics[@]} -gt 0 ] || topics=(linear_scan selective_scan ssd bidirectional attention host_cost)
+[ ${#topics[@]} -gt 0 ] || topics=(linear_scan selective_scan ssd bidirectional attention host_cost models)
 mkdir -p book/data
 failed=0
 for topic in "${topics[@]}"; do
