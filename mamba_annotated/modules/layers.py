@@ -50,6 +50,24 @@ def rms_norm(x, weight, eps, z=None, group_size=None, norm_before_gate=True):
     return out.to(dtype)
 
 
+class CachedStates:
+    """For blocks whose decoding state is the (conv_state, ssm_state) pair of their
+    ``allocate_inference_cache``, kept in ``inference_params`` under their ``layer_idx``."""
+
+    def get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
+        """This layer's (conv_state, ssm_state) in ``inference_params``, allocated on first use."""
+        if self.layer_idx is None:
+            raise ValueError("decoding with inference_params needs the block's layer_idx (pass layer_idx=...)")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        conv_state, ssm_state = cache[self.layer_idx]
+        if initialize_states:
+            conv_state.zero_()
+            ssm_state.zero_()
+        return conv_state, ssm_state
+
+
 class RMSNorm(nn.Module):
     """RMS normalization (no bias), float32 inside: mamba_ssm's ``RMSNorm`` (its state_dict holds
     ``weight`` only)."""

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 
 from ..scan import selective_scan
 from ..scan.selective_step import selective_state_update
-from .layers import causal_conv1d_step, conv_state_of, depthwise_conv1d
+from .layers import CachedStates, causal_conv1d_step, conv_state_of, depthwise_conv1d
 from .mamba2 import inverse_softplus_steps
 
 
-class Mamba(nn.Module):
+class Mamba(CachedStates, nn.Module):
     """mamba_ssm 2.3.2.post1's ``Mamba`` (modules/mamba_simple.py): the same constructor arguments
     (order and defaults), parameters, state_dict keys and shapes, forward/step/allocate_inference_cache
     with the same return conventions, so a mamba_ssm checkpoint loads with ``strict=True``.
@@ -118,17 +118,4 @@ class Mamba(nn.Module):
         conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device, dtype=conv_dtype)
         ssm_dtype = self.dt_proj.weight.dtype if dtype is None else dtype
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=ssm_dtype)
-        return conv_state, ssm_state
-
-    def get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
-        """This layer's (conv_state, ssm_state) in ``inference_params``, allocated on first use."""
-        if self.layer_idx is None:
-            raise ValueError("decoding with inference_params needs the block's layer_idx (pass layer_idx=...)")
-        cache = inference_params.key_value_memory_dict
-        if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        conv_state, ssm_state = cache[self.layer_idx]
-        if initialize_states:
-            conv_state.zero_()
-            ssm_state.zero_()
         return conv_state, ssm_state

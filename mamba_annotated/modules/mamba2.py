@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..ssd import ssd_chunk_scan
 from ..ssd.step import ssd_state_update
-from .layers import RMSNormGated, causal_conv1d_step, conv_state_of, depthwise_conv1d
+from .layers import CachedStates, RMSNormGated, causal_conv1d_step, conv_state_of, depthwise_conv1d
 
 
 def inverse_softplus_steps(count, dt_min, dt_max, dt_init_floor, **factory_kwargs):
@@ -19,7 +19,7 @@ def inverse_softplus_steps(count, dt_min, dt_max, dt_init_floor, **factory_kwarg
     return dt + torch.log(-torch.expm1(-dt))
 
 
-class Mamba2(nn.Module):
+class Mamba2(CachedStates, nn.Module):
     """mamba_ssm 2.3.2.post1's ``Mamba2`` (modules/mamba2.py): the same constructor arguments (order
     and defaults), parameters, state_dict keys and shapes, forward/step/allocate_inference_cache
     with the same return conventions, so a mamba_ssm checkpoint loads with ``strict=True``.
@@ -194,17 +194,4 @@ class Mamba2(nn.Module):
                                  dtype=conv_dtype).transpose(1, 2)
         ssm_dtype = self.in_proj.weight.dtype if dtype is None else dtype
         ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device, dtype=ssm_dtype)
-        return conv_state, ssm_state
-
-    def get_states_from_cache(self, inference_params, batch_size, initialize_states=False):
-        """This layer's (conv_state, ssm_state) in ``inference_params``, allocated on first use."""
-        if self.layer_idx is None:
-            raise ValueError("decoding with inference_params needs the block's layer_idx (pass layer_idx=...)")
-        cache = inference_params.key_value_memory_dict
-        if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        conv_state, ssm_state = cache[self.layer_idx]
-        if initialize_states:
-            conv_state.zero_()
-            ssm_state.zero_()
         return conv_state, ssm_state

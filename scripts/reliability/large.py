@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import blocked_reference  # noqa: E402  (tests/test_linear_scan.py's float64 scan of long rows)
+from cli import comma_list  # noqa: E402
 from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, ssd_chunk_scan  # noqa: E402
 from mamba_annotated.runtime import DEVICE  # noqa: E402
 from mamba_annotated.ssd.reference import per_head, process_dt, ssd_quadratic_ref  # noqa: E402
@@ -50,9 +51,7 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="the same checks at a few hundred positions")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    args.checks = [c for c in args.checks.split(",") if c]
-    if set(args.checks) - set(CHECKS):
-        parser.error(f"unknown checks {sorted(set(args.checks) - set(CHECKS))}")
+    args.checks = comma_list(parser, args.checks, CHECKS, "--checks")
     return args
 
 

@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, flat, forward_backward, upstream  # noqa: E402
+from cli import comma_list  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -26,9 +27,7 @@ def parse_args(argv=None):
     parser.add_argument("--calls", type=int, default=10_000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    args.ops = [o for o in args.ops.split(",") if o]
-    if set(args.ops) - set(OPS):
-        parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}")
+    args.ops = comma_list(parser, args.ops, OPS, "--ops")
     return args
 
 

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, as64, forward_backward  # noqa: E402
+from cli import comma_list  # noqa: E402
 from mamba_annotated.bidirectional.reference import bidirectional_ref, packed_seq_idx  # noqa: E402
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
@@ -39,13 +40,9 @@ def parse_args(argv=None):
     parser.add_argument("--positions", default="first,middle,last,25", help="of first, middle, last, 25")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    args.ops = [o for o in args.ops.split(",") if o]
-    args.values = [v for v in args.values.split(",") if v]
-    args.positions = [p for p in args.positions.split(",") if p]
-    if set(args.values) - set(VALUES) or set(args.positions) - {"first", "middle", "last", "25"}:
-        parser.error("unknown --values or --positions")
-    if set(args.ops) - set(PROBES):
-        parser.error(f"unknown ops {sorted(set(args.ops) - set(PROBES))}")
+    args.ops = comma_list(parser, args.ops, tuple(PROBES), "--ops")
+    args.values = comma_list(parser, args.values, VALUES, "--values")
+    args.positions = comma_list(parser, args.positions, ("first", "middle", "last", "25"), "--positions")
     return args
 
 

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, draw_case, forward_backward  # noqa: E402
+from cli import comma_list  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -30,9 +31,7 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    args.ops = [o for o in args.ops.split(",") if o]
-    if set(args.ops) - set(OPS):
-        parser.error(f"unknown ops {sorted(set(args.ops) - set(OPS))}")
+    args.ops = comma_list(parser, args.ops, OPS, "--ops")
     return args
 
 

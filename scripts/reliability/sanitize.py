@@ -35,6 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from cli import comma_list  # noqa: E402
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-sanitizer")
 ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
@@ -51,11 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=900, help="seconds per (tool, op) run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    args.ops = [o for o in args.ops.split(",") if o]
-    args.tools = [t for t in args.tools.split(",") if t]
-    bad = (set(args.ops) - set(OP_NAMES)) | (set(args.tools) - set(TOOLS))
-    if bad:
-        parser.error(f"unknown ops or tools: {sorted(bad)}")
+    args.ops = comma_list(parser, args.ops, OP_NAMES, "--ops")
+    args.tools = comma_list(parser, args.tools, TOOLS, "--tools")
     return args
 
 

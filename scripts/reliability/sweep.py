@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, draw_case, reproducer, run_case, shrink  # noqa: E402
+from cli import comma_list  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,10 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--verbose", action="store_true", help="print every case")
     parser.add_argument("--json", default=None, help="write the report here")
     args = parser.parse_args(argv)
-    args.ops = [name.strip() for name in args.ops.split(",") if name.strip()]
-    unknown = set(args.ops) - set(OPS)
-    if unknown:
-        parser.error(f"unknown ops {sorted(unknown)}; known: {', '.join(OPS)}")
+    args.ops = comma_list(parser, args.ops, OPS, "--ops")
     return args
 
 
