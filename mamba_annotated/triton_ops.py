@@ -12,7 +12,8 @@
   They are constexpr: in a kernel ``x * LOG2E``, on the host ``x * LOG2E.value``.
 * ``softplus``, accurate to float32 rounding over the whole range (the step sizes of Mamba-1 and
   Mamba-2 go through it).
-* ``block_size``: the power-of-two tile that covers a dimension, within bounds.
+* ``block_size``: the power-of-two tile that covers a dimension, within bounds; ``state_rows``: the
+  rows of a recurrent state one decoding-step program updates.
 """
 import torch
 import triton
@@ -99,3 +100,10 @@ def block_size(dim: int, smallest: int = 16, largest: int | None = None) -> int:
     [smallest, largest]."""
     block = max(smallest, next_power_of_2(dim))
     return min(block, largest) if largest is not None else block
+
+
+def state_rows(dstate: int, rows: int) -> int:
+    """Rows of a recurrent state (channels, or headdim) that one decoding-step program updates:
+    fewer as dstate grows, so its [rows, dstate] tile stays near 512 numbers in registers."""
+    block = 32 if dstate <= 16 else 16 if dstate <= 32 else 8 if dstate <= 64 else 4
+    return min(block, next_power_of_2(rows))

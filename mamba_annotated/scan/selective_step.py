@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, softplus
+from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, softplus, state_rows
 from ..validation import check_same_device, check_tensor
 
 
@@ -87,12 +87,6 @@ def selective_state_update_kernel(
              mask=row_mask)
 
 
-def row_block(dstate: int, dim: int) -> int:
-    """Channels per program: fewer as dstate grows, so a program's state tile stays near 512 numbers."""
-    block = 32 if dstate <= 16 else 16 if dstate <= 32 else 8 if dstate <= 64 else 4
-    return min(block, next_power_of_2(dim))
-
-
 def selective_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     """The 4-d layout: state (batch, heads, dim, dstate); x, dt, z (batch, heads, dim); A (heads *
     dim, dstate), D and dt_bias (heads * dim,) contiguous; B, C (batch, groups, dstate). Returns y
@@ -102,7 +96,7 @@ def selective_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softp
     y = outputs.empty((batch, heads, dim), x.dtype, x.device)
     if y.numel() == 0:
         return y
-    BLOCK_M = row_block(dstate, dim)
+    BLOCK_M = state_rows(dstate, dim)
     z_strides = z.stride() if z is not None else (0, 0, 0)
     selective_state_update_kernel[(cdiv(dim, BLOCK_M), batch, heads)](
         state, x, dt, A, B, C, D if D is not None else A, z if z is not None else x,

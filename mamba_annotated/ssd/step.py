@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid
+from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, state_rows
 from ..validation import check_same_device, check_tensor
 from .chunk_cumsum import step_and_slope
 
@@ -90,12 +90,6 @@ def ssd_state_update_kernel(
              mask=p_mask)
 
 
-def row_block(dstate: int, headdim: int) -> int:
-    """Rows of headdim per program: fewer as dstate grows, so a program's state tile stays near 512-1024 numbers."""
-    block = 32 if dstate <= 16 else 16 if dstate <= 32 else 8 if dstate <= 64 else 4
-    return min(block, next_power_of_2(headdim))
-
-
 def ssd_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit):
     """Checked inputs; A, D and dt_bias contiguous. Returns y (batch, heads, headdim), contiguous."""
     batch, heads, headdim, dstate = state.shape
@@ -103,7 +97,7 @@ def ssd_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, d
     y = outputs.empty((batch, heads, headdim), x.dtype, x.device)
     if y.numel() == 0:
         return y
-    BLOCK_P = row_block(dstate, headdim)
+    BLOCK_P = state_rows(dstate, headdim)
     z_strides = z.stride() if z is not None else (0, 0, 0)
     ssd_state_update_kernel[(cdiv(headdim, BLOCK_P), batch, heads)](
         state, x, dt, A, B, C, D if D is not None else A, z if z is not None else x,
