@@ -199,6 +199,75 @@ def test_opcheck_scans():
     torch.library.opcheck(selective_scan_op.op, (u, delta, A, B, C, None, randn(1, 4, 19), randn(4), False, True))
 
 
+def transposed(*shape):
+    """A random tensor of ``shape`` whose last two dims are swapped in memory (not contiguous)."""
+    return randn(*shape[:-2], shape[-1], shape[-2]).transpose(-1, -2)
+
+
+def split_view(*shape):
+    """A random tensor of ``shape`` that is a slice of a wider last dim (mamba_ssm's in_proj split)."""
+    return randn(*shape[:-1], shape[-1] + 3)[..., 2:-1]
+
+
+def non_contiguous_op_args():
+    """(op, arguments of its forward custom op) for every public op, inputs as strided views."""
+    from mamba_annotated.attention.api import attention_op
+    from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
+    from mamba_annotated.ssd.api import ssd_chunk_scan_op
+
+    def grad(*tensors):
+        return [t.requires_grad_() for t in tensors]
+
+    a, b = grad(transposed(3, 21).abs().clamp(0.5, 0.99), transposed(3, 21))
+    u, delta, B = grad(transposed(1, 4, 19), transposed(1, 4, 19).abs() * 0.3 + 0.1, transposed(1, 3, 19))
+    A, C = grad(-uniform(4, 3, low=0.5, high=1.5), randn(1, 3, 19))
+    x, dt = grad(split_view(1, 17, 2, 16), transposed(1, 17, 2) * 0.5)
+    A_ssd, B_ssd, C_ssd = grad(-uniform(2, low=0.5, high=1.5), split_view(1, 17, 1, 16), split_view(1, 17, 1, 16))
+    qkv = randn(1, 13, 3, 2, 16)
+    q, k, v = grad(*(qkv[:, :, i] for i in range(3)))
+    return [
+        ("linear_scan", linear_scan_op, (a, b, None, False)),
+        ("sequential_scan", sequential_scan_op, (a, b, None, True)),
+        ("selective_scan", selective_scan_op, (u, delta, A, B, C, randn(4), transposed(1, 4, 19), None, True, True)),
+        ("ssd_chunk_scan", ssd_chunk_scan_op, (x, dt, A_ssd, B_ssd, C_ssd, 16, None, split_view(1, 17, 2, 16), None,
+                                               None, None, None, True, 0.0, math.inf, None)),
+        ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
+         (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
+        ("attention", attention_op, (q, k, v, 0.25, True)),
+    ]
+
+
+class RecordBackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the arguments of every call of one op (an OpOverload) while active."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.calls = op, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is self.op:
+            self.calls.append(args)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name, op, args", non_contiguous_op_args(), ids=lambda v: v if isinstance(v, str) else "")
+def test_fake_functions_match_strided_inputs(name, op, args):
+    """Each fake (meta) function gives the shapes, dtypes and strides its real function returns,
+    forward and backward, when the inputs are strided views (a transposed u or dt, a slice of an
+    in_proj output, q/k/v from one packed tensor). torch.compile checks the real outputs against
+    the fake ones and stops on a mismatch: the selective scan's fakes copied a transposed input's
+    strides while the kernels return contiguous tensors, which broke torch.compile of Mamba-1."""
+    torch.library.opcheck(op.op, args)
+    outputs = op.op(*args)
+    loss = sum(t.float().square().sum() for t in outputs if t.is_floating_point() and t.requires_grad)
+    backward_op = getattr(torch.ops.mamba_annotated, f"{name}_backward").default
+    with RecordBackwardCalls(backward_op) as recorder:
+        loss.backward()
+    assert len(recorder.calls) == 1, f"{name}_backward ran {len(recorder.calls)} times"
+    # the saved inputs still require grad; the backward op itself is not differentiated
+    torch.library.opcheck(op.backward_op, [t.detach() if isinstance(t, torch.Tensor) else t for t in recorder.calls[0]])
+
+
 def all_four_ops(scan_a, scan_b, u, delta, A, B, C, x, dt, A_ssd, B_ssd, C_ssd, q, k, v):
     """A small model's worth of calls: every public op, forward, summed into one loss."""
     h = linear_scan(torch.sigmoid(scan_a), scan_b, reverse=True)

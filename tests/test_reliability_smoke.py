@@ -39,6 +39,16 @@ def test_draws_are_seeded_plain_data_that_respect_the_constraints():
                 assert all(smaller["dims"][k] >= op.minimum.get(k, 1) for k in smaller["dims"])
 
 
+def test_same_bits_treats_a_repeated_nan_as_equal_and_any_changed_bit_as_different():
+    """A case whose outputs hold NaN was reported as not reproducible by torch.equal (NaN != NaN)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        a = torch.tensor([1.0, float("nan"), -0.0, float("inf")], dtype=dtype)
+        assert cases.same_bits(a, a.clone()) and not torch.equal(a, a.clone())
+        assert not cases.same_bits(a, torch.tensor([1.0, float("nan"), 0.0, float("inf")], dtype=dtype))  # -0 vs +0
+        assert not cases.same_bits(a, a.double() if dtype != torch.float64 else a.float())
+    assert cases.same_bits(torch.arange(4), torch.arange(4)) and not cases.same_bits(torch.arange(4), torch.arange(1, 5))
+
+
 def test_views_have_the_shapes_asked_for_and_the_strides_promised():
     for layout in cases.LAYOUTS:
         base = torch.randn(cases.base_shape((3, 4, 5), layout))

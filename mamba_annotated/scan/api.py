@@ -42,16 +42,16 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
     def backward(a: torch.Tensor, h: torch.Tensor, h0: Optional[torch.Tensor], grad_h: torch.Tensor,
                  reverse: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if a.numel() == 0:
-            grad_h0 = torch.zeros_like(h0) if h0 is not None else absent(a)
-            return torch.zeros_like(a), torch.zeros_like(a), grad_h0
+            grad_h0 = h0.new_zeros(h0.shape) if h0 is not None else absent(a)
+            return a.new_zeros(a.shape), a.new_zeros(a.shape), grad_h0
         h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
         grad_a, grad_b, grad_h0 = backward_launcher(rows(a), rows(h), h0_rows, rows(grad_h), reverse=reverse)
         grad_h0 = grad_h0.view(h0.shape) if h0 is not None else absent(a)
         return grad_a.view(a.shape), grad_b.view(a.shape), grad_h0
 
     def fake_backward(a, h, h0, grad_h, reverse):
-        grad_h0 = torch.empty_like(h0) if h0 is not None else absent(a)
-        return torch.empty_like(a), torch.empty_like(a), grad_h0
+        grad_h0 = h0.new_empty(h0.shape) if h0 is not None else absent(a)
+        return a.new_empty(a.shape), a.new_empty(a.shape), grad_h0
 
     def save(ctx, inputs, output):
         a, _, h0, reverse = inputs
@@ -165,7 +165,7 @@ def fake_selective_forward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, 
     batch, dim, length = u.shape
     chunk_states = (u.new_empty(chunk_states_shape(batch, dim, A.shape[1], length), dtype=torch.float32)
                     if store_chunk_states and u.numel() else absent(u))
-    return torch.empty_like(u), u.new_empty((batch, dim, A.shape[1]), dtype=torch.float32), chunk_states
+    return u.new_empty(u.shape), u.new_empty((batch, dim, A.shape[1]), dtype=torch.float32), chunk_states
 
 
 SELECTIVE_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -178,7 +178,7 @@ def selective_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
     """The gradient of each of the eight tensor inputs, in its dtype and shape (absent for None)."""
     inputs = (u, delta, A, B, C, D, z, delta_bias)
     if u.numel() == 0:
-        return [torch.zeros_like(x) if x is not None else absent(u) for x in inputs]
+        return [x.new_zeros(x.shape) if x is not None else absent(u) for x in inputs]
     grads = selective_scan_backward(
         *(contiguous(x) for x in (u, delta, A, as_groups(B), as_groups(C), D, z, delta_bias)),
         delta_softplus=delta_softplus, chunk_states=chunk_states, grad_y=grad_y.contiguous(),
@@ -189,7 +189,7 @@ def selective_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
 
 def fake_selective_backward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, grad_y,
                             grad_last_state):
-    return [torch.empty_like(x) if x is not None else absent(u) for x in (u, delta, A, B, C, D, z, delta_bias)]
+    return [x.new_empty(x.shape) if x is not None else absent(u) for x in (u, delta, A, B, C, D, z, delta_bias)]
 
 
 def save_selective(ctx, inputs, output):
