@@ -16,6 +16,7 @@ and only the mixers differ. mamba_ssm's own ``MambaLMHeadModel`` cannot be built
 module imports the Mamba-1 CUDA extension.
 
 Usage: python benchmarks/bench_models.py [--json book/data/models_bench.json] [--quick]
+                                       [--passes train,decode] [--merge]
 """
 import argparse
 import copy
@@ -109,29 +110,49 @@ def bars(rows):
     return out
 
 
+def save(path, shape, rows):
+    """Write the rows and the bars they decide (after each pass, so a run cut short keeps its rows)."""
+    verdicts = bars(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(device=device_name(), model=shape, rows=rows, bars=verdicts), indent=1))
+    return verdicts
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--quick", action="store_true", help="a small model and one shape: a smoke run")
+    parser.add_argument("--passes", default="train,decode",
+                        help="comma list of train, decode (split a run across device calls)")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of the passes not run that are already in --json (same device and model)")
     args = parser.parse_args()
+    passes = args.passes.split(",")
+    if not set(passes) <= {"train", "decode"}:
+        parser.error(f"--passes: expected a comma list of train, decode; got {args.passes!r}")
     if DEVICE.type != "cuda":
         sys.exit("bench_models: needs a CUDA GPU (this machine runs the kernels in Triton's interpreter)")
     from peers import mamba_ssm_module
     peer_module = mamba_ssm_module("mamba_ssm.modules.mamba2")
     shape = QUICK_MODEL if args.quick else MODEL
+    rows = []
+    if args.merge and args.json and args.json.exists():
+        old = json.loads(args.json.read_text())
+        if old["device"] != device_name() or old["model"] != shape:
+            sys.exit(f"bench_models: --merge needs the same device and model as {args.json} ({old['device']}, {old['model']})")
+        rows = [r for r in old["rows"] if r["pass_"] not in passes]
     config, ours, theirs = build_models(shape, peer_module)
-    print(f"device: {device_name()}; model {shape}, {param_count(config) / 1e6:.1f} M parameters")
-    trained = training_rows(ours, theirs, config, QUICK_TRAINING if args.quick else TRAINING)
-    bench.print_table(trained)
-    decoded = decoding_rows(ours, theirs, config, QUICK_DECODING if args.quick else DECODING)
-    bench.print_table(decoded)
-    rows = trained + decoded
-    verdicts = bars(rows)
+    print(f"device: {device_name()}; model {shape}, {param_count(config) / 1e6:.1f} M parameters", flush=True)
+    for pass_, measure, runs in (("train", training_rows, QUICK_TRAINING if args.quick else TRAINING),
+                                 ("decode", decoding_rows, QUICK_DECODING if args.quick else DECODING)):
+        if pass_ in passes:
+            new = measure(ours, theirs, config, runs)
+            bench.print_table(new)
+            rows += new
+            if args.json:
+                save(args.json, shape, rows)
     print("bars:")
-    bench.print_table(verdicts)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(device=device_name(), model=shape, rows=rows, bars=verdicts), indent=1))
+    bench.print_table(bars(rows))
 
 
 if __name__ == "__main__":

@@ -30,9 +30,10 @@
 # | grid | the tuple of program counts a launch asks for: `kernel[grid](...)` |
 # | `BLOCK` | how many elements one program handles, a compile-time constant (`tl.constexpr`), a power of two |
 # | `x_ptr + offsets` | a block of addresses: a pointer plus a vector of element offsets |
+# | lane | one of the `BLOCK` element positions of a block (not a thread) |
 # | mask | a vector of booleans: which lanes of a block may load and store |
 # | $I$ | arithmetic intensity: floating-point operations per byte moved to or from HBM |
-# | $\beta$, $\pi$ | memory bandwidth (bytes/s) and peak arithmetic rate (FLOP/s) of a GPU |
+# | $W_{\text{mem}}$, $R_{\text{peak}}$ | memory bandwidth (bytes/s) and peak arithmetic rate (FLOP/s) of a GPU |
 # ```
 
 # %%
@@ -88,9 +89,9 @@ check("one element per program", y, 2 * x.double() + 1, tolerance(torch.float32)
 # %% [markdown]
 # ## The same kernel in blocks
 #
-# One element per program wastes the machine: a GPU runs programs as groups of 32 threads ({term}`warps <warp>`), and a program that touches one float leaves 31 of them idle. A real kernel gives each program a {term}`block` of `BLOCK` elements. `tl.arange(0, BLOCK)` is the vector $0, 1, \dots, \mathrm{BLOCK}-1$, so `pid * BLOCK + tl.arange(0, BLOCK)` are the offsets program `pid` owns, and one `tl.load` reads the whole block. `BLOCK` is a `tl.constexpr`: the compiler specialises the kernel for each value, and `tl.arange` needs a power of two.
+# One element per program wastes the machine: a GPU runs each program as {term}`warps <warp>` of 32 threads, four warps (128 threads) by default, so a program that touches one float does one thread's work and leaves 127 threads idle. A real kernel gives each program a {term}`block` of `BLOCK` elements. `tl.arange(0, BLOCK)` is the vector $0, 1, \dots, \mathrm{BLOCK}-1$, so `pid * BLOCK + tl.arange(0, BLOCK)` are the offsets program `pid` owns, and one `tl.load` reads the whole block. `BLOCK` is a `tl.constexpr`: the compiler specialises the kernel for each value, and `tl.arange` needs a power of two.
 #
-# The grid has $\lceil n / \mathrm{BLOCK} \rceil$ programs (`triton.cdiv`). When $n$ is not a multiple of `BLOCK`, the last block runs past the end of the tensor: the {term}`mask` `offsets < n` switches those lanes off, so they neither read nor write. Forgetting it reads and writes memory that belongs to someone else; on a GPU that is silent corruption, not an error.
+# Each of the `BLOCK` positions of a block is a {term}`lane`: element $i$ of every vector in the program. (The word means an element position here, not a thread: Triton decides which thread holds which lanes.) The grid has $\lceil n / \mathrm{BLOCK} \rceil$ programs (`triton.cdiv`). When $n$ is not a multiple of `BLOCK`, the last block runs past the end of the tensor: the {term}`mask` `offsets < n` switches those lanes off, so they neither read nor write. Forgetting it reads and writes memory that belongs to someone else; on a GPU that is silent corruption, not an error.
 
 # %%
 @triton.jit
@@ -141,12 +142,12 @@ for length in (runtime.size(gpu=1_000_003, cpu=1003), 1):
 #
 # A kernel's time is mostly spent moving numbers, so it pays to know where they are. On an NVIDIA H100 SXM {cite}`nvidia2022h100,nvidia2022hopperblog`:
 #
-# - **HBM** ({term}`HBM`, the GPU's main memory, "global memory"): 80 GB of HBM3 at 3.35 TB/s peak. Every tensor argument lives here; `tl.load` and `tl.store` on a pointer go here. The H200 has the same chip with 141 GB of HBM3e at 4.8 TB/s {cite}`nvidia2024h200`. The stored benchmarks of this book measured a device-to-device copy at about 4.2 TB/s on an H200 (88% of its peak): the practical bandwidth $\beta$, which the book calls the memory floor.
+# - **HBM** ({term}`HBM`, the GPU's main memory, "global memory"): 80 GB of HBM3 at 3.35 TB/s peak. Every tensor argument lives here; `tl.load` and `tl.store` on a pointer go here. The H200 has the same chip with 141 GB of HBM3e at 4.8 TB/s {cite}`nvidia2024h200`. The stored benchmarks of this book (`book/data/*.json`) ran on an H200 and measured a device-to-device copy there at about 4.2 TB/s (88% of its peak): the practical bandwidth $W_{\text{mem}}$, which sets what the book calls the {term}`memory floor`.
 # - **L2** ({term}`L2`): a 50 MB cache shared by the whole chip. A second read of recently used data comes from here; kernels do not manage it.
 # - **Shared memory** ({term}`shared memory`): 256 KB of on-chip memory per {term}`SM`, split between the L1 cache and shared memory; up to 228 KB can be shared memory, and one program may use up to 227 KB {cite}`nvidia2024hoppertuning`. Triton places data here itself: for the operands of `tl.dot`, the stages of a software pipeline and the exchanges of a reduction or scan.
 # - **Registers** ({term}`registers`): 64K 32-bit registers (256 KB) per SM {cite}`nvidia2024cudaguide`, private to each thread. A block that a program holds between loads (the state of a scan, an accumulator) lives here if it fits.
 #
-# The H100 SXM has 132 SMs, so the chip holds about 33 MB of registers and as much again of L1 and shared memory: small beside HBM, and far faster. Every kernel in the book follows one rule: read each input from HBM once, keep what is reused on chip, write each output once.
+# The H100 SXM has 132 SMs, so the chip holds about 33 MB of registers and as much again of L1 and shared memory: as much as its L2, small beside HBM, and far faster. Every kernel in the book follows one rule: read each input from HBM once, keep what is reused on chip, write each output once.
 
 # %%
 def draw_memory_hierarchy():
@@ -175,11 +176,11 @@ def draw_memory_hierarchy():
 draw_memory_hierarchy()
 
 # %% [markdown]
-# Each level up is roughly ten times smaller and several times faster than the one below it; a kernel is fast when its working set climbs as high as it fits and stays there.
+# Each level up is faster and closer to the arithmetic, and smaller in what one thread or program can reach: a thread's registers (at most 255, about 1 KB), an SM's shared memory (up to 227 KB for one program), the chip's L2 (50 MB), HBM (80 GB). Counted over the whole chip the upper levels are closer in size (33 MB of registers, 33 MB of L1 and shared memory, 50 MB of L2); what keeps them small is that each SM reaches only its own. A kernel is fast when the data it reuses stays in the upper levels.
 #
 # ## Warps, shuffles and reductions
 #
-# A program does not run on one thread. Triton compiles it for `num_warps` warps of 32 threads each (4 by default): the `BLOCK` lanes of a vector are spread over $32 \times$ `num_warps` threads, a few per thread, and all 32 threads of a warp execute the same instruction at once. Elementwise code like `2.0 * x + 1.0` needs no communication. A reduction (`tl.sum`, `tl.max`) or a scan (`tl.cumsum`, `tl.associative_scan`) does: the threads of a warp exchange registers directly with {term}`shuffles <shuffle>` (`shfl.sync`, five rounds to combine 32 values), and the warps of a program meet in shared memory. Chapters 2 and 3 are built on exactly this machinery. A row sum, one program per row:
+# A program does not run on one thread. Triton compiles it for `num_warps` warps of 32 threads each (4 by default): the `BLOCK` {term}`lanes <lane>` of a vector are spread over $32 \times$ `num_warps` threads, a few per thread, and all 32 threads of a warp execute the same instruction at once. Elementwise code like `2.0 * x + 1.0` needs no communication. A reduction (`tl.sum`, `tl.max`) or a scan (`tl.cumsum`, `tl.associative_scan`) does: the threads of a warp exchange registers directly with {term}`shuffles <shuffle>` (`shfl.sync`, five rounds to combine 32 values), and the warps of a program meet in shared memory. Chapters 2 and 3 are built on exactly this machinery. A row sum, one program per row:
 
 # %%
 @triton.jit
@@ -267,7 +268,7 @@ rows = []
 for block in (64, 256, 1024, 4096):
     ms = median_ms(lambda: scale_shift(x, block))
     rows.append(dict(implementation=f"scale_shift, BLOCK={block}", ms=ms, GBps=gbps(2 * x.numel() * 4, ms)))
-for name, fn in (("autotuned", lambda: scale_shift_tuned(x)), ("PyTorch 2 * x + 1", lambda: 2 * x + 1)):
+for name, fn in (("autotuned", lambda: scale_shift_tuned(x)), ("PyTorch 2 * x + 1 (two kernels)", lambda: 2 * x + 1)):
     ms = median_ms(fn)
     rows.append(dict(implementation=name, ms=ms, GBps=gbps(2 * x.numel() * 4, ms)))
 for row in rows:
@@ -286,17 +287,17 @@ best = max(rows, key=lambda r: r["GBps"])
 print(f"verdict: the fastest is {best['implementation']} at {best['pct_copy_bandwidth']:.0f}% of the copy bandwidth")
 
 # %% [markdown]
-# On a GPU, small blocks leave the memory system idle between programs, and from about a thousand elements per program on, the kernel moves data as fast as a copy does, like PyTorch's own elementwise kernel: an elementwise kernel has nothing to do but move bytes, and blocks are what let it do that at full speed. (In the interpreter the numbers measure Python.)
+# On a GPU the smallest block falls far short of the copy bandwidth: 64 elements are fewer than the 128 threads of a program, and each program moves only 512 bytes before the next must be scheduled. From a few hundred elements per program on, the kernel moves data about as fast as a copy does: an elementwise kernel has nothing to do but move bytes, and blocks are what let it do that at full speed. PyTorch's `2 * x + 1` lands near half of the copy bandwidth, and not because its kernels are slow: eager PyTorch runs `2 * x` and `+ 1` as two kernels, each reading and writing the whole tensor, so it moves twice the bytes the table counts. (In the interpreter the numbers measure Python.)
 #
 # ## The roofline: where the book's kernels sit
 #
-# A kernel that performs $F$ floating-point operations and moves $Q$ bytes to and from HBM has an {term}`arithmetic intensity` $I = F / Q$. It cannot take less than $Q/\beta$ seconds to move its bytes nor less than $F/\pi$ to compute, so its rate $F/\text{time}$ is at most
+# A kernel that performs $F$ floating-point operations and moves a number of bytes $n_{\text{bytes}}$ to and from HBM has an {term}`arithmetic intensity` $I = F / n_{\text{bytes}}$. It cannot take less than $n_{\text{bytes}}/W_{\text{mem}}$ seconds to move its bytes nor less than $F/R_{\text{peak}}$ to compute, so its rate $F/\text{time}$ is at most
 #
 # $$
-# \min(\pi,\; \beta \cdot I).
+# \min(R_{\text{peak}},\; W_{\text{mem}} \cdot I).
 # $$
 #
-# Plotted on log axes this is the {term}`roofline` {cite}`williams2009roofline`: a slope where the kernel is {term}`memory-bound`, a flat roof where it is {term}`compute-bound`, meeting at the ridge $I = \pi / \beta$ (on an H200 with the measured $\beta \approx 4.2$ TB/s and a measured bfloat16 matmul rate $\pi \approx 710$ TFLOP/s, about 170 FLOP per byte). The next cell places every kernel of the book on it, from the GPU benchmark results stored in `book/data/*.json`: a scan does one multiply-add (2 FLOP) per element it reads and writes, the selective scan 3 multiply-adds and one exponential per element of its $(b, d, N, L)$ state, SSD and attention count their matmul FLOPs. Each point is the forward pass of the largest shape measured.
+# Plotted on log axes this is the {term}`roofline` {cite}`williams2009roofline`: a slope where the kernel is {term}`memory-bound`, a flat roof where it is {term}`compute-bound`, meeting at the ridge $I = R_{\text{peak}} / W_{\text{mem}}$ (on an H200 with the measured $W_{\text{mem}} \approx 4.2$ TB/s and a measured bfloat16 matmul rate $R_{\text{peak}} \approx 710$ TFLOP/s, about 170 FLOP per byte). The next cell places every kernel of the book on it, from the GPU benchmark results stored in `book/data/*.json`. Those were measured on an H200 (the `device` field of each file, printed first); the other cells of this page ran on the GPU that the environment cell at the top names. For the plot: a scan does one multiply-add (2 FLOP) per element it reads and writes, the selective scan 3 multiply-adds and one exponential per element of its $(b, d, N, L)$ state, SSD and attention count their matmul FLOPs. Each point is the forward pass of the largest shape measured.
 
 # %%
 def load(name):
@@ -304,7 +305,7 @@ def load(name):
 
 
 scans, selective, ssd, attention = (load(f"{n}_bench.json") for n in ("linear_scan", "selective_scan", "ssd", "attention"))
-beta = scans["copy_GBps"] * 1e9                                    # measured copy bandwidth, bytes/s
+bandwidth = scans["copy_GBps"] * 1e9                               # measured copy bandwidth, bytes/s
 peak = next(r["fwd_tflops"] / (r["fwd_pct_peak"] / 100) for r in attention["rows"]) * 1e12  # measured bf16 matmul
 points = []  # (label, chapter, intensity FLOP/byte, achieved FLOP/s)
 
@@ -346,17 +347,17 @@ row = max((r for r in attention["rows"] if r["impl"] == "ours (split)" and not r
 batch, heads = attention["batch"], attention["heads"]
 flop = 4 * batch * heads * row["N"] ** 2 * row["d"]
 nbytes = 4 * batch * row["N"] * heads * row["d"] * 2 + batch * heads * row["N"] * 4   # q, k, v, out (bf16); lse
-points.append((f"attention, N={row['N']}, d={row['d']}", 7, flop / nbytes, row["fwd_tflops"] * 1e12))
+points.append((f"attention, L={row['N']}, d={row['d']}", 7, flop / nbytes, row["fwd_tflops"] * 1e12))
 
 print(f"devices: {sorted({d['device'] for d in (scans, selective, ssd, attention)})}; measured copy bandwidth "
-      f"{beta / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s, ridge at {peak / beta:.0f} FLOP/byte")
+      f"{bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s, ridge at {peak / bandwidth:.0f} FLOP/byte")
 print_table([dict(kernel=label, chapter=chapter, FLOP_per_byte=intensity, TFLOPs=rate / 1e12,
-                  pct_of_roof=100 * rate / min(peak, beta * intensity)) for label, chapter, intensity, rate in points])
+                  pct_of_roof=100 * rate / min(peak, bandwidth * intensity)) for label, chapter, intensity, rate in points])
 
 # %%
 fig, ax = plt.subplots(figsize=(9, 5.2))
 intensity = torch.logspace(-1.5, 4.5, 200, dtype=torch.float64)
-ax.plot(intensity, torch.minimum(torch.full_like(intensity, peak), beta * intensity) / 1e12, color="black", lw=2,
+ax.plot(intensity, torch.minimum(torch.full_like(intensity, peak), bandwidth * intensity) / 1e12, color="black", lw=2,
         label="roofline: measured copy bandwidth and bf16 matmul rate")
 ax.axhline(fp32_peak / 1e12, color=COLORS["decay"], ls="--", lw=1, label="float32 FMA peak (no tensor cores)")
 ax.axhline(exp_ceiling / 1e12, color=COLORS["decay"], ls=":", lw=1.5,
@@ -376,7 +377,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The plot sorts the book into three regimes. The scans (chapters 1 to 4) do one multiply-add per 6 or 12 bytes and sit on the memory slope: `linear_scan`, the tuple and the packed scan touch the roof, the three-phase split of a single row and above all the sequential scan of chapter 1 fall short of it (one long row gives too few programs; a dependent chain of steps gives latency, not bandwidth). The selective scan does about 16 FLOP per byte, past the point where its own ceiling, the exponential units (dotted line), takes over from bandwidth: it is bound by exponentials, not bytes, and sits well below even that ceiling (chapter 4.9 says why). SSD and attention turn the work into matmuls and reach the flat roof's region: attention close to the roof, SSD lower, because its intensity is barely past the ridge and its chunk pipeline has several short kernels.
+# The plot sorts the book into three regimes. The scans (chapters 1 to 4) do one multiply-add per 6 or 12 bytes and sit on the memory slope: `linear_scan`, the tuple and the packed scan touch the roof (the tuple and packed scans even pass it by a few percent: the slope is the speed of PyTorch's copy kernel, a measured reference rather than a hard limit, and [chapter 1](01_sequential_scan.ipynb) explains how a scan can beat it), the three-phase split of a single row and the sequential scan of chapter 1 fall well short of it (one row of $2^{20}$ steps gives too few programs to fill the GPU; the sequential scan keeps too few bytes in flight, as chapter 1 explains). The selective scan does about 16 FLOP per byte, past the point where its own ceiling, the exponentials of the {term}`special-function units <special-function unit>` (dotted line), takes over from bandwidth: it is bound by exponentials, not bytes, and sits well below even that ceiling (section 4.9 says why). SSD and attention turn the work into matmuls and reach the flat roof's region: attention close to the roof, SSD lower, because its intensity is barely past the ridge and its chunk pipeline has several short kernels.
 #
 # ## What we have, and what comes next
 #
@@ -384,7 +385,7 @@ plt.show()
 #
 # [Chapter 1](01_sequential_scan.ipynb) writes the first kernel of the book, the linear recurrence walked in time, and measures how far from the memory roof a chain of dependent steps leaves it.
 #
-# **Exercise 0.1.** Write `axpy(alpha, x, y)` that returns $\alpha x + y$ for float32 vectors of any length with a blocked Triton kernel (a scalar argument such as `alpha` is passed to a kernel like a tensor). Replace the `raise` in the stub and run the cell; the checker compares your function with float64 on fresh random inputs, including lengths that are not a multiple of your block.
+# **Exercise 0.1.** Write `axpy(alpha, x, y)` that returns $\alpha x + y$ for float32 vectors of any length with a blocked Triton kernel (a scalar argument such as `alpha` is passed to the kernel as a plain Python float, with no tensor around it). Replace the `raise` in the stub and run the cell; the checker compares your function with float64 on fresh random inputs, including lengths that are not a multiple of your block.
 
 # %%
 def axpy(alpha, x, y):

@@ -17,7 +17,7 @@
 #
 # In this chapter you will learn:
 #
-# - how Mamba's selective state-space model reduces to the linear recurrence $h_t = a_t h_{t-1} + b_t$, and what the discretization $\bar A = \exp(\Delta A)$, $\bar B = \Delta B$ means;
+# - how Mamba's selective state-space model reduces to the linear recurrence $h_t = a_t h_{t-1} + b_t$, and what the discretization $\bar A = \exp(\Delta A)$, $\bar B \approx \Delta B$ means;
 # - how to write that recurrence as a Triton kernel that walks time one step after another, and why its gradient is the same recurrence run backwards;
 # - what walking time sequentially costs on a GPU: the baseline every later chapter beats.
 #
@@ -68,19 +68,23 @@ runtime.describe()
 # \begin{aligned}
 # h_t &= \bar A_t\, h_{t-1} + \bar B_t\, x_t, \qquad y_t = C_t\, h_t, \\
 # \bar A_t &= \exp(\Delta_t A), \\
-# \bar B_t &= (\Delta_t A)^{-1}(\exp(\Delta_t A) - I)\,\Delta_t B_t \approx \Delta_t B_t .
+# \bar B_t &= (\Delta_t A)^{-1}(\exp(\Delta_t A) - I)\,\Delta_t B_t .
 # \end{aligned}
 # $$
 #
-# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
+# When $\Delta_t A$ is small, $(\Delta_t A)^{-1}(\exp(\Delta_t A) - I) \approx I$ and $\bar B_t \approx \Delta_t B_t$; for large steps the two part ways (with $A = -1$, $B = 1$ and $\Delta = 3$, the exact $\bar B$ is $1 - e^{-3} \approx 0.95$, the approximation 3).
+#
+# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$ at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
 #
 # $$
-# h_t = a_t\, h_{t-1} + b_t, \qquad t = 0, \dots, L-1, \qquad h_{-1} = h_0^{\text{init}} .
+# h_t = a_t\, h_{t-1} + b_t, \qquad t = 0, \dots, L-1, \qquad h_{-1} \text{ given (zero by default)}.
 # $$
+#
+# $h_{-1}$ is the initial state, the argument `h0` of the code; $h_0$ is the state after step 0.
 #
 # Unrolled, $h_t = \sum_{s \le t} \big(\prod_{k=s+1}^{t} a_k\big)\, b_s$ (plus the decayed initial state): each output depends on every earlier input through a product of decays. Computed as written, step $t$ needs step $t-1$: a chain of $L$ dependent multiply-adds.
 #
-# The selectivity is easiest to see on one channel. Here $A = -1$ and the input is an impulse train; a large $\Delta$ drives $\bar A$ towards 0 (forget, take the new input), a small one keeps $\bar A$ near 1 (remember).
+# The selectivity is easiest to see on one channel. Here $A = -1$, $B = C = 1$, the input is an impulse train, and $\bar B = \Delta B$ as in Mamba; a large $\Delta$ drives $\bar A$ towards 0 (forget, take the new input), a small one keeps $\bar A$ near 1 (remember).
 
 # %%
 length = 64
@@ -105,7 +109,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Left: $\bar A$ falls from 1 to 0 as $\Delta$ grows. Right: with a small $\Delta$ the state barely takes in each impulse and holds it for long; with a large one it takes the impulse whole and forgets it within a few steps.
+# Left: $\bar A$ falls from 1 to 0 as $\Delta$ grows. Right: with a small $\Delta$ the state barely takes in each impulse and holds it for long; with a large one it forgets the past within a step or two and takes in the impulse scaled by $\bar B = \Delta B$, so at $\Delta = 3$ the state jumps to three times the impulse. (The exact zero-order hold would cap that factor at $1/|A| = 1$: 0.95 at $\Delta = 3$.)
 
 # %% [markdown]
 # ## The float64 reference
@@ -164,7 +168,7 @@ plt.show()
 # Parallel across channels, sequential along time: each program's chain of arrows is as long as the sequence.
 
 # %% [markdown]
-# The kernel (`mamba_annotated/scan/sequential.py`). The state is carried in float32 whatever the input dtype; offsets are 64-bit because `channels × L` can pass $2^{31}$. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain.
+# The kernel (`mamba_annotated/scan/sequential.py`). Three lines to look for in it: `row_start = rows.to(tl.int64) * length` makes the offsets 64-bit, because `channels × L` can pass $2^{31}$; the `if REVERSE:` branch picks the step $t$ of iteration $i$, from the front or from the back; and `.to(tl.float32)` on every load carries the state in float32 whatever the input dtype, rounded once to the output dtype at the store. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain.
 
 # %%
 show_source(sequential_scan_fwd_kernel)
@@ -229,13 +233,13 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # %% [markdown]
 # ## What walking time costs
 #
-# The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot \text{channels} \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 more). Dividing by the measured device-to-device copy bandwidth gives the **{term}`memory floor`**: the time it takes to stream that many bytes at the speed `torch`'s own copy kernel reaches.
+# The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot \text{channels} \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 arrays of that size in all). Dividing by the measured device-to-device copy bandwidth gives the **{term}`memory floor`**: the time it takes to stream that many bytes at the speed `torch`'s own copy kernel reaches.
 #
 # The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (3.35 TB/s on an H100) lies about 10% above the measured copy bandwidth.
 #
 # We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) at Mamba-like width: `8 × 1536` channels.
 #
-# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it: each step is a dependent load-multiply-add-store, and a program cannot start step $t+1$ before step $t$ is done, so what the hardware gives is latency, not bandwidth. The PyTorch loop is far slower still, since each step costs several kernel launches.
+# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add per step takes a few cycles, and the loads, which do not depend on it, can run ahead. The reason is how few bytes are in flight. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, so every load instruction touches 32 separate 32-byte sectors to use 4 bytes of each (the rest of each sector serves the following steps, from cache). A memory system that is kept waiting on so few, scattered requests delivers a fraction of its bandwidth. The PyTorch loop is far slower still, since each step costs several kernel launches.
 
 # %% tags=["nbval-ignore-output"]
 channels = runtime.size(gpu=8 * 1536, cpu=16)
@@ -264,18 +268,18 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes about five times the memory floor at every length (its bandwidth stays near a fifth of the copy's), and the PyTorch loop several hundred times; walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel stays at a small fraction of the memory floor at every length (in the stored H200 benchmark, `book/data/linear_scan_bench.json`, 16% of it at `(8, 1536, 4096)` in float32), and the PyTorch loop is slower by orders of magnitude; walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# We reduced Mamba's selective SSM to the scalar recurrence $h_t = a_t h_{t-1} + b_t$, wrote it as a Triton kernel that walks time in order with the state in registers, derived its gradient (the same recurrence backwards, with shifted decays), and checked forward and backward against float64. The kernel moves the minimum number of bytes, yet stays far from the memory floor, because time is a chain of dependent steps.
+# We reduced Mamba's selective SSM to the scalar recurrence $h_t = a_t h_{t-1} + b_t$, wrote it as a Triton kernel that walks time in order with the state in registers, derived its gradient (the same recurrence backwards, with shifted decays), and checked forward and backward against float64. The kernel moves the minimum number of bytes, yet stays far from the memory floor: with time a chain of dependent steps, the only parallelism is across channels, which gives few programs, each loading one scattered column per step.
 #
 # [Chapter 2](02_associative_scan.ipynb) breaks that chain: the step $h \mapsto a h + b$ is an affine map, composing affine maps is associative, and an associative operator can be scanned in $O(\log L)$ depth.
 #
 # **Exercises** (the tests in `tests/test_sequential_scan.py` check both identities):
 #
-# 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0=h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_0$.
+# 1. Show that an initial state can be folded into the first input: `sequential_scan(a, b, h0=h0)` equals `sequential_scan(a, b2)` where `b2` is `b` with $b_0$ replaced by $b_0 + a_0 h_{-1}$ ($h_{-1}$ is `h0`).
 # 2. Show that the reverse scan is the forward scan of the time-flipped inputs, flipped back: `sequential_scan(a, b, reverse=True)` equals `sequential_scan(a.flip(-1), b.flip(-1)).flip(-1)`.
 # 3. *A reverse walk in Triton.* Write `reverse_scan(a, b)`, the recurrence $h_t = a_t h_{t+1} + b_t$ for `a`, `b` of shape (channels, L), float32, as a Triton kernel of your own: one program per block of channels, the states in registers, time walked from the last step to the first (the forward kernel above, read from the end).
 #

@@ -28,6 +28,7 @@
 # |---|---|
 # | $t$, $s$, $L$ | time steps ($t$ the output, $s$ an earlier input), sequence length |
 # | $a_t$, $b_t$ | decay and input of step $t$: the affine map $h \mapsto a_t h + b_t$, stored as the pair $(a_t, b_t)$ |
+# | $\circ$, $\bullet$ | composition of functions, later map on the left ($f_1 \circ f_0$: first $f_0$); the scan operator on pairs, earlier pair on the left |
 # | $h_t$, $h_{-1}$ | the state after step $t$, the initial state |
 # | $\pi_t = \prod_{s \le t} a_s$ | the running product of the decays, the first component of a scanned pair |
 # | $g_t$, $\lambda_t$ | the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal L/dh_t$ |
@@ -55,30 +56,28 @@ runtime.describe()
 # %% [markdown]
 # ## One step is an affine map, and affine maps compose
 #
-# Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2$, so
+# Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$, written as usual for functions: the map applied first stands on the right. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2$. For pairs we write the operator the other way round, with its own symbol $\bullet$: the earlier map on the left, the order in which a scan meets them,
 #
 # $$
-# (a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2).
+# (a_1, b_1) \bullet (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2), \qquad \text{the pair of } f_2 \circ f_1 .
 # $$
-#
-# (We write the earlier map on the left, the order in which a scan meets them.)
 #
 # **Associativity.** Both bracketings of three maps give the same pair:
 #
 # $$
-# \big((a_1,b_1)\circ(a_2,b_2)\big)\circ(a_3,b_3) = (a_1 a_2 a_3,\; a_3(a_2 b_1 + b_2) + b_3),
+# \big((a_1,b_1)\bullet(a_2,b_2)\big)\bullet(a_3,b_3) = (a_1 a_2 a_3,\; a_3(a_2 b_1 + b_2) + b_3),
 # $$
 # $$
-# (a_1,b_1)\circ\big((a_2,b_2)\circ(a_3,b_3)\big) = (a_1 a_2 a_3,\; a_2 a_3 b_1 + a_3 b_2 + b_3),
+# (a_1,b_1)\bullet\big((a_2,b_2)\bullet(a_3,b_3)\big) = (a_1 a_2 a_3,\; a_2 a_3 b_1 + a_3 b_2 + b_3),
 # $$
 #
 # and the second components are equal after expanding. (Shorter: composition of functions is always associative, and the pair is just a function.) The operator is *not* commutative: the order of time matters.
 #
-# **Identity.** $(1, 0)$, the map $h \mapsto h$: $(1,0)\circ(a,b) = (a, b) = (a,b)\circ(1,0)$. It is what padding past the end of a sequence must hold, so that padded positions change nothing.
+# **Identity.** $(1, 0)$, the map $h \mapsto h$: $(1,0)\bullet(a,b) = (a, b) = (a,b)\bullet(1,0)$. It is what padding past the end of a sequence must hold, so that padded positions change nothing.
 #
 # **The initial state** is one more map: $h_{-1}$ folds into the first element as $b_0 \leftarrow b_0 + a_0 h_{-1}$.
 #
-# **Why this gives $O(\log L)$ depth.** The prefix $e_0 \circ e_1 \circ \dots \circ e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds the whole sequence's composition is known, and with it the compositions of aligned {term}`blocks <block>` of every power-of-two size. The prefixes that are not such a block come from a second pass of $\log_2 L$ rounds back down the tree (Blelloch, below), or from overlapping combines in every round (Hillis–Steele). Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
+# **Why this gives $O(\log L)$ depth.** The prefix $e_0 \bullet e_1 \bullet \dots \bullet e_t$ of an associative operator can be bracketed in any way. Pair neighbours: $L/2$ independent combines give the compositions of pairs; pair those: $L/4$ combines; after $\log_2 L$ rounds the whole sequence's composition is known, and with it the compositions of aligned runs of consecutive elements of every power-of-two length (elements $0..1$, $2..3$, then $0..3$, ...). The prefixes that are not such a run come from a second pass of $\log_2 L$ rounds back down the tree (Blelloch, below), or from overlapping combines in every round (Hillis–Steele). Each round is fully parallel, so with enough processors the chain of $L$ dependent steps becomes $\log_2 L$ dependent rounds {cite}`blelloch1990prefix,martin2018parallelizing`.
 #
 # The implementation in the package, in Triton and in PyTorch (`mamba_annotated/scan/combine.py`):
 
@@ -103,7 +102,7 @@ print("PyTorch combine: associative on 100 random triples: True")
 a3, b3 = uniform(3, 64, low=-1.5, high=1.5), randn(3, 64)
 left, right = combine_both_bracketings(a3, b3)
 x, y, z = [(a3[i].double(), b3[i].double()) for i in range(3)]
-check("Triton combine: (x o y) o z vs x o (y o z)", left, right, tolerance(torch.float32))
+check("Triton combine: (x • y) • z vs x • (y • z)", left, right, tolerance(torch.float32))
 check("Triton combine vs PyTorch combine", left, torch.stack(first_order_combine_torch(first_order_combine_torch(x, y), z)),
       tolerance(torch.float32))
 
@@ -188,7 +187,7 @@ for name, rounds in [("Hillis–Steele", hillis_steele_edges(8)), ("Blelloch", b
 # %% [markdown]
 # ## The kernel: one `tl.associative_scan` over a tuple
 #
-# `tl.associative_scan(inputs, axis, combine_fn)` scans a block along one axis with any associative `combine_fn`; when `inputs` is a tuple of tensors, the combine receives and returns tuples. The scan of the pairs gives at position $t$ the composed map $(\pi_t,\, h_t)$: its second component *is* the state. One {term}`program` owns one row and holds all of it in one block; padding is the identity $(1, 0)$; the initial state folds into the first element; `reverse=True` scans from the end, which is exactly $h_t = a_t h_{t+1} + b_t$.
+# `tl.associative_scan(inputs, axis, combine_fn)` scans a block along one axis with any associative `combine_fn`. When `inputs` is a tuple of $k$ tensors, the combine takes $2k$ arguments, flattened: the $k$ components of the left (earlier) operand, then the $k$ of the right one, and it returns a tuple of $k$. For the pairs that is the four-argument `first_order_combine(a_left, b_left, a_right, b_right)` shown above, returning `(a, b)`; a single tensor gets a two-argument combine, as in exercise 2.3. The scan of the pairs gives at position $t$ the composed map $(\pi_t,\, h_t)$: its second component *is* the state. One {term}`program` owns one row and holds all of it in one block; padding is the identity $(1, 0)$; the initial state folds into the first element; `reverse=True` scans from the end, which is exactly $h_t = a_t h_{t+1} + b_t$.
 
 # %%
 show_source(tuple_scan_fwd_kernel)
@@ -222,7 +221,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## The backward pass is a reverse scan
 #
-# Chapter 1 derived the adjoint $\lambda_t = \partial\mathcal L / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
+# Chapter 1 derived the {term}`adjoint` $\lambda_t = \partial\mathcal L / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
 #
 # $$
 # \lambda_t = g_t + a_{t+1}\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}.
@@ -297,7 +296,7 @@ print("log-space error > 10x tuple-scan error at the longest length: True")
 # %% [markdown]
 # ## Speed: a tree instead of a chain
 #
-# Same problem as chapter 1's timing (`8 × 1536` rows, float32), now with rows up to the one-block limit. The tuple scan reads $a$, $b$ once and writes $h$ once, like the sequential kernel, but its programs no longer wait on a chain of $L$ dependent steps.
+# Same problem as chapter 1's timing (`8 × 1536` rows, float32), with rows of 1024 to 16384 steps (the one-block limit, `MAX_LENGTH`, is 65536). The tuple scan reads $a$, $b$ once and writes $h$ once, like the sequential kernel, but each program now loads a whole row at once, contiguous along time, with several warps per program: many bytes in flight, where the sequential kernel had a few scattered columns.
 
 # %% tags=["nbval-ignore-output"]
 rows = runtime.size(gpu=8 * 1536, cpu=8)
@@ -322,20 +321,27 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the tuple scan runs at 90% of the memory floor for short rows and at the floor from $L = 4096$ on, five times as fast as the sequential kernel, which stays near 20% at every length. (It even passes 100% by a hair at $L = 16384$: the floor is the speed of `torch`'s copy kernel, a measured reference rather than a hard bound, as chapter 1 explains.)
+# The verdict: the tuple scan is several times as fast as the sequential kernel and close to the memory floor. In the stored H200 benchmark (`book/data/linear_scan_bench.json`, same shape, float32) it runs at 88% of the floor at $L = 1024$, 99% at 4096 and 103% at 16384, and at $L = 4096$ it is six times as fast as the sequential kernel (16% of the floor). Passing 100% is possible because the floor is the speed of `torch`'s copy kernel, a measured reference rather than a hard bound, as chapter 1 explains. The table above gives this GPU's numbers.
 
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# The step of the recurrence is an affine map; composing affine maps is associative with identity $(1, 0)$; so the recurrence is a scan, computable in $O(\log L)$ depth. One `tl.associative_scan` over the tuple $(a, b)$ is the whole forward kernel, and the backward pass is the same scan run the other way over $(a_{t+1}, g_t)$. Working on pairs keeps float32 precision at any length, where the log-space rewrite loses accuracy linearly with length.
+# The step of the recurrence is an affine map; composing affine maps ($\bullet$ on pairs) is associative with identity $(1, 0)$; so the recurrence is a scan, computable in $O(\log L)$ depth. One `tl.associative_scan` over the tuple $(a, b)$ is the whole forward kernel, and the backward pass is the same scan run the other way over $(a_{t+1}, g_t)$. Working on pairs keeps float32 precision at any length, where the log-space rewrite loses accuracy linearly with length.
 #
 # Two limits remain. Chapter 3 looks back at a trick from before Triton could scan tuples — packing $(a, b)$ into one 64-bit word — and asks whether it still pays. Chapter 4 lifts the one-block limit (`MAX_LENGTH` = 65536 steps in one program: 131072 32-bit values, twice the register file of an H100 {term}`SM`, so the block does not even fit in registers) by chaining blocks with {term}`carries <carry>`.
 #
 # **Exercises** (the tests in `tests/test_associative_scan.py` check the answers):
 #
 # 1. Show that $(1, 0)$ is a two-sided identity of the combine, and that no other pair is (`test_identity_element` checks the first part on random pairs).
-# 2. The first component of the scanned pair is $\prod_{s \le t} a_s$. Use this to compute the running product of a tensor with `tuple_scan_forward` alone (hint: choose $b$ and the initial state `h0`). `test_running_product_from_the_scan` checks the solution `tuple_scan_forward(a, torch.zeros_like(a), torch.ones(rows))` against `torch.cumprod`.
+# 2. The scan computes the pairs $(\pi_t, h_t)$ with $\pi_t = \prod_{s \le t} a_s$, but `tuple_scan_forward` returns only $h_t$. Make $h_t$ equal $\pi_t$ by choosing $b$ and the initial state `h0`, and so compute the running product of a (rows, L) tensor with `tuple_scan_forward` alone. Compare with `torch.cumprod`; `test_running_product_from_the_scan` holds one answer.
 # 3. *A cumulative sum.* With every decay $a_t = 1$ the recurrence is a running sum. Write `cumsum(x)`, the inclusive cumulative sum along the last dimension of `x` (rows, L), float32, $L \le 1024$, as a Triton kernel: one program per row, the whole row in one block, and `tl.associative_scan` with an `add` combine of your own.
+#
+# ```{admonition} Answers to exercises 2.1 and 2.2 (click to show)
+# :class: dropdown
+# 2.1. $(1,0)\bullet(a,b) = (a,\; a\cdot 0 + b) = (a,b)$ and $(a,b)\bullet(1,0) = (a,\; 1\cdot b + 0) = (a,b)$. If $(e, f)$ is a left identity, $(e,f)\bullet(a,b) = (ea,\; af + b)$ must equal $(a, b)$ for every $(a, b)$: $a = 1$ forces $e = 1$, and $a = 1$, any $b$, forces $f = 0$.
+#
+# 2.2. With $b = 0$ the recurrence is $h_t = a_t h_{t-1}$, so $h_t = h_{-1}\,\pi_t$; with $h_{-1} = 1$ it is $\pi_t$: `tuple_scan_forward(a, torch.zeros_like(a), torch.ones(rows, device=a.device))`.
+# ```
 #
 # Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) compares your function with the float64 scan on fresh random rows, lengths that are not a power of two included.
 

@@ -19,9 +19,9 @@
 #
 # - why early Triton kernels bit-packed the pair $(a, b)$ into a single integer to scan it, and how: bitcast, shift, or;
 # - how to write a {term}`combine` that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
-# - whether packing still pays on today's Triton, measured on the GPU against the tuple scan.
+# - whether packing still pays on today's Triton: what it does to the number of {term}`shuffles <shuffle>`, and its speed measured on the GPU against the tuple scan.
 #
-# It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\circ(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ and the one-block tuple scan `tuple_scan_forward`.
+# It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\bullet(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ (earlier pair on the left) and the one-block tuple scan `tuple_scan_forward`.
 #
 # ```{admonition} Notation (as in chapter 2)
 # | symbol | meaning |
@@ -87,7 +87,9 @@ plt.show()
 # %% [markdown]
 # ## Pack, unpack, and the combine between them
 #
-# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` (the unsigned type of one field) and `WORD` types are compile-time constants, so one pair of helpers serves both layouts:
+# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` (the unsigned integer type of one field), `WORD` types and the field width `BITS` are compile-time constants, so one pair of helpers serves both layouts.
+#
+# Two kinds of cast do the work, and they differ. `x.to(HALF, bitcast=True)` is a *bitcast*: it relabels the bits of a float as an integer of the same width, changing none of them. `.to(WORD)` from an unsigned `HALF` widens with zeros on top, and `.to(HALF)` from a `WORD` is a *narrowing cast*: it keeps the low `BITS` bits and drops the rest, again without arithmetic. Only `a.to(FLOAT)` at the start of `pack_pair` converts a value (rounding float32 to 16 bits in the 16-bit layout; nothing in the float32 one).
 
 # %%
 show_source(pack_pair)
@@ -126,7 +128,7 @@ print("packed float32 == tuple scan, bit for bit: True")
 # %% [markdown]
 # ## 16-bit words: the scan now accumulates in 16 bits
 #
-# For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every level of the tree, and the errors add up with length.
+# For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every combine, so its state carries the rounding errors of all the combines that built it.
 #
 # The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One {term}`interpreter` fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
 
@@ -157,7 +159,7 @@ for dtype in (torch.bfloat16, torch.float16):
     print(f"{name}: tuple scan (float32 accumulation) rel err {tuple_error:.1e} < packed {packed_error:.1e}")
 
 # %% [markdown]
-# How the gap grows with the length (bfloat16 inputs, float64 reference):
+# The gap against the length (bfloat16 inputs, decays in $(0.9, 1)$, float64 reference):
 
 # %% tags=["nbval-ignore-output"]
 lengths = runtime.size(gpu=[2**k for k in range(4, 15, 2)], cpu=[16, 64, 256])
@@ -176,14 +178,15 @@ ax.grid(alpha=0.3)
 ax.legend(fontsize="small")
 plt.tight_layout()
 plt.show()
+print_table([dict(L=n, tuple_scan=t, packed=p) for n, t, p in zip(lengths, *errors.values())])
 
 # %% [markdown]
-# The verdict: the packed scan's error grows with the length, while the tuple scan's stays at the one rounding of its output, whatever the length.
+# The verdict: the packed scan's error stays well above the tuple scan's at every length; the tuple scan's stays at the one rounding of its output. The packed error does not keep growing with the length: with decays below one, an old rounding error fades like an old input, so only the roundings of the last few dozen steps count.
 
 # %% [markdown]
 # ## Does packing still pay?
 #
-# The old argument for packing was speed as much as necessity: one 64-bit {term}`shuffle` between threads instead of two 32-bit ones. Today's tuple scan moves two {term}`registers` per exchange; the packed scan moves one 64-bit value but spends integer shifts, {term}`masks <mask>` and casts on every combine. Both read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
+# Packing was a necessity; was it also faster? The hardware's exchange between threads, the warp {term}`shuffle` (`shfl.sync`), moves 32 bits per thread. The tuple scan keeps $a$ and $b$ as float32 {term}`registers`, even for 16-bit inputs, and so needs two shuffles per exchange. A 64-bit word also needs two, so a float32 pair saves nothing by packing. A 16-bit pair in one 32-bit word needs one, half the tuple scan's, but pays integer shifts and casts and two roundings on every combine. Both scans read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
 
 # %% tags=["nbval-ignore-output"]
 rows = runtime.size(gpu=8 * 1536, cpu=4)
@@ -210,21 +213,30 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The verdict, on the GPU: in float32 the two scans take the same time (both at the memory floor from $L = 4096$ on); in bfloat16 the packed scan is 14–18% slower from $L = 4096$ on, where the tuple scan reaches the floor. Packing no longer pays.
+# The verdict: in float32 the two scans take the same time: the same bytes, the same shuffles; in bfloat16 the packed scan is slower from $L = 4096$ on, where the tuple scan reaches the floor: the shuffles it saves do not pay for its integer work. In the stored H200 benchmark (`book/data/linear_scan_bench.json`) the float32 scans are within 2% of each other and the packed bfloat16 scan is 29–46% slower at $L \ge 4096$; the table above gives this GPU's numbers. Packing no longer pays.
 
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan — so the only question is speed, which the measurement above answers for this GPU and Triton version. For 16-bit inputs, packing a pair into one 32-bit word keeps the scan's arithmetic in 16 bits, and its error grows with length where the tuple scan's does not; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, at twice the word width and twice the shuffle traffic. The trade is word width and shuffle cost, not accuracy alone. The tuple scan stays our building block.
+# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan, and the same two shuffles per exchange — so it gains nothing. For 16-bit inputs, packing a pair into one 32-bit word halves the shuffles but keeps the scan's state in 16 bits, less accurate than the tuple scan's float32 state, and it is slower anyway; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, but then needs two shuffles, like the tuple scan. The tuple scan stays our building block.
 #
 # Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 {term}`SM`. Chapter 4 chains blocks with {term}`carries <carry>` to scan any length.
 #
-# **Exercises** (the tests in `tests/test_packed_scan.py` check the answers):
+# **Exercises** (answers to 1 and 2 in the dropdown below them; 3 and 4 have checkers):
 #
-# 1. Why is the float32 packed scan bit-exact while the bfloat16 one is not, although both round-trip their inputs exactly? (`test_float32_words_match_the_tuple_scan_bit_for_bit` checks the first half; `test_sixteen_bit_words_lose_to_float32_accumulation_on_long_rows` the second.)
-# 2. Pack float16 instead of bfloat16: only the `FLOAT` type changes. The float16 cases of `test_sixteen_bit_words_are_as_accurate_as_sixteen_bit_accumulation` check `combine_float16_words`.
+# 1. The float32 packed scan agrees with the tuple scan bit for bit, because both do the same float32 operations in the same tree (`test_float32_words_match_the_tuple_scan_bit_for_bit` checks it). Name a change to one of the two kernels that would keep both within the float32 bound but end the bit-for-bit agreement, and say why it would.
+# 2. The check in the section on 16-bit words printed the packed scan's error for bfloat16 and for float16 inputs. Which is smaller, by about what factor, and why? What does float16 give up in exchange, and where in a packed scan could that show?
 # 3. *Two float16 in one word.* Write `pack_halves(high, low)`: for two float16 tensors of one shape, an int32 tensor whose words hold the 16 bits of `high` in their top half and those of `low` in their bottom half, as a Triton kernel. (Widening a negative 16-bit integer copies its sign bit into the top half: reinterpret as `tl.uint16` first.)
-# 4. *And back.* Write `unpack_halves(words)` returning `(high, low)`, float16, equal to the packed numbers bit for bit: zeros of both signs, infinities and NaN included.
+# 4. *And back.* Write `unpack_halves(words)` returning `(high, low)`, float16, equal to the packed numbers bit for bit: zeros of both signs, infinities and NaN included. (On `int32`, `>>` is an arithmetic shift: `word >> 16` fills the top half with copies of the sign bit. That does no harm here, because `.to(tl.int16)` keeps only the low 16 bits, which you then bitcast to float16.)
+#
+# Exercises 3 and 4 use `int32` words, a type PyTorch can shift and compare, where the chapter uses `uint32`: the bits are the same, and only `>>` differs (on `uint32` it fills with zeros).
+#
+# ```{admonition} Answers to exercises 3.1 and 3.2 (click to show)
+# :class: dropdown
+# 3.1. Any change to the bracketing or to the rounding. Launching one kernel with another number of warps (or another block size) changes how `tl.associative_scan` groups the combines: how many elements each thread folds alone and where the shuffle rounds split the row. Float32 addition and multiplication round, so different groupings differ in the last bits, while both stay as accurate. Computing $a_2 b_1 + b_2$ with `tl.fma` in one combine and as a separate multiply and add in the other (one rounding against two, where the compiler does not fuse them itself) does the same.
+#
+# 3.2. Float16's error is about eight times smaller. Float16 stores 10 mantissa bits, bfloat16 7, so their unit roundoffs are $2^{-11} \approx 4.9 \cdot 10^{-4}$ and $2^{-8} \approx 3.9 \cdot 10^{-3}$, a factor of 8, and both the packed scan's errors (many roundings) and the tuple scan's (one rounding of the output) scale with it. In exchange float16 has 5 exponent bits where bfloat16 has float32's 8: its largest finite value is 65504 and its smallest normal one $6.1 \cdot 10^{-5}$. In the packed scan a state beyond 65504 becomes infinite, and the running product of the decays, in the high half of each word, loses precision in the subnormals and reaches zero after a long enough run of decays (harmless by then: it multiplies a state whose contribution has faded just as far).
+# ```
 #
 # Replace the `raise` in each stub and run the cell; the checkers (`mamba_annotated.exercises`) compare the bits with those PyTorch's integer operations give, on fresh random numbers and every special value.
 

@@ -18,7 +18,7 @@
 # In this chapter you will learn:
 #
 # - how to scan sequences longer than one {term}`block`: three phases (reduce blocks, scan their totals, re-scan with {term}`carries <carry>`) or one {term}`program` walking its blocks with a running carry — and when each wins;
-# - how the same two kernels, run in "adjoint" mode, give the backward pass for any length, either direction and an initial state;
+# - how the same two kernels, run in {term}`adjoint` mode, give the backward pass for any length, either direction and an initial state;
 # - how `linear_scan`, the book's fast default, compares with accelerated-scan and with the {term}`memory floor`.
 #
 # It builds on [chapter 2](02_associative_scan.ipynb) (one `tl.associative_scan` over the pairs $(a, b)$ per block, and the backward pass as the reverse scan over $(a_{t+1}, g_t)$) and [chapter 3](03_packing.ipynb) (which kept the tuple scan as the building block).
@@ -72,7 +72,7 @@ runtime.describe()
 #
 # **(b) Chained walk.** One program owns a row and walks its blocks in order, keeping the carry in a {term}`register <registers>`: scan block $k$, add $\pi_t c_k$, store, take the last state as $c_{k+1}$. $a$ and $b$ are read once; the blocks of one row are processed one after another, so parallelism comes from rows alone.
 #
-# The package uses both in one kernel family: a row is cut into *segments* of consecutive blocks; one program walks one segment (b), and when there is more than one segment per row, phases 1 and 2 supply each segment's carry (a). With many rows (Mamba's `batch × channels`) each row is one segment; with few long rows, the rows are split.
+# The package uses both in one kernel family: a row is cut into {term}`segments <segment>` of consecutive blocks; one program walks one segment (b), and when there is more than one segment per row, phases 1 and 2 supply each segment's carry (a). With many rows (Mamba's `batch × channels`) each row is one segment; with few long rows, the rows are split.
 
 # %%
 def draw_blocks(ax, n_blocks, title, arrows, phase_labels):
@@ -108,7 +108,7 @@ plt.show()
 # %% [markdown]
 # ## The kernels
 #
-# `chained_scan_kernel` walks the blocks of one (row, segment) in scan order. The carry is the state entering the segment: the initial state for the first segment, or, when phases 1 and 2 ran, the end state of the previous segment. Blocks are aligned at $t = 0$ and the last one is padded with the identity $(1, 0)$; `DESCENDING` walks blocks from the end, which serves both `reverse=True` and the backward pass; it scans each block as a tile of rows rather than with `tl.associative_scan(..., reverse=True)`, for a reason the speed section below measures. The last state in scan order is pulled out of the block with a masked sum (`_last_in_scan_order`).
+# `chained_scan_kernel` walks the blocks of one (row, segment) in scan order. The carry is the state entering the segment: the initial state for the first segment, or, when phases 1 and 2 ran, the end state of the previous segment. Blocks are aligned at $t = 0$ and the last one is padded with the identity $(1, 0)$; `DESCENDING` walks blocks from the end, which serves both `reverse=True` and the backward pass; it does not scan the steps of a block with `tl.associative_scan(..., reverse=True)`, but cuts the block into a tile of short rows, each scanned from its end inside one thread (the tile keeps `reverse=True` only for one short scan across its rows), for a reason the speed section below measures. The last state in scan order is pulled out of the block with a masked sum (`_last_in_scan_order`).
 
 # %%
 show_source(chained_scan_kernel)
@@ -120,7 +120,7 @@ show_source(chained_scan_kernel)
 show_source(segment_totals_kernel)
 
 # %% [markdown]
-# `plan` decides the segments: one per row when the rows alone give every {term}`SM` several programs, or when a row is only a few blocks long (cutting it would add two launches, which cost about as much as walking a few blocks), otherwise as many as it takes.
+# `plan` decides the segments. It keeps one per row when a row is at most four blocks long (cutting it would add two launches, which cost about as much as walking a few blocks) or when the rows alone reach its target of 8 programs per {term}`SM` (1056 on a GPU of 132 SMs); otherwise it cuts each row into as many segments as it takes to reach that target.
 
 # %%
 show_source(plan)
@@ -151,20 +151,31 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 #
 # Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_{-1} = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_{-1}$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_{-1}$, one number per row, is left to PyTorch.
 #
-# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load, which the compiler does not vectorise, so the kernels read $a_t$ where it lies and scan triples instead of pairs. Write $\mu_t = a_t\lambda_t$, so that $\lambda_t = g_t + \mu_{t+1}$. A run of consecutive steps $s, \dots, u$ (the scan meets $u$ first and $s$, the one nearest the result, last) is the triple
+# The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load: a thread's consecutive elements no longer start on a 16-byte boundary, so the compiler cannot use a {term}`vector load` and loads them one by one. So the kernels read $a_t$ where it lies and scan triples instead of pairs. Write $\mu_t = a_t\lambda_t$, so that $\lambda_t = g_t + \mu_{t+1}$. A run of consecutive steps $s, \dots, u$ (the scan meets $u$ first and $s$, the one nearest the result, last) is the triple
 #
 # $$
 # (\alpha, p, q) = \Big(a_s,\;\; \prod_{k=s+1}^{u} a_k,\;\; \sum_{r=s}^{u} \Big(\prod_{k=s+1}^{r} a_k\Big) g_r\Big),
 # \qquad \lambda_s = q + p\, \mu_{u+1} :
 # $$
 #
-# $q$ is the part of $\lambda_s$ that the run's own upstream gradients give, each decayed back to step $s$; $p$ carries in what lies beyond the run, through $\mu_{u+1}$; and the run keeps its own first decay $\alpha = a_s$ aside, unused, until it is joined to the run before it in time. A single step is $(a_t, 1, g_t)$. Joining a run $(\alpha_1, p_1, q_1)$ that the scan met first (later in time) to the run $(\alpha_2, p_2, q_2)$ just before it: with $\mu$ at the later run's first step being $\alpha_1(q_1 + p_1\mu)$, substituting gives
+# $q$ is the part of $\lambda_s$ that the run's own upstream gradients give, each decayed back to step $s$; $p$ carries in what lies beyond the run, through $\mu_{u+1}$; and the run keeps its own first decay $\alpha = a_s$ aside, unused, until it is joined to the run before it in time. A single step is $(a_t, 1, g_t)$.
+#
+# Join a run 1 of steps $s_1, \dots, u_1$, which the scan met first (later in time), to the run 2 of steps $s_2, \dots, u_2$ just before it, so that $u_2 + 1 = s_1$. Write $\mu$ for $\mu_{u_1 + 1}$, what lies beyond both. Run 1 gives $\lambda_{s_1} = q_1 + p_1 \mu$, hence $\mu_{s_1} = a_{s_1}\lambda_{s_1} = \alpha_1(q_1 + p_1\mu)$. Run 2 sees $\mu_{u_2+1} = \mu_{s_1}$, so
 #
 # $$
-# (\alpha_1, p_1, q_1) \circ (\alpha_2, p_2, q_2) = \big(\alpha_2,\;\; p_2\,\alpha_1 p_1,\;\; q_2 + p_2\,\alpha_1 q_1\big),
+# \begin{aligned}
+# \lambda_{s_2} &= q_2 + p_2\,\mu_{s_1} = q_2 + p_2\,\alpha_1 (q_1 + p_1 \mu) \\
+# &= \big(q_2 + p_2\,\alpha_1 q_1\big) + \big(p_2\,\alpha_1 p_1\big)\,\mu ,
+# \end{aligned}
 # $$
 #
-# which is `adjoint_combine` below. The carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.)
+# and the joined run, whose first step is $s_2$, is the triple
+#
+# $$
+# (\alpha_1, p_1, q_1) \bullet (\alpha_2, p_2, q_2) = \big(\alpha_2,\;\; p_2\,\alpha_1 p_1,\;\; q_2 + p_2\,\alpha_1 q_1\big),
+# $$
+#
+# with chapter 2's $\bullet$: the operand the scan meets first on the left. This is `adjoint_combine` below. The carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.)
 #
 # ```{admonition} Performance notes: the triples
 # :class: dropdown
@@ -224,7 +235,7 @@ for bad in [dict(a=a, b=b[:, :-1]), dict(a=a, b=b.half()), dict(a=a, b=b, h0=h0[
 # %% [markdown]
 # ## When each approach wins
 #
-# Forward pass, float32, $L = 2^{20}$ steps, for a growing number of rows. The chained walk reads the data once but runs each row's blocks one after another; three phases read $a$ and $b$ twice but split a row over many programs.
+# Forward pass, float32, $L = 2^{20}$ steps, for a growing number of rows. The chained walk reads the data once but runs each row's blocks one after another; three phases read $a$ and $b$ twice but split a row over many programs. The three-phase rows use the segments `plan` chooses; where `plan` keeps one segment per row (2048 rows), only the chained walk is timed.
 
 # %% tags=["nbval-ignore-output"]
 length = runtime.size(gpu=1 << 20, cpu=512)
@@ -250,7 +261,9 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The verdict, on the GPU: with one or eight rows three phases are 4 to 17 times faster, since the chained walk leaves most of the SMs idle; from 64 rows on the rows fill the GPU and the chained walk, which reads the data once, wins (by 1.6× at 512 rows). `plan` picks accordingly.
+# The verdict: with one or eight rows three phases win by a wide margin, since the chained walk leaves most of the SMs idle; at 64 rows the winner depends on the GPU; at 512 rows the rows fill the GPU and the chained walk, which reads the data once, wins clearly. In the stored H200 benchmark (`book/data/linear_scan_bench.json`, section `segments`) three phases are 8.5 times faster at one row and 5.4 times at eight, the two are within 5% at 64 rows, and the chained walk is 1.7 times faster at 512 rows (1.59 against 2.63 ms); the table above gives this GPU's numbers.
+#
+# `plan` does not follow this at 512 rows. Its target of 8 programs per SM (1056 on 132 SMs) is more than 512 rows give, so it cuts each row into 3 segments and `linear_scan` takes the slower three phases there; only from 1056 rows on does it walk each row whole. A target of a few programs per SM would pick the chained walk at 512 rows.
 
 # %% [markdown]
 # ## Speed against the peers and the memory floor
@@ -338,15 +351,17 @@ plt.show()
 # %% [markdown]
 # ### Scanning backwards without `reverse=True`
 #
-# The backward pass of the forward recurrence, and `reverse=True`, scan from the end of the block. The first version used `tl.associative_scan(..., reverse=True)`, and in bfloat16 its forward+backward stopped near 70% of the floor. The bytes were not the problem: on the H200 a kernel with the backward's exact loads and stores (the load of $h$ one step off included) but no scan ran at 95% of the floor, the real backward at 58%. The reverse scan was: even the forward pass fell from 97% to 44% of its floor with `reverse=True`. Triton implements a reverse scan by reversing the values across the lanes of a warp with {term}`shuffles <shuffle>`, and it does so even along an axis that one thread holds entirely; compiled for `sm_90` (Triton 3.9), one block of the backward had 139 shuffles against 43 for the ascending scan. Half precision halves the bytes per step but not this work, which is why only 16-bit inputs showed it.
+# The backward pass of the forward recurrence, and `reverse=True`, scan from the end of the block. The first version used `tl.associative_scan(..., reverse=True)`, and in bfloat16 its backward kernel ran at about 60% of the floor. The bytes were not the problem: on the H200 a kernel with the backward's exact loads and stores (the load of $h$ one step off included) but no scan ran at 95% of the floor. The reverse scan was: even the forward pass fell from 97% to 44% of its floor with `reverse=True`. Triton implements a reverse scan by reversing the values across the threads of a warp with {term}`shuffles <shuffle>`, and it does so even along an axis that one thread holds entirely. Half precision halves the bytes per step but not this work, which is why only 16-bit inputs showed it.
 #
-# So a descending block is a **tile of rows**: row $r$ holds $K$ consecutive steps, 16 bytes, one vector load for one thread. Each thread scans its own row from the end in registers: `tl.flip`, an ascending scan, `tl.flip` back, none of which moves data between threads. The carry entering row $r$ is the composition of the maps of rows $r+1, r+2, \dots$ applied to the block's carry: one scan over rows, one value per thread. That scan needs, in row $r$, the map of row $r+1$ (an *exclusive* scan); rather than move that value one thread over, each thread loads the next row again, from cache mostly, and reduces it itself.
+# So a descending block is a **tile of rows**: row $r$ holds `ROW` consecutive steps, 16 bytes (`ROW` = 16 / element size: 4 steps in float32, 8 in 16-bit), one {term}`vector load` for one thread. Each thread scans its own row from the end in registers: `tl.flip`, an ascending scan, `tl.flip` back, none of which moves data between threads. The carry entering row $r$ is the composition of the maps of rows $r+1, r+2, \dots$ applied to the block's carry: one scan over rows, of one value per row, the only place where `reverse=True` remains. That scan needs, in row $r$, the map of row $r+1$ (an *exclusive* scan); rather than move that value one thread over, each thread loads the next row again, from cache mostly, and reduces it itself.
 #
-# On the H200 the bfloat16 backward went from 61% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways).
+# On the H200 the bfloat16 backward went from about 60% to 94% of its floor and the `reverse=True` forward from 44% to 96% (float32: 97% both ways).
 #
 # ```{admonition} Performance notes: what did not help
 # :class: dropdown
-# Measured on the way to the row tiles, bfloat16 backward on an H200, % of the memory floor: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` along the rows (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
+# The backward kernel with `reverse=True` ran at 58% of the floor with blocks of 1024 steps and 60% with 2048; forward and backward together stopped near 70%, since the forward pass, near the floor, is part of the total. In PTX compiled for `sm_90` by Triton 3.9 (a newer Triton than the 3.6 of the book's GPU runs), one block of that backward had 139 shuffles against 43 for the ascending scan.
+#
+# Measured on the way to the row tiles, bfloat16 backward on an H200, % of the memory floor: an ascending scan over loads taken in reversed order (56%: the loads lose their vectors), the same row tile but with `reverse=True` within each row, along the steps one thread holds (43%: the shuffles stay), two rows per program (59%), software-pipelining the loop over blocks (57%), and a backward block of 2048 steps alone (60%; kept, with the tiles, for fewer carries per row).
 # ```
 
 # %% [markdown]
@@ -368,13 +383,18 @@ show_source(scan_rows_descending)
 #
 # A row of any length is a chain of blocks, and a block needs one number from the past: its carry. Three phases compute the carries in parallel (read twice, scale to one long row); a chained walk carries them in a register (read once, needs many rows). One kernel family does both, forward and — in adjoint mode, over the triples $(a_t, 1, g_t)$ — backward, for float32 and 16-bit inputs, either direction and an initial state. That is `linear_scan`, which the remaining chapters use.
 #
-# Next, Mamba's selective scan: the decays and inputs are no longer given but computed on the fly from $\Delta$, $A$, $B$ and $x$, with a state of size $N$ per channel and an output contraction with $C$ — the same carries, with more work per element.
+# Next, in [section 4.9](04_selective_scan.ipynb), Mamba's selective scan: the decays and inputs are no longer given but computed on the fly from $\Delta$, $A$, $B$ and $x$, with a state of size $N$ per channel and an output contraction with $C$ — the same carries, with more work per element.
 #
-# **Exercises** (the tests in `tests/test_linear_scan.py` check the answers):
+# **Exercises** (a test in `tests/test_linear_scan.py` checks 1; the answer to 2 is in a dropdown below them; 3 has a checker):
 #
 # 1. Show that the result cannot depend on how a row is cut into segments: any `blocks_per_segment` gives the same $h$ and gradients up to rounding. `test_every_path_forward_and_backward` runs one, three and all blocks per segment.
-# 2. Write the reverse scan with the forward one: `linear_scan(a, b, h0=h0, reverse=True)` equals `linear_scan(a.flip(-1), b.flip(-1), h0=h0).flip(-1)`. `test_reverse_is_the_flipped_forward_scan` checks it.
-# 3. *A blocked cumulative sum.* Write `blocked_cumsum(x, block)`, the cumulative sum along the last dimension of `x` (rows, L), float32, for any $L$, as a Triton kernel that walks each row in blocks of `block` elements with the carry in a register: the chained walk of this chapter with every decay 1 (`tl.cumsum` scans one block).
+# 2. On a GPU with 132 SMs, what does `plan(512, 1 << 20)` return, and why? How many bytes does each of the three phases read and write for float32 rows, and what does that predict for the time of three phases against the chained walk once the rows alone fill the GPU? Compare with the table in "When each approach wins". (Answer in the dropdown below.)
+# 3. *A blocked cumulative sum.* Write `blocked_cumsum(x, block)`, the cumulative sum along the last dimension of `x` (rows, L), float32, for any $L$, as a Triton kernel that walks each row in blocks of `block` elements with the carry in a register: the chained walk of this chapter with every decay 1. `tl.cumsum(x, 0)` scans one block; the carry is a scalar, started with `tl.zeros([], dtype=tl.float32)` and grown by `tl.sum(x, 0)` of each block, as in the primer's row sum.
+#
+# ```{admonition} Answer to exercise 4.2 (click to show)
+# :class: dropdown
+# A row of $2^{20}$ float32 steps is 128 blocks of 8192 (the largest float32 block). 512 rows are fewer than the target of $8 \cdot 132 = 1056$ programs, so `plan` asks for $\lceil 1056 / 512 \rceil = 3$ segments per row: 43 blocks per segment, and it returns `(8192, 43, 3)`. Phase 1 reads $a$ and $b$ (2 arrays); phase 2 touches only the $512 \times 3$ totals; phase 3 reads $a$ and $b$ again and writes $h$ (3 arrays): 5 arrays against the chained walk's 3. Once both run near the memory floor, three phases should take about $5/3 \approx 1.7$ times as long, which is the ratio the stored H200 run shows at 512 rows.
+# ```
 #
 # Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) calls it with `block = 16` on rows shorter than a block, exactly one block and many blocks with a partial last one, against the float64 scan.
 

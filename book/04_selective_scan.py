@@ -21,7 +21,7 @@
 # - how its backward pass is the adjoint recurrence run from the end, with the states recomputed {term}`chunk` by chunk from a few stored boundary states;
 # - what fusing buys over materializing the discretized tensors, and how far the kernel is from the hardware floor.
 #
-# It builds on the first half of this chapter, [blocked scans with carries](04_blocked_carries.ipynb): a chunk is scanned with `tl.associative_scan` over pairs $(a, b)$, and a {term}`carry` links the chunks.
+# It builds on the earlier sections of this chapter (4.1–4.8), [blocked scans with carries](04_blocked_carries.ipynb): a run of steps is scanned with `tl.associative_scan` over pairs $(a, b)$, and a {term}`carry` links one run to the next. Those sections call such a run a block; here, as in the package's selective-scan code, it is a *chunk* of `BLOCK_L` steps.
 #
 # ```{admonition} Notation
 # | symbol | meaning |
@@ -34,7 +34,8 @@
 # | $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$ | the decay ($\bar A_t$) and the input ($\bar B_t x_t$) of the recurrence $h_t = a_t h_{t-1} + b_t$ |
 # | $h_t \in \mathbb{R}^N$, $y_t$ | the states and the output of one channel |
 # | $D$, $z_t$ | the skip and the gate |
-# | $\lambda_t$, $g_t$ | the adjoint $\partial\mathcal L/\partial h_t$ and the gradient arriving at $y_t$ |
+# | $\lambda_t$ | the adjoint $\partial\mathcal L/\partial h_t$ (a vector of $N$) |
+# | $g^y_t$, $g_t$, $g^{\text{last}}$ | the gradient arriving at the output $y_t$; the part of it that reaches $C_t h_t + D x_t$ (times $\operatorname{silu}(z_t)$ when there is a gate); the gradient arriving at the returned last state |
 # ```
 
 # %%
@@ -80,7 +81,7 @@ runtime.describe()
 #
 # The bias $\beta$ (`delta_bias`), the softplus, $D$ and the gate $z$ are each optional; the layout is mamba_ssm's `selective_scan_fn`, whose argument `u` is our $x$: `u`, `delta`, `z` are `(batch, dim, L)`, `A` is `(dim, N)`, `B`, `C` are `(batch, N, L)` or `(batch, groups, N, L)`, channel $d$ using group $d \,/\!/\, (\text{dim}/\text{groups})$.
 #
-# For each $(d, n)$ this is exactly the recurrence of the first half of the chapter, with $a_t$ and $b_t$ *computed* from $(\Delta, A, B, x)$ rather than given. The naive way follows that literally: materialize $a$ and $b$ as `(batch, dim, N, L)` tensors, scan them, contract with $C$. That moves $N$ times more bytes than the inputs and outputs ($N = 16$ in Mamba), and it is what the fused kernel avoids: it reads $x$, $\Delta$, $B$, $C$ once, forms $a_t$ and $b_t$ in registers, and writes only $y$.
+# For each $(d, n)$ this is exactly the recurrence of sections 4.1–4.8, with $a_t$ and $b_t$ *computed* from $(\Delta, A, B, x)$ rather than given. The naive way follows that literally: materialize $a$ and $b$ as `(batch, dim, N, L)` tensors, scan them, contract with $C$. That moves $N$ times more bytes than the inputs and outputs ($N = 16$ in Mamba), and it is what the fused kernel avoids: it reads $x$, $\Delta$, $B$, $C$ once, forms $a_t$ and $b_t$ in registers, and writes only $y$.
 #
 # The float64 reference in `mamba_annotated/scan/reference.py` is the literal version, and the ground truth:
 
@@ -131,16 +132,16 @@ check("teaching kernel, float32", selective_scan_simple(x_s, delta_s, A_s, B_s, 
       selective_scan_ref(x_s, delta_s, A_s, B_s, C_s), tolerance(torch.float32))
 
 # %% [markdown]
-# It is correct, but slow on a GPU for the reason of chapter 1: every step waits for the previous one, and a program does only $N$ multiply-adds per step. The production kernel keeps the fusion and removes the chain, with the blocked scan of the first half of the chapter.
+# It is correct, but built like chapter 1's kernel: every step waits for the previous one, and each step loads a handful of numbers and does only $N$ multiply-adds, so it keeps few bytes in flight. We do not time it here; it shares the limits chapter 1 measured. The production kernel keeps the fusion and removes the chain, with the blocked scan of sections 4.1–4.8.
 #
-# ## The production kernel: one batch row, a block of channels, a block of channels
+# ## The production kernel: one batch row, a block of channels, time in chunks
 #
 # There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $x_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
 #
 # 1. loads $x$ (`u`), $\Delta$ (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
 # 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $b = \Delta B x$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
-# 3. scans the pairs $(a, b)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the cumulative product $\prod_{s \le t} a_s$ and the local state;
-# 4. adds the carry: $h_t = \big(\prod_{s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of the first half;
+# 3. scans the pairs $(a, b)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the product of the chunk's decays so far, $\prod_{t_0 \le s \le t} a_s$ with $t_0$ the chunk's first step, and the local state, started from zero at $t_0$;
+# 4. adds the carry: $h_t = \big(\prod_{t_0 \le s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of section 4.1;
 # 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D x$, times $\operatorname{silu}(z)$) and stores it;
 # 6. keeps the last column of $h$ as the next chunk's carry.
 #
@@ -243,13 +244,13 @@ for name, inputs in cases.items():
 # %% [markdown]
 # ## The backward pass
 #
-# Let $g_t = \partial \mathcal{L} / \partial y_t$ (after the gate: $g_t \leftarrow g_t \operatorname{silu}(z_t)$). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
+# Let $g^y_t = \partial \mathcal{L} / \partial y_t$ be the gradient arriving at the output, and $g_t = g^y_t \operatorname{silu}(z_t)$ the part of it that reaches $y^{\text{pre}}_t = C_t h_t + D x_t$, the output before the gate ($g_t = g^y_t$ without a gate). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
 #
 # $$
-# \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + \bar g_{\text{last}},
+# \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + g^{\text{last}},
 # $$
 #
-# the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $\bar g_{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
+# the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $g_t C_t$ plays the part of chapter 1's $g_t$, the gradient arriving at $h_t$ from above, and $g^{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
 #
 # $$
 # \frac{\partial \mathcal{L}}{\partial b_t} = \lambda_t, \qquad
@@ -271,7 +272,7 @@ for name, inputs in cases.items():
 # \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} x_{dt}, &
 # \partial C_{nt} &= \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \\
 # \partial D &= \sum_{\text{batch},t} g_t x_t, &
-# \partial z_t &= g^{\text{out}}_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
+# \partial z_t &= g^y_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
 # \end{aligned}
 # $$
 #
@@ -279,7 +280,7 @@ for name, inputs in cases.items():
 #
 # The backward kernel needs the states, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. What it rescans is the decayed previous state $a_t h_{t-1}$, which both $\partial\Delta$ and $\partial A$ need: it obeys $a_t h_{t-1} = a_t\,(a_{t-1} h_{t-2}) + a_t b_{t-1}$, a first-order scan over the pairs $(a_t, a_t b_{t-1})$, and then $h_t = a_t h_{t-1} + b_t$. (Forming it as $h_t - b_t$ would be cheaper, but cancels when the decays are small, since $b_t$ is then nearly all of $h_t$.) $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
 #
-# The kernel in four parts. The setup is the forward kernel's, plus the adjoint carry `lam` (started from $\bar g_{\text{last}}$) and the registers that sum $\partial A$, $\partial D$ and $\partial\beta$ over time:
+# The kernel in four parts. The setup is the forward kernel's, plus the adjoint carry `lam` (started from $g^{\text{last}}$) and the registers that sum $\partial A$, $\partial D$ and $\partial\beta$ over time:
 
 # %%
 show_fragment(selective_scan_bwd_kernel, "def selective_scan_bwd_kernel(", "chunks = tl.cdiv(length, BLOCK_L)")
@@ -291,13 +292,13 @@ show_fragment(selective_scan_bwd_kernel, "def selective_scan_bwd_kernel(", "chun
 show_fragment(selective_scan_bwd_kernel, "chunks = tl.cdiv(length, BLOCK_L)", "grad_out = tl.load(")
 
 # %% [markdown]
-# The gate: with $z$, the gradient reaching $C h + D x$ is $g \operatorname{silu}(z)$, and $\partial z$ needs $y$ before the gate, which the states just recomputed give:
+# The gate: with $z$, the gradient reaching $C h + D x$ is $g_t = g^y_t \operatorname{silu}(z_t)$, and $\partial z$ needs $y^{\text{pre}}$, the output before the gate, which the states just recomputed give:
 
 # %%
 show_fragment(selective_scan_bwd_kernel, "grad_out = tl.load(", "# the adjoint: reverse scan")
 
 # %% [markdown]
-# The adjoint and the gradients. The reverse scan is `tl.associative_scan(..., reverse=True)`, which the first half of this chapter replaced by tiles of rows because it cost the linear scan's backward a third of its speed. Here it stays, for two reasons. The linear scan does one multiply-add per element and runs at the {term}`memory floor`, so any extra work per element shows; the selective scan's backward does two exponentials and about twenty multiply-adds per element of a `BLOCK_D × N × BLOCK_L` tile and runs many times above its floor, limited by the layout conversions of its 3-d tiles (the speed section below), so the reverse scan's extra shuffles are a small share of it. And the axis is short: chunks of 32 steps on a GPU, so the reverse scan has five rounds. (We have not measured its share; the row-tile trick of the first half is the candidate if it ever matters.)
+# The adjoint and the gradients. The reverse scan is `tl.associative_scan(..., reverse=True)`, which section 4.7.1 replaced by tiles of rows because it cost the linear scan's backward a third of its speed. Here it stays, for two reasons. The linear scan does one multiply-add per element and runs at the {term}`memory floor`, so any extra work per element shows; the selective scan's backward does two exponentials and about twenty multiply-adds per element of a `BLOCK_D × N × BLOCK_L` tile and runs many times above its floor, limited by moving its 3-d tiles between threads (the speed section below), so the reverse scan's extra shuffles are a small share of it. And the axis is short: chunks of 32 steps on a GPU, so the reverse scan has five rounds. (We have not measured its share; the row-tile trick of section 4.7.1 is the candidate if it ever matters.)
 
 # %%
 show_fragment(selective_scan_bwd_kernel, "# the adjoint: reverse scan")
@@ -328,7 +329,7 @@ check_gradients("through the last state", make_inputs(1, 4, 4, grad_length), tor
 # %% [markdown]
 # ## Speed
 #
-# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $x$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the special-function units deliver 16 per clock per {term}`SM`: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
+# **The floor.** At Mamba's sizes (batch 8, dim 2048, $N$ = 16, $L$ = 4096, bfloat16) the forward pass must read $x$, $\Delta$ and write $y$ (3 × 134 MB; $B$, $C$ are small), about 0.1 ms at the copy bandwidth of an H200. But it must also evaluate $\text{batch} \cdot \text{dim} \cdot N \cdot L \approx 1.07 \cdot 10^9$ exponentials, and the {term}`special-function units <special-function unit>`, which compute them, deliver 16 per clock per {term}`SM`: $1.07 \cdot 10^9 / (16 \cdot 132 \cdot 1.98\,\text{GHz}) = 0.26$ ms. The selective scan is bound by exponentials, not bytes. The backward pass needs them again (0.51 ms for both passes).
 #
 # **The peers**, timed in one run by `benchmarks/bench_selective_scan.py`: mamba.py's parallel scan {cite}`repo_mambapy` (`mambapy.pscan.pscan` fed the materialized $a = e^{\Delta A}$ and $b = \Delta B x$ in its layout `(batch, L, dim, N)`, then the $C$ contraction, exactly as its `selective_scan` does) and mamba_ssm's PyTorch reference {cite}`repo_mamba` (a Python loop over time; its backward ran once, not repeated). The plot shows the stored run; the cell below it times this machine.
 
@@ -358,7 +359,7 @@ else:
     print("no stored benchmark run (run benchmarks/bench_selective_scan.py --json book/data/selective_scan_bench.json)")
 
 # %% [markdown]
-# On the H200 the fused kernel is about 9× faster than mamba.py forward and 7.6× forward+backward, and far ahead of the PyTorch loop; the backward of mamba_ssm's loop is slowest, probably because autograd writes a full-size gradient of the `(batch, dim, L, N)` tensors for every time-step slice it reads. The kernel is still 20× (forward) and 38× (forward+backward) above the exponential floor: the 3-d tiles pay for layout conversions between the `(BLOCK_D, BLOCK_L)` loads and the `(BLOCK_D, N, BLOCK_L)` scan, for the scan's cross-thread steps, and for extracting the carry column with a reduction; mamba_ssm's CUDA kernel sidesteps most of this by giving each thread a run of time steps of one channel and looping over $n$, so no 3-d tile exists.
+# In the stored H200 run the fused kernel is about 9× faster than mamba.py forward and 7.6× forward+backward, and far ahead of the PyTorch loop; the backward of mamba_ssm's loop is slowest, probably because autograd writes a full-size gradient of the `(batch, dim, L, N)` tensors for every time-step slice it reads. The kernel is still 20× (forward) and 38× (forward+backward) above the exponential floor, and the 3-d tiles are the likely cost. Triton gives every tile a *layout*, which thread holds which elements, and when two operations want different layouts it moves the tile between threads through shared memory (a *layout conversion*). Here that happens between the `(BLOCK_D, BLOCK_L)` loads and the `(BLOCK_D, N, BLOCK_L)` scan; on top come the rounds of the scan that exchange values between threads ({term}`shuffles <shuffle>` and shared memory), and a reduction to extract the carry column; mamba_ssm's CUDA kernel sidesteps most of this by giving each thread a run of time steps of one channel and looping over $n$, so no 3-d tile exists.
 #
 # The same comparison on this machine, at a size that fits it: the fused kernel beside the naive way built from this chapter's own pieces, materializing $a$ and $b$ as `(batch, dim, N, L)` float32 tensors and calling `linear_scan`:
 
@@ -390,13 +391,29 @@ print(f"device: {runtime.device_name()}; batch, dim, N, L = {sizes}, bfloat16")
 print_table(timing_rows)
 
 # %% [markdown]
-# Fusion pays even this far from the floor: in the stored GPU run the fused kernel is about 4× faster than the materialized version forward and over 3× forward and backward, the time that writing and reading the $N$-times larger tensors of $a$ and $b$ costs.
+# Fusion pays even this far from the floor: in the table above the fused kernel is several times faster than the materialized version, forward and forward+backward, the time that writing and reading the $N$-times larger tensors of $a$ and $b$ costs.
 
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# The selective scan is the first-order scan of the first half of this chapter with the inputs computed on chip. A first kernel walked time step by step, one channel per program; the production kernel keeps its fusion and scans chunks in parallel: per chunk, the kernel forms $a = e^{\Delta A}$ and $b = \Delta B x$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $x, \Delta, A, B, C, D, z$ and the bias — checked against float64.
+# The selective scan is the first-order scan of sections 4.1–4.8 with the inputs computed on chip. A first kernel walked time step by step, one channel per program; the production kernel keeps its fusion and scans chunks in parallel: per chunk, the kernel forms $a = e^{\Delta A}$ and $b = \Delta B x$ for `BLOCK_D × N × BLOCK_L` elements, scans them, adds the carry, contracts with $C$ and moves on, so the `(batch, dim, N, L)` tensors of the naive version never exist. The backward pass is the reverse scan of the adjoint, with the states recomputed from stored chunk starts and every gradient — $x, \Delta, A, B, C, D, z$ and the bias — checked against float64.
 #
-# The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that {term}`tensor cores <tensor core>` cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \circ \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
+# The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that {term}`tensor cores <tensor core>` cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \odot \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
 #
-# **Exercise** (checked by `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py`). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * x$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?
+# **Exercise** (no stub or checker here; `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py` holds a solution, and the answer is in the dropdown below). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * x$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?
+#
+# ```{admonition} Answer (click to show)
+# :class: dropdown
+# Fix a channel $d$ and drop its index. With $\Delta$, $B$, $C$ constant, every step of state $n$ has the same decay $e^{\Delta A_n}$ and input $\Delta B_n x_t$, so from $h_{-1} = 0$
+#
+# $$
+# \begin{aligned}
+# h_{nt} &= \sum_{s \le t} e^{(t-s)\Delta A_n}\, \Delta B_n\, x_s, \\
+# y_t &= \sum_n C_n h_{nt} = \sum_{s \le t} K_{t-s}\, x_s, \qquad K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n
+# \end{aligned}
+# $$
+#
+# (plus $D x_t$, which adds $D$ to $K_0$). To check it, call `selective_scan` with `delta`, `B` and `C` expanded from constants along time, build $K$ for $k = 0, \dots, L-1$ in float64, and compare with the causal convolution $\sum_{s \le t} K_{t-s} x_s$; `test_exercise_time_invariant_scan_is_a_convolution` does exactly this.
+#
+# With $\Delta_t$, $B_t$ or $C_t$ varying, the weight of $x_s$ in $y_t$ is $C_t \cdot \big(\prod_{s < r \le t} a_r\big) \Delta_s B_s$: it depends on $s$ and $t$ separately, not on $t - s$ alone, so there is no single kernel $K$ and no convolution. Mamba bought selection: per token, the model decides what to keep and what to forget. It gave up the convolution view, in which one precomputed $K$ and an FFT process a whole sequence in $O(L \log L)$, and needs a scan such as this section's instead.
+# ```

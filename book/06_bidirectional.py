@@ -19,20 +19,30 @@
 #
 # - how a bidirectional SSM is a multiplication by a *{term}`quasiseparable`* matrix, a lower {term}`semiseparable` triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ only on that diagonal;
 # - why the reverse direction needs no second cumulative sum: its decays are the forward ones read one position earlier, so both directions share one {term}`chunk` grid;
-# - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ and $B$, both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
+# - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ (and of $B$, when the directions share it), both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
 #
 # It builds on [chapter 5](05_ssd.ipynb): there a causal SSM was a lower-triangular semiseparable matrix $M$, multiplied chunk by chunk, quadratic inside a chunk and through $P \times N$ states across chunks. Here a second matrix of the same kind runs backwards in time and both are multiplied in one pass.
 #
-# ```{admonition} Notation (as in chapter 5)
+# ```{admonition} Notation (chapter 5's, a prime for the reverse direction)
 # | symbol | meaning |
 # |---|---|
+# | $t, s$ | positions: $t$ the output (row), $s$ the input (column) |
+# | $L$, $Q$ | sequence length, chunk size |
 # | $x_t \in \mathbb{R}^P$ | input of one head at position $t$ ($P$: headdim) |
 # | $\Delta_t$, $\Delta'_t$ | step of the forward and of the reverse direction (after bias, softplus, clamp) |
 # | $A$ | one negative number per head; a step decays the state by $e^{\Delta_t A}$ |
 # | $B_t, C_t \in \mathbb{R}^N$ | input and readout maps ($N$: dstate); $B'_t, C'_t$ those of the reverse direction |
-# | $\ell_t = A \sum_{k \le t} \Delta_k$ | cumulative log-decay (forward); $\ell'_t$ the same with $\Delta'$ |
 # | $D$ | the skip, per head (or per channel) |
-# | $L$, $Q$ | sequence length, chunk size |
+# | $M$; $\mathcal L$, $\mathcal U$ | the whole matrix, $y = Mx$; its lower (forward) and upper (reverse) semiseparable triangles |
+# | $Z$ | the shift down by one row (Hydra's form) |
+# | $\ell_t = A \sum_{k \le t} \Delta_k$ | cumulative log-decay of the forward direction, counted from the start of the chunk (`a` in the code) |
+# | $\ell'_t$, $\ell'_{t-1}$ | the reverse direction's, inclusive (`b`) and exclusive (`e`) of $t$; $\ell'_{-1} = 0$ |
+# | $\ell_{Q-1}$, $\ell'_{Q-1}$ | a chunk's last slot: chapter 5's $\ell_{\text{last}}$ |
+# | $S_c$, $S'_c$ | what chunk $c$ adds to the forward state (decayed to its end) and to the reverse state (decayed to its start) |
+# | $H_c$, $H'_c$ | the forward state entering chunk $c$ from the left, the reverse state entering it from the right (`states_in[0]`, `states_in[1]` in the code) |
+# | $r_t$, $\rho_t$ | the decays of row $t$ for the forward and the reverse terms: $\ell_t$ and $\ell'_{t-1}$, or with the shift $\ell_{t-1}$ and $\ell'_t$ |
+# | $q_t$, $q'_t$ | the readouts of row $t$: $C_t$ and $C'_t$, or with the shift $C_{t-1}$ and $C'_{t+1}$ |
+# | $G$, $G_d$ | the scores of a diagonal block (`G`: $q_t \cdot B_s$ below the diagonal, $q'_t \cdot B'_s$ above it) and, without the shift, its reverse diagonal (`Gd`) |
 # ```
 
 # %%
@@ -81,7 +91,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular $\mathcal L$; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$:
+# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular matrix, called $M$ there and $\mathcal L$ here; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$:
 #
 # $$
 # \begin{aligned}
@@ -187,7 +197,7 @@ for shift in (False, True):
           bidirectional_ref(**inp, dt_softplus=True, shift=shift), tolerance(torch.float32))
 
 # %% [markdown]
-# **Packed sequences.** With `seq_idx` (or `cu_seqlens`) several sequences share a row. No state may cross a boundary in either direction, and "reverse" must mean reversing each sequence within itself; reversing the whole row would hand the last sequence's tail to the first sequence's reverse pass. (Hydra's module stacks the sequence and its whole-row flip along the batch and passes its `seq_idx` on unchanged, which is right only for one sequence per row.) `reverse_within_sequences` sends position $i$ of the sequence $[s, e)$ to $s + e - 1 - i$, and the shift puts a zero at every sequence start:
+# **Packed sequences.** With `seq_idx` (or `cu_seqlens`) several sequences share a row. No state may cross a boundary in either direction, and "reverse" must mean reversing each sequence within itself; reversing the whole row would hand the last sequence's tail to the first sequence's reverse pass. (Hydra's module stacks the sequence and its whole-row flip along the batch and passes its `seq_idx` on unchanged, which is right only for one sequence per row.) `reverse_within_sequences` sends position $i$ of the sequence that occupies positions $[\text{start}, \text{end})$ to $\text{start} + \text{end} - 1 - i$, and the shift puts a zero at every sequence start:
 
 # %%
 seq_idx = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2]], device=device)
@@ -199,26 +209,26 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 # %% [markdown]
 # ## One chunk grid for both directions
 #
-# The two-call composition reads $x$, $B$ and $C$ twice, writes and reads a reversed copy of every input and of the reverse output, and sums the two outputs in one more pass. The fused algorithm starts from one observation: **the reverse decays are the forward cumulative sums read one position earlier.** With $\ell'$ counted from the start of a chunk like $a$ (so $\ell'_{-1} = 0$ there), the decay of the reverse direction from $s$ back to $t$ is $e^{\ell'_{s-1} - \ell'_{t-1}}$, an *exclusive* cumulative sum. When the directions share their step (Bi-Mamba2), $\ell' = a$ and one cumulative sum serves both. Either way both directions live on the same chunks of $Q$ positions, and for $t$ in chunk $c$:
+# The two-call composition reads $x$, $B$ and $C$ twice, writes and reads a reversed copy of every input and of the reverse output, and sums the two outputs in one more pass. The fused algorithm starts from one observation: **the reverse decays are the forward cumulative sums read one position earlier.** With $\ell'$ counted from the start of a chunk like $\ell$ (so $\ell'_{-1} = 0$ there), the decay of the reverse direction from $s$ back to $t$ is $e^{\ell'_{s-1} - \ell'_{t-1}}$, an *exclusive* cumulative sum. When the directions share their step (Bi-Mamba2), $\ell' = \ell$ and one cumulative sum serves both. Either way both directions live on the same chunks of $Q$ positions, and for $t$ in chunk $c$:
 #
 # $$
 # \begin{aligned}
 # y_t ={}& \textstyle\sum_{s \in c} M_{ts}\, x_s
-#   \;+\; e^{\ell_t}\, C_t \cdot H_c \\
-#   &+\; e^{\ell'_{Q-1} - \ell'_{t-1}}\, C'_t \cdot G_c \;+\; D\, x_t .
+#   \;+\; e^{\ell_t}\, H_c C_t \\
+#   &+\; e^{\ell'_{Q-1} - \ell'_{t-1}}\, H'_c C'_t \;+\; D\, x_t .
 # \end{aligned}
 # $$
 #
-# The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $G_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
+# The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $H'_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
 #
 # $$
 # \begin{aligned}
 # S_c &= \textstyle\sum_{s \in c} e^{\ell_{Q-1} - \ell_s}\, \Delta_s\, x_s B_s^\top, & H_{c+1} &= e^{\ell_{Q-1}(c)}\, H_c + S_c,\\
-# S'_c &= \textstyle\sum_{s \in c} e^{\ell'_{s-1}}\, \Delta'_s\, x_s B'^{\top}_s, & G_{c-1} &= e^{\ell'_{Q-1}(c)}\, G_c + S'_c .
+# S'_c &= \textstyle\sum_{s \in c} e^{\ell'_{s-1}}\, \Delta'_s\, x_s B'^{\top}_s, & H'_{c-1} &= e^{\ell'_{Q-1}(c)}\, H'_c + S'_c .
 # \end{aligned}
 # $$
 #
-# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when shared, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $\ell'_t$.
+# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when the directions share it, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $\ell'_t$.
 #
 # The pipeline is then chapter 5's, each stage serving both directions: (1) the cumulative sums; (2) $C \cdot B$ on the diagonal blocks; (3) both chunk states; (4) both carries; (5) the outputs. The figure shows which blocks of $M$ each part computes and which way each state travels.
 
@@ -232,7 +242,7 @@ for c in range(n_chunks):
         ax_m.add_patch(Rectangle((d * Q, c * Q), Q, Q, facecolor=colour, alpha=0.85 if c >= d else 0.4,
                                  hatch=None if c >= d else "//", edgecolor="white", lw=1.5))
 ax_m.set(xlim=(0, span), ylim=(span, 0), aspect="equal", xlabel="s", ylabel="t",
-         title="M: diagonal blocks whole (green);\nbelow via H (red), above via G (hatched)")
+         title="M: diagonal blocks whole (green);\nbelow via H (red), above via H' (hatched)")
 for c in range(n_chunks):
     x0 = c * 2.2
     ax_s.add_patch(Rectangle((x0, 0), 1.6, 0.8, facecolor=COLORS["x"], alpha=0.3, edgecolor="black"))
@@ -246,10 +256,10 @@ for c in range(n_chunks):
         ax_s.text(x0 + 1.8, 2.0, f"$H_{c + 1}$", ha="center", fontsize=7, color=COLORS["carry"])
         ax_s.annotate("", xy=(x0 + 1.1, -1.1), xytext=(x0 + 2.5, -1.1),
                       arrowprops=dict(arrowstyle="->", color=COLORS["carry"], lw=1.6, ls="--"))
-        ax_s.text(x0 + 1.8, -1.45, f"$G_{c}$", ha="center", fontsize=7, color=COLORS["carry"])
-ax_s.text(-0.2, 2.45, "one read of x, B per chunk gives S (decayed to the chunk end) and S' (to its start)",
+        ax_s.text(x0 + 1.8, -1.45, f"$H'_{c}$", ha="center", fontsize=7, color=COLORS["carry"])
+ax_s.text(-0.2, 2.45, "one read of x (and of B, if shared) per chunk gives S (to the chunk end) and S' (to its start)",
           fontsize=7)
-ax_s.text(-0.2, -1.95, "both carries in one launch: H left to right, G right to left", fontsize=7)
+ax_s.text(-0.2, -1.95, "both carries in one launch: H left to right, H' right to left", fontsize=7)
 ax_s.set(xlim=(-0.3, n_chunks * 2.2), ylim=(-2.2, 2.7), title="states of both directions, one chunk grid")
 ax_s.axis("off")
 plt.tight_layout()
@@ -263,7 +273,7 @@ plt.tight_layout()
 show_source(bidirectional_forward)
 
 # %% [markdown]
-# The package calls the forward cumulative sum `a` (our $\ell$), the reverse direction's inclusive one $b$ (our $\ell'$) and its exclusive one $e_t = b_t - A\Delta'_t$ (our $\ell'_{t-1}$). Two `@triton.jit` helpers hold all the bookkeeping of directions and shift. `row_decays` gives each row $t$ its two decays: $r_t$ for the forward terms ($\ell_t$, or $\ell_{t-1}$ with the shift) and $\rho_t$ for the reverse ones ($e_t$, or $b_t$ with the shift).
+# The package calls the forward cumulative sum `a` (our $\ell$), the reverse direction's inclusive one `b` (our $\ell'$) and its exclusive one `e`, computed as `b` $- A\Delta'_t$ (our $\ell'_{t-1}$). Two `@triton.jit` helpers hold all the bookkeeping of directions and shift. `row_decays` gives each row $t$ its two decays: $r_t$ (`r`) for the forward terms ($\ell_t$, or $\ell_{t-1}$ with the shift) and $\rho_t$ (`rho`) for the reverse ones ($\ell'_{t-1}$, or $\ell'_t$ with the shift).
 
 # %%
 show_source(row_decays)
@@ -277,15 +287,15 @@ show_source(pair_weight)
 # %% [markdown]
 # ### The scores of the diagonal blocks
 #
-# `chunk_scores` writes one $Q \times Q$ block of scores per chunk and group: $C_t \cdot B_s$ (with the shift $C_{t-1} \cdot B_s$) on and below the diagonal, $C'_t \cdot B'_s$ (with the shift $C'_{t+1} \cdot B'_s$) above it. A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector `Gd` the reverse one. Every entry written is a finite number, because the kernels that read the scores {term}`mask` the weights, not the scores (chapter 5's reason).
+# `chunk_scores` writes one $Q \times Q$ block of scores $G$ per chunk and group (`G` in the code; chapter 5's $CB$, now with both triangles): $q_t \cdot B_s$ on and below the diagonal, with the row's readout $q_t = C_t$ ($C_{t-1}$ with the shift), and $q'_t \cdot B'_s$ above it, with $q'_t = C'_t$ ($C'_{t+1}$ with the shift). A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector $G_d$ (`Gd`) the reverse one, $C'_t \cdot B'_t$. Every entry written is a finite number, because the kernels that read the scores {term}`mask` the weights, not the scores (chapter 5's reason).
 
 # %%
 show_source(chunk_scores_kernel)
 
 # %% [markdown]
-# ### Both chunk states from one read of $x$ and $B$
+# ### Both chunk states from one read of $x$
 #
-# One {term}`program` per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ and of $B$ once and accumulates two matmuls: $S_c$ with the weight $e^{\ell_{Q-1} - \ell_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{e_s}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from {term}`registers`. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and $C$.
+# One {term}`program` per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ once (and of $B$ once, when the directions share it; else a tile of $B$ and one of $B'$) and accumulates two matmuls: $S_c$ with the weight $e^{\ell_{Q-1} - \ell_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{\ell'_{s-1}}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from {term}`registers`. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and the readouts $q$, $q'$.
 
 # %%
 show_source(chunk_states_kernel)
@@ -319,7 +329,7 @@ for name, weight, B_dir, got in (("S (to the chunk end)", to_end, inp["B"], stat
 # %% [markdown]
 # ### Both carries in one launch
 #
-# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element: a loop bound by latency, not by bandwidth, which leaves most of the GPU idle. Two launches would run one after the other; here one grid holds the programs of both directions (the first half walks the forward states left to right on $a$, the second the reverse ones right to left on $b$), so the two walks overlap. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients.
+# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element. Each step waits for the one before it, so the loop's time is set by the latency of those steps (a load from memory, then the arithmetic), not by the bytes it moves, and most of the GPU sits idle. Two launches would run one after the other; here one grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so the two walks overlap. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients.
 
 # %%
 show_source(state_passing_kernel)
@@ -327,7 +337,7 @@ show_source(state_passing_kernel)
 # %% [markdown]
 # ### The outputs
 #
-# The last kernel sums, for a block of rows of one chunk and head, the four terms of $y_t$: the forward state through $e^{r_t} q_t$, the reverse state through $e^{b_{Q-1} - \rho_t} q'_t$ (both one matmul over dstate), the diagonal block with the weights of `pair_weight`, and $D x_t$, then the gate. Unlike chapter 5's chunk scan, its loop over columns runs across the whole chunk, because the part above the diagonal is now the reverse direction's.
+# The last kernel sums, for a block of rows of one chunk and head, the four terms of $y_t$: the forward state, $e^{r_t} H_c q_t$, the reverse state, $e^{\ell'_{Q-1} - \rho_t} H'_c q'_t$ (each one matmul over dstate, with the row's readouts $q_t$, $q'_t$ of the notation box), the diagonal block with the weights of `pair_weight`, and $D x_t$, then the gate. Unlike chapter 5's chunk scan, its loop over columns runs across the whole chunk, because the part above the diagonal is now the reverse direction's.
 
 # %%
 show_source(chunk_outputs_kernel)
@@ -365,7 +375,7 @@ for shift in (False, True):
 # %% [markdown]
 # ### The backward pass
 #
-# The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once. What the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, comes from the chunk-state kernel with `grad=True` (one read of $dy$ and $C$); the two carries run again, each the other way; one kernel gives $dx$ (through the full diagonal block and both states), one gives $dB$, $dC$ and the reverse direction's $dB'$, $dC'$; a last one turns the decay gradients of both directions into those of $\Delta$, $\Delta'$, $A$ and `dt_bias` by reverse cumulative sums inside each chunk, as in chapter 5. Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$, so their gradients move back one row (`queries_to_rows`).
+# The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once. What the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, comes from the chunk-state kernel with `grad=True` (one read of $dy$, and of $C$ when the directions share it); the two carries run again, each the other way; one kernel gives $dx$ (through the full diagonal block and both states), one gives $dB$, $dC$ and the reverse direction's $dB'$, $dC'$; a last one turns the decay gradients of both directions into those of $\Delta$, $\Delta'$, $A$ and `dt_bias` by reverse cumulative sums inside each chunk, as in chapter 5. Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$, so their gradients move back one row (`queries_to_rows`).
 
 # %%
 show_source(bidirectional_backward)
@@ -417,7 +427,11 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On a GPU the fused call costs a little under twice one causal call, and about a third of the two-call composition (which also pays for its flips and copies); the benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
+# On a GPU the fused call costs a little under twice one causal call, and a fraction of the two-call composition, which pays for its flips and copies on top of two causal calls.
+#
+# That composition is not the naive peer of the benchmark below, and the two should not be compared by their milliseconds. This cell times `bidirectional_two_calls` as shown above, with shared parameters and no shift: our `ssd_chunk_scan` twice, on a flipped copy of $x$, $\Delta$, $B$ and $C$ for the reverse call, then PyTorch sums the two outputs, adds $D x$ and rounds the result, all in float32, so that the sum is rounded to bfloat16 once, as the fused kernel's is. Each of those float32 steps is a full pass over an output-sized tensor of twice the bytes of $x$. The benchmark's "naive two calls (mamba_ssm)" calls mamba_ssm's kernel twice on flipped copies as well, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass: much less traffic outside the kernels. Both are timed on the same shape (bfloat16, (4, 4096, 80, 64, 128), chunk 256, with $D$, `dt_bias` and softplus), so the composition here can take longer than the benchmark's naive row although our causal kernel is the faster of the two (chapter 5).
+#
+# The benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
 
 # %% [markdown]
 # ## Speed and memory
@@ -479,12 +493,12 @@ else:
           "--json book/data/bidirectional_bench.json writes it (bash scripts/gpu_benchmarks.sh bidirectional)")
 
 # %% [markdown]
-# **Verdict** (the stored run, an H100): the fused pipeline beats both ways the published models compute a bidirectional SSM today, at both shapes. With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal ones run at 16–20% of the matmul floor, so there is room, but not from fusion alone.
+# **Verdict** (the stored run, an H100): the fused pipeline beats both ways the published models compute a bidirectional SSM today, at both shapes. With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal ones run at 16–20 % of their floor (the `pct_floor` column: the time of their FLOPs at the measured matmul rate or of their bytes at the measured copy bandwidth, whichever is longer; see {term}`memory floor`), so there is room, but not from fusion alone.
 #
 # :::{admonition} Performance notes
 # :class: dropdown
-# The first version of the backward pass computed the score gradient $dG$ one (row, column) tile per program with one exponential per weight, and the whole pass took 5.67 ms (forward + backward, first shape). Two changes brought it to 4.74 ms, with the same results to float32 rounding:
-# - **A cheaper weight off the diagonal band.** Off the row block's band every weight of a tile belongs to one direction, and it factors through a position between the rows and the columns: $e^{\ell_t - \ell_s} = e^{\ell_t - \ell_r} e^{\ell_r - \ell_s}$. Both exponents have the sign of $A$, so no factor overflows where the weight does not, and a tile costs one exponential per row and per column instead of one per entry. The output kernel and the $dx$ kernel walk their columns in three runs (before the band, the band, after it) to use it.
+# The first version of the backward pass computed $dG$, the gradient of the scores $G$, one (row, column) tile per program with one exponential per weight, and the whole pass took 5.67 ms (forward + backward, first shape). Two changes brought it to 4.74 ms, with the same results to float32 rounding:
+# - **A cheaper weight off the diagonal band.** Off the row block's band every weight of a tile belongs to one direction, and it factors through a position $u$ between the rows and the columns: $e^{\ell_t - \ell_s} = e^{\ell_t - \ell_u} e^{\ell_u - \ell_s}$. Both exponents have the sign of $A$, so no factor overflows where the weight does not, and a tile costs one exponential per row and per column instead of one per entry. The output kernel and the $dx$ kernel walk their columns in three runs (before the band, the band, after it) to use it.
 # - **The $dG$ kernel split in two launches.** The diagonal tiles keep the full weights; the others use the factored ones, with the loop over the heads of a group software-pipelined and autotuned. $dG$ went from 1.62 ms to 0.78 ms.
 #
 # The output kernel and the $dx$ kernel gained little from the cheaper weights (0.68 → 0.66 ms, 1.51 → 1.43 ms), so their exponentials were not what bound them.
@@ -493,14 +507,14 @@ else:
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# A bidirectional SSM multiplies by a quasiseparable matrix: chapter 5's lower semiseparable triangle, an upper one running backwards in time, and a diagonal. Bi-Mamba2 counts the diagonal in both triangles; Hydra shifts each direction by one step, which leaves the diagonal to $D$ alone. Because the reverse decays are the forward cumulative sums read one position earlier, both directions share one chunk grid, and one pipeline computes full diagonal blocks, both directions' chunk states from one read of $x$ and $B$, both carries in one launch and all outputs in one kernel, checked against the float64 reference in both forms, every dtype, packed sequences and every gradient. The two-call composition is the foil it replaces.
+# A bidirectional SSM multiplies by a quasiseparable matrix: chapter 5's lower semiseparable triangle, an upper one running backwards in time, and a diagonal. Bi-Mamba2 counts the diagonal in both triangles; Hydra shifts each direction by one step, which leaves the diagonal to $D$ alone. Because the reverse decays are the forward cumulative sums read one position earlier, both directions share one chunk grid, and one pipeline computes full diagonal blocks, both directions' chunk states from one read of $x$ (and of $B$, when shared), both carries in one launch and all outputs in one kernel, checked against the float64 reference in both forms, every dtype, packed sequences and every gradient. The two-call composition is the foil it replaces.
 #
 # [Chapter 7](07_attention.ipynb) turns to the model Mamba set out to replace, softmax attention, whose $L \times L$ matrix has no low-rank structure to exploit, and computes it without ever storing it.
 #
-# **Exercises.** A warm-up without code: with $B = C = 0$ in both directions, what is $y$, with and without the shift? (`tests/test_bidirectional.py` checks your answer.)
+# **Exercises.** A warm-up without code: with $B = C = 0$ in both directions (and no gate $z$), what is $y$, with and without the shift? It has no cell; two tests in `tests/test_bidirectional.py` assert the answer, `test_zero_B_and_C_give_D_x` on the reference and the two-call composition and `test_fused_zero_B_and_C_give_D_x` on the fused kernel.
 #
 # 1. *The backward of the shift.* `shift_within_sequences` moves every row one position later, with a zero at each sequence start. Its backward pass is its adjoint: write `shift_adjoint(g, seq_idx)` that returns $\partial \langle \mathrm{shift}(x), g\rangle / \partial x$ for `g` of shape (batch, L, ...) and `seq_idx` (batch, L) or None.
-# 2. *The diagonal of Bi-Mamba2's matrix.* Write `diagonal(dt, B, C, D, dt_rev, B_rev, C_rev)` that returns the diagonal of $M$ for `shift=False`, shape (batch, heads, L), without building $M$ (steps already processed; $B$, $C$ of shape (batch, L, groups, dstate); $D$ of shape (heads,)).
+# 2. *The diagonal of Bi-Mamba2's matrix.* Write `diagonal(dt, B, C, D, dt_rev, B_rev, C_rev)` that returns the diagonal of $M$ for `shift=False`, shape (batch, heads, L), without building $M$ (steps already processed, (batch, L, heads); $B$, $C$ of shape (batch, L, groups, dstate); $D$ of shape (heads,)). Heads map to groups as in chapter 5: head $h$ reads group $h \,/\!/\, (\text{heads}/\text{groups})$, so the heads of a group are consecutive (with 4 heads on 2 groups, heads 0 and 1 read group 0); the checker uses such a case.
 #
 # Replace the `raise` in each stub and run the cell; the checker compares your function with the float64 reference on fresh random inputs, packed sequences and groups included.
 

@@ -12,12 +12,13 @@ in the chapters (collapsed) and in ``tests/test_exercises.py``.
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .attention.reference import attention_ref
 from .bidirectional.reference import quasiseparable_matrix, shift_within_sequences
 from .runtime import DEVICE
 from .scan.reference import linear_scan_ref
-from .ssd.reference import ssd_chunked_ref
+from .ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
 from .testing import assert_close, randn, random_scan_inputs, tolerance, uniform
 
 # The bound of the chunk-state exercise: a reader's tl.dot of float32 tiles runs on TF32 tensor
@@ -239,9 +240,59 @@ def check_logsumexp(logsumexp):
                      f"exercise 7.4 (rows = {rows}, L = {length}, block = {block})")
 
 
+
+def check_ssd_step(ssd_step):
+    """8.1: ssd_step(h, x, dt, A, B, C, D) -> (new_h, y), one position of Mamba-2's SSM: h (batch,
+    heads, P, N) the state so far, x (batch, heads, P), dt (batch, heads) > 0, A (heads,), B, C
+    (batch, groups, N), D (heads,); head i reads group i * groups // heads. The oracle is the
+    float64 recurrence (ssd_recurrent_ref) run for one position from h."""
+    for batch, heads, groups, P, N in ((1, 1, 1, 4, 3), (2, 4, 2, 8, 16), (3, 6, 3, 5, 7)):
+        h = randn(batch, heads, P, N)
+        x = randn(batch, heads, P)
+        dt = uniform(batch, heads, low=0.01, high=1.0)
+        A = -uniform(heads, low=0.5, high=2.0)
+        B, C = randn(batch, groups, N), randn(batch, groups, N)
+        D = randn(heads)
+        got = ssd_step(h.clone(), x.clone(), dt.clone(), A, B.clone(), C.clone(), D)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise AssertionError("exercise 8.1: expected a pair (new_h, y)")
+        y_want, h_want = ssd_recurrent_ref(x[:, None], dt[:, None], A, B[:, None], C[:, None], D=D,
+                                           initial_states=h, return_final_states=True)
+        case = f"batch {batch}, heads {heads}, groups {groups}, P {P}, N {N}"
+        expect_tensor("8.1", got[0], h.shape, " (new_h: batch, heads, P, N)")
+        expect_tensor("8.1", got[1], x.shape, " (y: batch, heads, P)")
+        assert_close(got[0], h_want, tolerance(torch.float32), f"exercise 8.1 (new_h, {case})")
+        assert_close(got[1], y_want[:, 0], tolerance(torch.float32), f"exercise 8.1 (y, {case})")
+
+
+def check_conv_step(conv_step):
+    """8.2: conv_step(window, x, weight, bias) -> (new_window, out), one position of a causal
+    depthwise convolution: window (batch, channels, width) the last inputs (oldest first), x
+    (batch, channels), weight (channels, width), bias (channels,). Fed a whole sequence from a
+    zero window, the outputs must be the float64 convolution over the sequence, zero-padded on
+    the left."""
+    for batch, channels, width, length in ((1, 1, 2, 3), (2, 5, 4, 11), (3, 8, 3, 20)):
+        sequence = randn(batch, channels, length)
+        weight, bias = randn(channels, width), randn(channels)
+        want = F.conv1d(F.pad(sequence.double(), (width - 1, 0)), weight.double()[:, None], bias.double(),
+                        groups=channels)
+        window = torch.zeros(batch, channels, width, device=DEVICE)
+        outs = []
+        for t in range(length):
+            got = conv_step(window.clone(), sequence[..., t].clone(), weight, bias)
+            if not isinstance(got, (tuple, list)) or len(got) != 2:
+                raise AssertionError("exercise 8.2: expected a pair (new_window, out)")
+            window, out = got
+            expect_tensor("8.2", window, (batch, channels, width), " (new_window: batch, channels, width)")
+            expect_tensor("8.2", out, (batch, channels), " (out: batch, channels)")
+            outs.append(out)
+        assert_close(torch.stack(outs, dim=-1), want, tolerance(torch.float32),
+                     f"exercise 8.2 (batch {batch}, channels {channels}, width {width}, L {length})")
+
 CHECKERS = {"0.1": check_axpy, "1.3": check_reverse_scan, "2.3": check_cumsum, "3.3": check_pack_halves, "3.4": check_unpack_halves,
             "4.3": check_blocked_cumsum, "5.3": check_chunk_states, "6.1": check_shift_adjoint,
-            "6.2": check_diagonal, "7.1": check_merge_attention, "7.3": check_softmax, "7.4": check_logsumexp}
+            "6.2": check_diagonal, "7.1": check_merge_attention, "7.3": check_softmax, "7.4": check_logsumexp,
+            "8.1": check_ssd_step, "8.2": check_conv_step}
 
 
 def check(exercise: str, fn) -> bool:

@@ -10,6 +10,9 @@ COLORS = {
     "decay": "#7f7f7f",  # decays a, A-bar: grey
 }
 
+# the four kinds of model compared in chapter 8, one colour each (none of the colours above)
+MIXER_COLORS = {"transformer": "#9467bd", "mamba": "#8c564b", "mamba2": "#17becf", "hybrid": "#bcbd22"}
+
 
 def source_of(obj) -> str:
     """The source text of a function or Triton kernel (through @triton.autotune and @triton.jit,

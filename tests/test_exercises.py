@@ -316,14 +316,51 @@ def logsumexp_without_max(x, block):
     return torch.log(torch.exp(x).sum(-1))
 
 
+
+def ssd_step(h, x, dt, A, B, C, D):
+    """Chapter 8's solution to 8.1."""
+    heads_per_group = h.shape[1] // B.shape[1]
+    B, C = (t.repeat_interleave(heads_per_group, dim=1) for t in (B, C))
+    new_h = torch.exp(dt * A)[..., None, None] * h + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    return new_h, (new_h * C[:, :, None, :]).sum(-1) + D[:, None] * x
+
+
+def ssd_step_groups_tiled(h, x, dt, A, B, C, D):
+    """Wrong for 8.1: heads assigned to groups round-robin (repeat) instead of in runs."""
+    heads_per_group = h.shape[1] // B.shape[1]
+    B, C = (t.repeat(1, heads_per_group, 1) for t in (B, C))
+    new_h = torch.exp(dt * A)[..., None, None] * h + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    return new_h, (new_h * C[:, :, None, :]).sum(-1) + D[:, None] * x
+
+
+def ssd_step_output_before_update(h, x, dt, A, B, C, D):
+    """Wrong for 8.1: y read from the old state (the update comes after the readout)."""
+    new_h, _ = ssd_step(h, x, dt, A, B, C, D)
+    heads_per_group = h.shape[1] // B.shape[1]
+    C = C.repeat_interleave(heads_per_group, dim=1)
+    return new_h, (h * C[:, :, None, :]).sum(-1) + D[:, None] * x
+
+
+def conv_step(window, x, weight, bias):
+    """Chapter 8's solution to 8.2."""
+    new_window = torch.cat([window[..., 1:], x[..., None]], dim=-1)
+    return new_window, (new_window * weight).sum(-1) + bias
+
+
+def conv_step_reversed_filter(window, x, weight, bias):
+    """Wrong for 8.2: the filter applied newest-first (a correlation with the flipped filter)."""
+    new_window = torch.cat([window[..., 1:], x[..., None]], dim=-1)
+    return new_window, (new_window * weight.flip(-1)).sum(-1) + bias
+
 SOLUTIONS = [("0.1", axpy), ("1.3", reverse_scan), ("2.3", cumsum), ("3.3", pack_halves), ("3.4", unpack_halves),
              ("4.3", blocked_cumsum), ("5.3", chunk_states), ("6.1", shift_adjoint), ("6.2", diagonal),
-             ("7.1", merge_attention), ("7.3", softmax), ("7.4", logsumexp)]
+             ("7.1", merge_attention), ("7.3", softmax), ("7.4", logsumexp), ("8.1", ssd_step), ("8.2", conv_step)]
 
 WRONG = [("0.1", axpy_unmasked_tail), ("1.3", forward_scan), ("2.3", exclusive_cumsum), ("3.3", pack_sign_extended), ("3.4", unpack_swapped),
          ("4.3", cumsum_without_carry), ("5.3", chunk_states_without_decay), ("6.1", shift_adjoint_ignoring_sequences),
          ("6.1", shift_right), ("6.2", diagonal_counted_once), ("6.2", diagonal_one_group),
-         ("7.1", merge_by_averaging), ("7.3", softmax_without_max), ("7.4", logsumexp_without_max)]
+         ("7.1", merge_by_averaging), ("7.3", softmax_without_max), ("7.4", logsumexp_without_max),
+         ("8.1", ssd_step_groups_tiled), ("8.1", ssd_step_output_before_update), ("8.2", conv_step_reversed_filter)]
 
 
 @pytest.mark.parametrize("exercise, solution", SOLUTIONS)

@@ -9,8 +9,8 @@ import torch
 from mamba_annotated import outputs
 from mamba_annotated.bench import format_table, gbps, median_ms, tflops
 from mamba_annotated.scan.combine import first_order_combine_torch
-from mamba_annotated.testing import (assert_associative, assert_close, check, poisoned_outputs, rel_error,
-                                     uniform)
+from mamba_annotated.testing import (assert_associative, assert_close, check, check_within_same_computation,
+                                     poisoned_outputs, rel_error, uniform)
 
 
 def test_import_without_cuda_turns_on_the_interpreter_and_says_so_once():
@@ -51,6 +51,28 @@ def test_check_prints_the_error_and_nbval_masks_it(capsys):
     assert re.sub(rule["regex"], rule["replace"], line) == "forward: rel err ERR < 1e-03\n"
     with pytest.raises(AssertionError, match="forward"):
         check("forward", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.1]), 1e-3)
+
+
+def test_check_within_same_computation_prints_both_errors_and_nbval_masks_them(capsys):
+    """check_within_same_computation() prints the measured error beside its bound (twice PyTorch's
+    error, plus the floor); the sanitizer masks both numbers, so strict nbval compares the rest."""
+    import configparser
+    import pathlib
+    import re
+
+    ref = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    same = torch.tensor([1.0, 2.004])          # PyTorch's error 1.8e-03 (+ the float32 floor 1e-06)
+    check_within_same_computation("forward, out", torch.tensor([1.0, 2.002]), same, ref, torch.float32)
+    line = capsys.readouterr().out
+    assert line == "forward, out: rel err 8.9e-04 <= 2 x PyTorch's 1.8e-03 in float32\n"
+    config = configparser.ConfigParser()
+    config.read(pathlib.Path(__file__).resolve().parent.parent / "book" / "nbval_sanitize.cfg")
+    for rule in config.values():
+        if "regex" in rule:
+            line = re.sub(rule["regex"], rule["replace"], line)
+    assert line == "forward, out: rel err ERR <= 2 x PyTorch's ERR in float32\n"
+    with pytest.raises(AssertionError, match="forward, out"):
+        check_within_same_computation("forward, out", torch.tensor([1.0, 2.01]), same, ref, torch.float32)
 
 
 def test_poisoned_outputs_fill_nan_and_restore_the_setting():
