@@ -210,8 +210,8 @@ MQAR_VOCAB = runtime.size(8192, 64)
 MQAR_TRAIN_LENGTHS = runtime.size([64, 128, 256], [16])
 MQAR_TEST_LENGTHS = runtime.size([64, 128, 256, 512], [16, 32])
 MQAR_TOKENS_PER_STEP = runtime.size(16384, 32)
-MQAR_STEPS = runtime.size(600, 2)
-BYTES_LEN, BYTES_BATCH, BYTES_STEPS = runtime.size(512, 8), runtime.size(32, 2), runtime.size(500, 2)
+MQAR_STEPS = runtime.size(300, 2)
+BYTES_LEN, BYTES_BATCH, BYTES_STEPS = runtime.size(512, 8), runtime.size(32, 2), runtime.size(300, 2)
 LEARNING_RATE = 2e-3
 
 rows = []
@@ -353,7 +353,7 @@ decode_rows = []
 for batch in (1, runtime.size(64, 2)):
     prompt = torch.randint(0, 256, (batch, runtime.size(512, 8)), device=device)
     for kind, model in byte_models.items():
-        r = decode_benchmark(model, prompt, runtime.size(128, 3), repeats=runtime.size(3, 1))
+        r = decode_benchmark(model, prompt, runtime.size(64, 3), repeats=1)
         decode_rows.append(dict(kind=kind, batch=batch, prefill_tokens_per_s=r["prefill_tokens_per_s"],
                                 decode_tokens_per_s=r["decode_tokens_per_s"],
                                 ratio=r["prefill_tokens_per_s"] / r["decode_tokens_per_s"]))
