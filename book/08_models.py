@@ -206,11 +206,11 @@ plt.show()
 # %%
 TARGET_PARAMS = runtime.size(10e6, 6e3)
 SHAPE = {} if GPU else dict(head_dim=16, d_state=16, chunk_size=16)  # the interpreter's tiny models
-MQAR_VOCAB = runtime.size(8192, 64)
+MQAR_VOCAB = runtime.size(256, 64)
 MQAR_TRAIN_LENGTHS = runtime.size([64, 128, 256], [16])
 MQAR_TEST_LENGTHS = runtime.size([64, 128, 256, 512], [16, 32])
 MQAR_TOKENS_PER_STEP = runtime.size(16384, 32)
-MQAR_STEPS = runtime.size(300, 2)
+MQAR_STEPS = runtime.size(600, 2)
 BYTES_LEN, BYTES_BATCH, BYTES_STEPS = runtime.size(512, 8), runtime.size(32, 2), runtime.size(300, 2)
 LEARNING_RATE = 2e-3
 
@@ -227,16 +227,16 @@ print_table(rows)
 #
 # ### Training on associative recall
 #
-# Each step draws a batch at one of the training lengths (cycling through them), with $L/8$ key-value pairs per sequence, the same number of tokens per step at every length. The data are made once, before training, and kept on the device, so the timed loop measures the model. AdamW, a warm-up and a cosine decay, gradient clipping and bf16 autocast on the GPU are in `train`.
+# Each step draws a batch at one of the training lengths (cycling through them), with $L/16$ key-value pairs per sequence (keys from the lower half of a vocabulary of 256, values from the upper half), the same number of tokens per step at every length. The data are made once, before training, and kept on the device, so the timed loop measures the model. AdamW, a warm-up and a cosine decay, gradient clipping and bf16 autocast on the GPU are in `train`.
 
 # %%
 def mqar_batches(lengths, tokens_per_step, steps, vocab, seed):
-    """steps batches (inputs, targets), cycling through ``lengths``, L/8 pairs each, on the device."""
+    """steps batches (inputs, targets), cycling through ``lengths``, L/16 pairs each, on the device."""
     g = torch.Generator().manual_seed(seed)
     per_length = {}
     for n, length in enumerate(lengths):
         count = len(range(n, steps, len(lengths))) * (tokens_per_step // length)
-        inputs, targets = mqar(count, length, length // 8, vocab, generator=g)
+        inputs, targets = mqar(count, length, max(1, length // 16), vocab, generator=g)
         per_length[length] = (inputs.to(device).unflatten(0, (-1, tokens_per_step // length)),
                               targets.to(device).unflatten(0, (-1, tokens_per_step // length)))
     return lambda step: tuple(t[step // len(lengths)] for t in per_length[lengths[step % len(lengths)]])
@@ -254,7 +254,8 @@ def train_and_measure(kind, vocab, next_batch, steps, evaluate):
 
 mqar_runs = {}
 train_batches = mqar_batches(MQAR_TRAIN_LENGTHS, MQAR_TOKENS_PER_STEP, MQAR_STEPS, MQAR_VOCAB, seed=1)
-test_sets = {length: mqar(runtime.size(512, 2), length, length // 8, MQAR_VOCAB, generator=torch.Generator().manual_seed(2))
+test_generator = torch.Generator().manual_seed(2)
+test_sets = {length: mqar(runtime.size(512, 2), length, max(1, length // 16), MQAR_VOCAB, generator=test_generator)
              for length in MQAR_TEST_LENGTHS}
 for kind in KINDS:
     _, mqar_runs[kind] = train_and_measure(
@@ -281,7 +282,7 @@ for kind, r in mqar_runs.items():
                label=kind)
 right.axvline(max(MQAR_TRAIN_LENGTHS), color="k", ls=":", lw=1, label="longest training length")
 left.set(xlabel="step", ylabel="loss (nats, mean of 20 steps)", title="MQAR: training loss")
-right.set(xscale="log", xlabel="sequence length L (L/8 pairs)", ylabel="accuracy at the queries",
+right.set(xscale="log", xlabel="sequence length L (L/16 pairs)", ylabel="accuracy at the queries",
           title="MQAR: recall by length", ylim=(0, 1.02))
 right.set_xticks(MQAR_TEST_LENGTHS, [str(n) for n in MQAR_TEST_LENGTHS])
 for ax in (left, right):

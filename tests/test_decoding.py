@@ -201,6 +201,27 @@ def test_prefill_then_steps_equals_forward(name, prefill):
 
 
 @torch.no_grad()
+def test_attention_decoding_under_bf16_autocast():
+    """Under autocast the residual stream stays float32 while q, k, v come out of the projection in
+    bfloat16: the cache must hold (or be read in) q's dtype. Generating with a Transformer in a
+    bf16-autocast training script failed with "k must have the dtype of q" before."""
+    block, u = block_and_input("mha-gqa-rotary")
+    params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        outs = [block(u[:, :4], inference_params=params)]
+        for t in range(4, u.shape[1]):
+            params.seqlen_offset = t
+            outs.append(block(u[:, t:t + 1], inference_params=params))
+        whole = block(u)
+    assert params.key_value_memory_dict[0][0].dtype == torch.bfloat16
+    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16), "prefill + steps under bf16 autocast")
+    by_hand = block.allocate_inference_cache(u.shape[0], u.shape[1], dtype=torch.float32)  # a float32 cache
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        decoded = torch.cat([step(block, u[:, t:t + 1], by_hand, t) for t in range(u.shape[1])], dim=1)
+    assert_close(decoded, whole, tolerance(torch.bfloat16), "steps from a float32 cache under bf16 autocast")
+
+
+@torch.no_grad()
 def test_mamba2_packed_prefill_then_steps():
     """A prefill of two packed sequences (batch 1, cu_seqlens and seq_idx) leaves each one's conv
     and SSM states (causal_conv1d_varlen_states and return_varlen_states in mamba_ssm); decoding

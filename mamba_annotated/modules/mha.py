@@ -97,7 +97,9 @@ class MHA(nn.Module):
                                  f"position {end - 1} does not fit")
             kv_cache[:, seqlen_offset:end, 0] = k
             kv_cache[:, seqlen_offset:end, 1] = v
-            k, v = kv_cache[:, :end, 0], kv_cache[:, :end, 1]
+            # a cache of another dtype than the projection's (allocated by hand, outside autocast) is
+            # read in q's: the kernel takes q, k, v of one dtype
+            k, v = kv_cache[:, :end, 0].to(q.dtype), kv_cache[:, :end, 1].to(q.dtype)
         context = attention(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal).flatten(-2)
         if x_mlp is not None:
             context = torch.cat([context, x_mlp], dim=-1)
@@ -119,8 +121,12 @@ class MHA(nn.Module):
                                       "implemented; every row is at seqlen_offset")
         cache = inference_params.key_value_memory_dict
         if self.layer_idx not in cache:
+            # the cache holds what the projection makes: the autocast dtype under autocast (the residual
+            # stream x stays float32 there), else x's
+            autocast = torch.is_autocast_enabled(x.device.type)
+            dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
             cache[self.layer_idx] = self.allocate_inference_cache(x.shape[0], inference_params.max_seqlen,
-                                                                  dtype=x.dtype)
+                                                                  dtype=dtype)
         kv_cache, conv_state = cache[self.layer_idx]
         rows = slice(inference_params.batch_size_offset, inference_params.batch_size_offset + x.shape[0])
         kv_cache = kv_cache[rows]
