@@ -2,19 +2,21 @@
 
 At small shapes a GPU finishes a kernel before Python has launched the next, so the time per call
 is the host's: argument checks, autograd, allocation and the kernel launches. Each case runs a
-loop of calls and synchronises the device once, after the loop; time per call = loop time / calls
-(median of five loops). Forward alone runs under torch.no_grad(); forward+backward goes through
+loop of calls and synchronises the device once, after the loop; time per call = loop time / calls.
+Ours and the peer's loops alternate, seven rounds each, and the ratio is the median of the seven
+rounds' ratios: the host's speed drifts over a run (other tenants, clocks) by more than the
+differences measured, and alternating puts both sides under the same drift. Forward alone runs under torch.no_grad(); forward+backward goes through
 autograd (``torch.autograd.grad``), as training does. Peers in the same run: accelerated-scan's
-Triton scan for linear_scan, mamba_ssm 2.3.2.post1's Triton ``mamba_chunk_scan_combined`` for
-ssd_chunk_scan, PyTorch SDPA for attention. mamba_ssm's CUDA selective scan is not built on the GPU
-box, so selective_scan is timed alone.
+Triton scan for linear_scan, mamba_ssm 2.3.2.post1's CUDA ``selective_scan_fn`` for selective_scan
+(where its extension is built: build_selective_scan_cuda.py), its Triton ``mamba_chunk_scan_combined``
+for ssd_chunk_scan, PyTorch SDPA for attention.
 
 Then each op's forward (and its forward and backward together) is captured in one CUDA graph,
 replayed, and compared with an eager run bit for bit; the replay time per call is printed beside
 the eager one. A replay costs the host almost nothing, so it is the device's time for the same
 work: where the eager time is not far above it, the case is bound by the device, not the host.
 
-With ``--profile`` it also prints where the host time of each op's forward+backward goes
+With ``--profile`` it also prints where the host time of each op's forward and forward+backward go
 (cProfile, the functions with the most time of their own).
 
 Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200] [--profile]
@@ -34,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from peers import mamba_ssm_module, peer  # noqa: E402
+from peers import mamba_ssm_module, mamba_ssm_selective_scan, peer  # noqa: E402
 
 from mamba_annotated import attention, linear_scan, selective_scan, ssd_chunk_scan  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
@@ -45,18 +47,30 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def per_call_us(fn, calls):
-    """Median over five loops of (loop time / calls), the device synchronised once per loop."""
+def loop_us(fn, calls):
+    """Time per call of a loop of ``calls`` calls, the device synchronised once, after the loop."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def per_call_us(fn, calls, rounds=7):
     fn()
     synchronize()
-    loops = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        synchronize()
-        loops.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(loops)
+    return statistics.median(loop_us(fn, calls) for _ in range(rounds))
+
+
+def paired_us(ours, theirs, calls, rounds=7):
+    """(ours, theirs, ratio): the median time per call of each and the median of the rounds' ratios,
+    their loops alternating round by round."""
+    for fn in (ours, theirs):
+        fn()
+    synchronize()
+    times = [(loop_us(ours, calls), loop_us(theirs, calls)) for _ in range(rounds)]
+    return (statistics.median(t for t, _ in times), statistics.median(t for _, t in times),
+            statistics.median(t / u for t, u in times))
 
 
 def randn(*shape, dtype=torch.bfloat16, scale=1.0, grad=False):
@@ -81,8 +95,10 @@ def cases():
                     D=torch.randn(64, device=DEVICE).requires_grad_(grad), z=randn(1, 64, 256, grad=grad),
                     delta_bias=torch.randn(64, device=DEVICE).requires_grad_(grad))
 
-    yield ("selective_scan (1, 64, 16, 256)", "(CUDA peer not built)", selective_inputs,
-           lambda i: selective_scan(**i, delta_softplus=True), None)
+    interface, compiled = mamba_ssm_selective_scan()
+    yield ("selective_scan (1, 64, 16, 256)", "selective_scan_fn (CUDA)" if compiled else "(CUDA peer not built)",
+           selective_inputs, lambda i: selective_scan(**i, delta_softplus=True),
+           (lambda i: interface.selective_scan_fn(**i, delta_softplus=True)) if compiled else None)
 
     def ssd_inputs(grad):
         return dict(x=randn(1, 256, 4, 64, grad=grad), dt=randn(1, 256, 4, scale=0.5, grad=grad),
@@ -188,15 +204,17 @@ def main():
             grad = pass_ != "forward"
             inputs = make(grad)
             wrap = forward_backward if grad else forward_only
-            ours_us = per_call_us(wrap(ours, inputs), args.calls)
-            peer_us = per_call_us(wrap(theirs, inputs), args.calls) if theirs else None
-            row = dict(op=name, pass_=pass_, ours_us=ours_us, peer=peer_name, peer_us=peer_us,
-                       ratio=ours_us / peer_us if peer_us else None)
+            if theirs:
+                ours_us, peer_us, ratio = paired_us(wrap(ours, inputs), wrap(theirs, inputs), args.calls)
+            else:
+                ours_us, peer_us, ratio = per_call_us(wrap(ours, inputs), args.calls), None, None
+            row = dict(op=name, pass_=pass_, ours_us=ours_us, peer=peer_name, peer_us=peer_us, ratio=ratio)
             if DEVICE.type == "cuda":
                 replay, same = graph_replay(ours, make(grad), backward=grad)
                 row.update(graph_us=per_call_us(replay, args.calls), graph_equals_eager=same)
             rows.append(row)
-            if grad and args.profile:
+            if args.profile:
+                print(f"--- profile: {name} {pass_}")
                 profile(wrap(ours, inputs), args.calls)
             print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)

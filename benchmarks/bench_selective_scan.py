@@ -3,9 +3,10 @@
 Peers (each where installed; the GPU box gets them from .whl):
   - mamba.py (mambapy 1.2.0): ``mambapy.pscan.pscan`` fed the discretized deltaA, deltaB*u in its
     layout (batch, L, dim, N), then the C contraction and D skip, as mambapy's selective_scan does;
-  - mamba_ssm's PyTorch reference ``selective_scan_ref`` (a Python loop over time). Its module
-    imports the CUDA extension ``selective_scan_cuda`` at the top, which the pure-Python wheel
-    lacks; the reference never calls it, so an empty stand-in module lets the import through.
+  - mamba_ssm's CUDA kernel ``selective_scan_fn`` (what Mamba-1 users run), where its extension
+    ``selective_scan_cuda`` is built (benchmarks/build_selective_scan_cuda.py, on PYTHONPATH);
+  - mamba_ssm's PyTorch reference ``selective_scan_ref`` (a Python loop over time), which needs no
+    extension (peers.mamba_ssm_selective_scan).
 
 The floor is the larger of (a) the bytes that must move over the measured copy bandwidth and
 (b) the arithmetic over the chip's rates: one exp per (batch, dim, N, L) element on the special
@@ -19,7 +20,6 @@ import json
 import pathlib
 import sys
 import time
-import types
 
 import torch
 
@@ -29,18 +29,12 @@ from mamba_annotated.scan.api import selective_scan
 from mamba_annotated.testing import randn, uniform
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from peers import mamba_ssm_module, peer  # noqa: E402
+from peers import mamba_ssm_selective_scan, peer  # noqa: E402
 
 SFU_PER_CLOCK_PER_SM = 16     # exp2 results per clock per SM (Hopper special function units)
 FMA_PER_CLOCK_PER_SM = 128    # float32 fused multiply-adds per clock per SM
 BOOST_CLOCK_HZ = 1.98e9       # H100 SXM / H200 boost clock
 FMAS_PER_ELEMENT = 3
-
-
-def mamba_ssm_reference():
-    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
-    module = mamba_ssm_module("mamba_ssm.ops.selective_scan_interface")
-    return getattr(module, "selective_scan_ref", None)
 
 
 def mambapy_selective_scan(pscan):
@@ -110,7 +104,11 @@ def main():
     if mambapy is not None:
         implementations["mamba.py pscan"] = (mambapy_selective_scan(mambapy.pscan), theirs, grad_y.transpose(1, 2),
                                               median_ms)
-    reference = None if args.skip_mamba_ssm_ref else mamba_ssm_reference()
+    interface, compiled = mamba_ssm_selective_scan()
+    if compiled:
+        implementations["mamba_ssm selective_scan_cuda"] = (lambda *x: interface.selective_scan_fn(*x), ours, grad_y,
+                                                             median_ms)
+    reference = None if args.skip_mamba_ssm_ref or interface is None else interface.selective_scan_ref
     if reference is not None:
         implementations["mamba_ssm selective_scan_ref"] = (lambda *x: reference(*x), ours, grad_y, single_run_ms)
 

@@ -8,6 +8,7 @@ Each loader returns None, with a printed reason, when its peer is missing.
 import importlib
 import pathlib
 import sys
+import types
 
 
 def _import(name):
@@ -35,3 +36,19 @@ def mamba_ssm_module(submodule: str):
 def peer(name: str):
     """Any other peer by module name: accelerated_scan.triton, accelerated_scan.warp, mambapy.pscan, fla..."""
     return _import(name)
+
+
+def mamba_ssm_selective_scan():
+    """mamba_ssm's ``selective_scan_interface`` module and whether its CUDA kernel is there:
+    (module or None, True if ``selective_scan_fn`` runs the compiled ``selective_scan_cuda``).
+
+    The module imports the extension at the top. Where it is built (build_selective_scan_cuda.py,
+    its folder on PYTHONPATH) the real one is imported first; otherwise an empty stand-in module
+    lets the import through for the pure-PyTorch ``selective_scan_ref``, which never calls it."""
+    try:
+        import selective_scan_cuda  # noqa: F401
+        compiled = True
+    except ImportError:
+        sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
+        compiled = False
+    return mamba_ssm_module("mamba_ssm.ops.selective_scan_interface"), compiled

@@ -385,21 +385,24 @@ def ssd_step(h, x, dt, A, B, C, D):
     raise NotImplementedError("your code here")
 
 
-check_exercise("8.1", ssd_step)
+attempted = check_exercise("8.1", ssd_step)
 
 # %% [markdown]
-# ```{dropdown} Solution to 8.1
-# ~~~python
-# def ssd_step(h, x, dt, A, B, C, D):
-#     heads_per_group = h.shape[1] // B.shape[1]
-#     B, C = (t.repeat_interleave(heads_per_group, dim=1) for t in (B, C))
-#     decay = torch.exp(dt * A)[..., None, None]
-#     new_h = decay * h + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-#     y = (new_h * C[:, :, None, :]).sum(-1) + D[:, None] * x
-#     return new_h, y
-# ~~~
-# ```
-#
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+def ssd_step(h, x, dt, A, B, C, D):
+    heads_per_group = h.shape[1] // B.shape[1]
+    B, C = (t.repeat_interleave(heads_per_group, dim=1) for t in (B, C))
+    decay = torch.exp(dt * A)[..., None, None]
+    new_h = decay * h + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    y = (new_h * C[:, :, None, :]).sum(-1) + D[:, None] * x
+    return new_h, y
+
+
+assert check_exercise("8.1", ssd_step)
+
+# %% [markdown]
 # **8.2** Write the decoding step of the causal depthwise convolution: `conv_step(window, x, weight, bias)` takes the last `width` inputs `window` (batch, channels, width), the new input `x` (batch, channels), the filters `weight` (channels, width) and `bias` (channels,), and returns `(new_window, out)` where `out` is the convolution's output at the new position. The checker feeds a whole sequence through your step and compares with `F.conv1d` over the sequence.
 
 # %%
@@ -407,15 +410,18 @@ def conv_step(window, x, weight, bias):
     raise NotImplementedError("your code here")
 
 
-check_exercise("8.2", conv_step)
+attempted = check_exercise("8.2", conv_step)
 
 # %% [markdown]
-# ```{dropdown} Solution to 8.2
-# ~~~python
-# def conv_step(window, x, weight, bias):
-#     new_window = torch.cat([window[..., 1:], x[..., None]], dim=-1)
-#     return new_window, (new_window * weight).sum(-1) + bias
-# ~~~
-# ```
-#
+# The solution, run through the same checker:
+
+# %% tags=["hide-input"]
+def conv_step(window, x, weight, bias):
+    new_window = torch.cat([window[..., 1:], x[..., None]], dim=-1)
+    return new_window, (new_window * weight).sum(-1) + bias
+
+
+assert check_exercise("8.2", conv_step)
+
+# %% [markdown]
 # **8.3** (open) In the MQAR plot, which models lose accuracy past the longest training length, and why would a model with rotary position embeddings and one with a fixed-size state fail there for different reasons? Train the mamba2 model with `d_state` 16 and 128 (pass `d_state` to `fit_config`) and compare its recall at $L = 256$.

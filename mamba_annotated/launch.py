@@ -19,6 +19,10 @@ Triton would pick), and launches it through the compiled kernel's launcher direc
       profiler such as proton), goes through Triton's own path, which compiles, tunes and calls
       the hooks.
 
+Binding and classifying are generated as straight-line code for each call shape (how many
+positional arguments, which keywords), the first time that shape is seen: a loop over the
+arguments with a type test per argument cost more host time than the launch itself.
+
 Launching through ``CompiledKernel.run`` uses an internal Triton interface (the same call in Triton
 3.6, run on the GPU, and 3.9, read); in the interpreter (``TRITON_INTERPRET=1``) the decorator
 leaves the kernel as it is. ``tests/test_launch.py`` checks on a GPU that both paths give the same bits and that a
@@ -32,20 +36,23 @@ from triton.runtime import driver
 from .runtime import INTERPRETED
 
 
+def classify_value(v):
+    """The class of one non-constexpr argument in the cache key: None and bools by value; tensors
+    by (dtype, data pointer a multiple of 16); integers by (== 1, multiple of 16, in the 32-bit
+    range, in the signed 64-bit range) packed in one int; floats by type (Triton passes them as
+    fp32, unspecialized); anything else by value."""
+    if v is None or type(v) is bool:
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() & 15 == 0
+    if type(v) is int:
+        return (v == 1) | ((v & 15) == 0) << 1 | (-2 ** 31 <= v < 2 ** 31) << 2 | (-2 ** 63 <= v < 2 ** 63) << 3
+    return float if isinstance(v, float) else v
+
+
 def classify(values, constexpr) -> tuple:
-    """The class of each argument in the cache key: constexpr arguments, None and bools by value;
-    tensors by (dtype, data pointer a multiple of 16); integers by (== 1, multiple of 16, in the
-    32-bit range, in the signed 64-bit range) packed in one int; floats by type (Triton passes
-    them as fp32, unspecialized); anything else by value. One comprehension, no call per
-    argument: a function call each would cost more than the rest of the launch."""
-    Tensor = torch.Tensor
-    return tuple([
-        v if c or v is None or type(v) is bool
-        else (v.dtype, v.data_ptr() & 15 == 0) if isinstance(v, Tensor)
-        else ((v == 1) | ((v & 15) == 0) << 1 | (-2 ** 31 <= v < 2 ** 31) << 2 | (-2 ** 63 <= v < 2 ** 63) << 3)
-        if type(v) is int
-        else float if isinstance(v, float) else v
-        for v, c in zip(values, constexpr)])
+    """The class of each argument: constexpr arguments by value, the others by :func:`classify_value`."""
+    return tuple(v if c else classify_value(v) for v, c in zip(values, constexpr))
 
 
 def launch_hooks_registered() -> bool:
@@ -67,7 +74,7 @@ class LeanLaunch:
                          if p.default is not p.empty}
         self.tuning_key = [self.param_names.index(name) for name in getattr(kernel, "keys", ())]
         self.compiled = {}                         # cache key -> (compiled kernel, tuned block sizes)
-        self.layouts = {}                          # (positional count, keyword names) -> how to bind
+        self.binders = {}                          # (positional count, keyword names) -> binder
 
     def __getattr__(self, name):  # everything else is the kernel's (e.g. .src, .configs, .best_config)
         return getattr(self.kernel, name)
@@ -75,50 +82,74 @@ class LeanLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def layout(self, positional: int, keywords: tuple):
-        """Where each parameter's value comes from for calls of this shape, and which keywords
-        are launch options (num_warps...) rather than parameters."""
-        found = self.layouts.get((positional, keywords))
-        if found is None:
-            sources = [("arg", i) for i in range(positional)]
-            for name in self.param_names[positional:]:
-                sources.append(("kw", name) if name in keywords else ("default", self.defaults.get(name)))
-            options = tuple(k for k in keywords if k not in self.param_names)
-            found = self.layouts[(positional, keywords)] = (sources, options)
+    def binder(self, positional: int, keywords: tuple):
+        """``bind(args, kwargs) -> (values, launched, key)`` for calls with this many positional
+        arguments and these keyword names: the parameters' values in signature order, the same with
+        each tensor replaced by its data pointer (what the launcher is given), and the cache key
+        (the class of each value as :func:`classify` gives it, the tuning key's values, the launch
+        options such as num_warps). Generated as straight-line code once per call shape, because a
+        loop over the arguments with a test per type costs microseconds at every launch."""
+        found = self.binders.get((positional, keywords))
+        if found is not None:
+            return found
+        names = [f"v{i}" for i in range(len(self.param_names))]
+        lines = [f"    {names[i]} = args[{i}]" for i in range(positional)]
+        scope = {"Tensor": torch.Tensor, "classify_value": classify_value}
+        for i, name in enumerate(self.param_names[positional:], start=positional):
+            if name in keywords:
+                lines.append(f"    {names[i]} = kwargs[{name!r}]")
+            else:
+                scope[f"default{i}"] = self.defaults.get(name)
+                lines.append(f"    {names[i]} = default{i}")
+        launched, classes = [], []
+        for v, constexpr in zip(names, self.constexpr):
+            if constexpr:
+                launched.append(v)
+                classes.append(v)
+                continue
+            # a tensor is launched as its data pointer: Triton's launcher takes an int as it is, where a
+            # tensor costs it a call of data_ptr() and a driver query of the pointer
+            lines += [f"    if type({v}) is Tensor:",
+                      f"        p{v} = {v}.data_ptr()",
+                      f"        c{v} = ({v}.dtype, p{v} & 15 == 0)",
+                      f"    else:",
+                      f"        p{v} = {v}",
+                      f"        c{v} = classify_value({v})"]
+            launched.append(f"p{v}")
+            classes.append(f"c{v}")
+        tuned = [names[i] for i in self.tuning_key]
+        options = [f"kwargs[{k!r}]" for k in keywords if k not in self.param_names]
+        key = ", ".join(classes + tuned + options)
+        source = ("def bind(args, kwargs):\n" + "\n".join(lines)
+                  + f"\n    return ({', '.join(names)},), ({', '.join(launched)},), ({key},)\n")
+        exec(compile(source, f"<lean_launch binder of {self.param_names}>", "exec"), scope)
+        found = self.binders[(positional, keywords)] = scope["bind"]
         return found
 
     def bind(self, args, kwargs):
-        sources, options = self.layout(len(args), tuple(kwargs))
-        values = [args[i] if kind == "arg" else kwargs[i] if kind == "kw" else i for kind, i in sources]
-        return values, options
-
-    def key(self, values, options, kwargs, device):
-        classes = classify(values, self.constexpr)
-        tuned = tuple(values[i] for i in self.tuning_key)
-        return device, classes, tuned, tuple(kwargs[o] for o in options)
+        return self.binder(len(args), tuple(kwargs))(args, kwargs)
 
     def launch(self, grid, args, kwargs):
         if launch_hooks_registered():
             return self.kernel[grid](*args, **kwargs)
-        values, options = self.bind(args, kwargs)
+        values, launched, key = self.bind(args, kwargs)
         device = driver.active.get_current_device()
-        key = self.key(values, options, kwargs, device)
-        entry = self.compiled.get(key)
+        entry = self.compiled.get((device, key))
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)   # compiles (and tunes) as usual
             best = getattr(self.kernel, "best_config", None)
             if best is not None and best.pre_hook is not None:
                 return compiled                              # a pre-hook must run at every launch
-            self.compiled[key] = (compiled, dict(best.kwargs) if best is not None else {})
+            self.compiled[(device, key)] = (compiled, dict(best.kwargs) if best is not None else {})
             return compiled
         compiled, tuned = entry
         if tuned:
-            values, _ = self.bind(args, {**kwargs, **tuned})
+            values, launched, _ = self.bind(args, {**kwargs, **tuned})
         if callable(grid):
             grid = grid(dict(zip(self.param_names, values)))
         stream = driver.active.get_current_stream(device)
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *values)
+                     compiled.function, compiled.packed_metadata, None, None, None, *launched)
         return compiled
 
 

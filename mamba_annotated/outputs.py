@@ -18,7 +18,9 @@ def set_poison(enabled: bool) -> bool:
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
+    # sizes passed one by one: PyTorch parses a tuple (and a torch.Size more so) microseconds slower,
+    # and a model allocates outputs at every launch
+    out = torch.empty(*shape, dtype=dtype, device=device) if shape else torch.empty((), dtype=dtype, device=device)
     if _poison:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out

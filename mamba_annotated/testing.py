@@ -75,14 +75,14 @@ def same_computation_error(out, same, ref, floor):
     return rel_error(out, ref), rel_error(same, ref) + floor
 
 
-def assert_within_same_computation(name, out, same, ref, dtype, factor: float = 2.0) -> float:
+def assert_within_same_computation(name, out, same, ref, dtype, factor: float = 2.0) -> tuple[float, float]:
     """Raise AssertionError unless ``out`` is within ``factor`` x the error of ``same`` (plus the
-    floor of ``dtype``) against the float64 ``ref``; return the error."""
+    floor of ``dtype``) against the float64 ``ref``; return (the error, the same computation's)."""
     error, reference = same_computation_error(out, same, ref, SAME_COMPUTATION_FLOOR[dtype])
     if not error <= factor * reference:
         raise AssertionError(f"{name}: error {error:.3e} above {factor:g} x the same computation's in "
                              f"{dtype} ({reference:.3e})")
-    return error
+    return error, reference
 
 
 def check_within_same_computation(name, out, same, ref, dtype, factor: float = 2.0) -> None:
@@ -90,8 +90,7 @@ def check_within_same_computation(name, out, same, ref, dtype, factor: float = 2
     bound, ``rel err 2.0e-03 <= 2 x PyTorch's 4.8e-03 in bfloat16`` (PyTorch's error includes the
     floor of ``dtype``), and raises on failure. Both numbers change from run to run;
     ``book/nbval_sanitize.cfg`` masks them so that nbval compares the rest of the line."""
-    error = assert_within_same_computation(name, out, same, ref, dtype, factor)
-    reference = same_computation_error(out, same, ref, SAME_COMPUTATION_FLOOR[dtype])[1]
+    error, reference = assert_within_same_computation(name, out, same, ref, dtype, factor)
     print(f"{name}: rel err {error:.1e} <= {factor:g} x PyTorch's {reference:.1e} "
           f"in {str(dtype).removeprefix('torch.')}")
 

@@ -31,8 +31,12 @@ def check_tensor(name: str, value, *, dtypes=FLOAT_DTYPES, ndim: int | None = No
     return value
 
 
+ON_GPU = DEVICE.type == "cuda"
+
+
 def check_device(name: str, value: torch.Tensor) -> None:
-    if value.device.type != DEVICE.type:
+    # is_cuda first: reading .device builds a torch.device, a cost at every call of every op
+    if value.is_cuda != ON_GPU or (not ON_GPU and value.device.type != DEVICE.type):
         where = "CPU tensors (Triton interpreter)" if INTERPRETED else "CUDA tensors"
         raise ValueError(f"{name} is on {value.device}, but the kernels here take {where}")
 

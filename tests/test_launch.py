@@ -49,10 +49,23 @@ def test_argument_classes():
 def test_binding_follows_the_signature():
     launcher = LeanLaunch(JITFunction(add_kernel))
     x = torch.zeros(4)
-    values, options = launcher.bind((x, x, x, 4), dict(stride=1, SCALE=2.0, num_warps=2))
-    assert values == [x, x, x, 4, 1, 2.0, 64] and options == ("num_warps",)  # BLOCK's default filled in
-    values, _ = launcher.bind((x, x, x), dict(SCALE=3.0, n=5, stride=2, BLOCK=128))
-    assert values == [x, x, x, 5, 2, 3.0, 128]
+    values, launched, key = launcher.bind((x, x, x, 4), dict(stride=1, SCALE=2.0, num_warps=2))
+    assert values == (x, x, x, 4, 1, 2.0, 64)          # BLOCK's default filled in
+    assert launched == (x.data_ptr(),) * 3 + (4, 1, 2.0, 64)  # tensors go to the launcher as pointers
+    assert key == classify(values, launcher.constexpr) + (2,)  # num_warps, a launch option, last
+    values, _, _ = launcher.bind((x, x, x), dict(SCALE=3.0, n=5, stride=2, BLOCK=128))
+    assert values == (x, x, x, 5, 2, 3.0, 128)
+
+
+def test_generated_key_classifies_as_classify_does():
+    # the binder's inline code for tensors must agree with classify_value on every kind of argument
+    launcher = LeanLaunch(JITFunction(add_kernel))
+    t = torch.zeros(16)
+    arguments = [t, t[1:], t.half(), torch.nn.Parameter(t[4:]), None, True, 1, 16, 2 ** 31, 2 ** 63, -3, 0.5]
+    for x in arguments:
+        for n in arguments:
+            values, _, key = launcher.bind((x, t, t, n, 1), dict(SCALE=1.0))
+            assert key == classify(values, launcher.constexpr), (x, n)
 
 
 @gpu_only

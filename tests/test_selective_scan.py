@@ -1,7 +1,6 @@
 """Chapter 4's selective scan against the float64 loop: forward, every gradient, options, bad inputs."""
 import pathlib
 import sys
-import types
 
 import pytest
 import torch
@@ -153,14 +152,11 @@ def test_large_gpu_problem(dtype):
 
 
 def mamba_ssm_selective_scan_ref():
-    """mamba_ssm's own PyTorch reference, or None. Its module imports the CUDA extension
-    ``selective_scan_cuda`` at the top, which the pure-Python wheel lacks; the reference never
-    calls it, so an empty stand-in module lets the import through."""
+    """mamba_ssm's own PyTorch reference, or None (see peers.mamba_ssm_selective_scan)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    from peers import mamba_ssm_module
+    from peers import mamba_ssm_selective_scan
 
-    sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
-    module = mamba_ssm_module("mamba_ssm.ops.selective_scan_interface")
+    module, _ = mamba_ssm_selective_scan()
     return getattr(module, "selective_scan_ref", None)
 
 

@@ -34,7 +34,7 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
         if a.numel() == 0:
             return torch.empty_like(a, memory_format=torch.contiguous_format)
         h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
-        return forward_launcher(rows(a), rows(b), h0_rows, reverse=reverse).view(a.shape)
+        return forward_launcher(rows(a), rows(b), h0_rows, reverse=reverse).view_as(a)
 
     def fake_forward(a, b, h0, reverse):
         return torch.empty_like(a, memory_format=torch.contiguous_format)
@@ -46,8 +46,8 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
             return a.new_zeros(a.shape), a.new_zeros(a.shape), grad_h0
         h0_rows = h0.reshape(-1).contiguous() if h0 is not None else None
         grad_a, grad_b, grad_h0 = backward_launcher(rows(a), rows(h), h0_rows, rows(grad_h), reverse=reverse)
-        grad_h0 = grad_h0.view(h0.shape) if h0 is not None else absent(a)
-        return grad_a.view(a.shape), grad_b.view(a.shape), grad_h0
+        grad_h0 = grad_h0.view_as(h0) if h0 is not None else absent(a)
+        return grad_a.view_as(a), grad_b.view_as(a), grad_h0
 
     def fake_backward(a, h, h0, grad_h, reverse):
         grad_h0 = h0.new_empty(h0.shape) if h0 is not None else absent(a)
@@ -183,7 +183,7 @@ def selective_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
         *(contiguous(x) for x in (u, delta, A, as_groups(B), as_groups(C), D, z, delta_bias)),
         delta_softplus=delta_softplus, chunk_states=chunk_states, grad_y=grad_y.contiguous(),
         grad_last_state=contiguous(grad_last_state))
-    return [grads[name].to(x.dtype).view(x.shape) if x is not None else absent(u)
+    return [grads[name].to(x.dtype).view_as(x) if x is not None else absent(u)
             for name, x in zip(SELECTIVE_INPUTS, inputs)]
 
 

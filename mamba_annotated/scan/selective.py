@@ -340,9 +340,15 @@ def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softpl
     per_group = (batch, groups, blocks // groups, dstate, length)
     return dict(
         u=grad_u, delta=grad_delta, z=grad_z,
-        A=grad_A_part.sum(0),
-        D=grad_D_part.sum(0) if D is not None else None,
-        delta_bias=grad_bias_part.sum(0) if delta_bias is not None else None,
-        B=grad_B_part.view(per_group).sum(2),
-        C=grad_C_part.view(per_group).sum(2),
+        A=sum_over(grad_A_part, 0),
+        D=sum_over(grad_D_part, 0) if D is not None else None,
+        delta_bias=sum_over(grad_bias_part, 0) if delta_bias is not None else None,
+        B=sum_over(grad_B_part.view(per_group), 2),
+        C=sum_over(grad_C_part.view(per_group), 2),
     )
+
+
+def sum_over(partials, dim):
+    """``partials.sum(dim)``, without a launch when that dimension has one element (one batch row,
+    or one program per group): at small shapes a launch costs the host more than the sum the GPU."""
+    return partials.squeeze(dim) if partials.shape[dim] == 1 else partials.sum(dim)
