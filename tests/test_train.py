@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from mamba_annotated.modules import LMHeadModel
 from mamba_annotated.modules.lm import CausalLMOutput
+from mamba_annotated.runtime import DEVICE
 from mamba_annotated.tasks import (IGNORE_INDEX, bytes_to_text, mqar, sample_windows, selective_copying,
                                    stdlib_corpus, text_to_bytes)
 from mamba_annotated.train import (KINDS, byte_lm_eval, decode_benchmark, fit_config, lr_factor, model_config,
@@ -185,7 +186,7 @@ def identity_batches(vocab, batch, seq_len, seed):
 def test_train_reduces_loss_and_records_metrics(kind):
     vocab, steps = 16, 8 if kind == "transformer" else 5
     config = model_config(kind, 32, 1, vocab, head_dim=16, d_state=16, chunk_size=16)
-    model = LMHeadModel(config)
+    model = LMHeadModel(config, device=DEVICE)  # train() moves each batch to DEVICE
     record = train(model, identity_batches(vocab, 4, 16, seed=5), steps, lr=2e-2, warmup_steps=1)
     expected = {"loss", "lr", "grad_norm", "tokens_per_step", "tokens_per_s", "wall_s", "peak_memory_bytes",
                 "params", "device", "autocast", "compiled"}
@@ -207,8 +208,8 @@ class Lookup(nn.Module):
         self.table = {tuple(row.tolist()): answer for row, answer in zip(inputs, predictions)}
 
     def forward(self, input_ids):
-        chosen = torch.stack([self.table[tuple(row.tolist())] for row in input_ids])
-        logits = torch.zeros(*input_ids.shape, self.config.padded_vocab_size())
+        chosen = torch.stack([self.table[tuple(row.tolist())] for row in input_ids]).to(input_ids.device)
+        logits = torch.zeros(*input_ids.shape, self.config.padded_vocab_size(), device=input_ids.device)
         return CausalLMOutput(logits=logits.scatter(-1, chosen[..., None], 1.0))
 
 
@@ -238,7 +239,7 @@ class Uniform(nn.Module):
         self.config = model_config("mamba", 64, 1, 256)
 
     def forward(self, input_ids):
-        return CausalLMOutput(logits=torch.zeros(*input_ids.shape, 256))
+        return CausalLMOutput(logits=torch.zeros(*input_ids.shape, 256, device=input_ids.device))
 
 
 def test_byte_lm_eval_of_uniform_model_is_eight_bits():
@@ -249,7 +250,7 @@ def test_byte_lm_eval_of_uniform_model_is_eight_bits():
 
 
 def test_decode_benchmark_record():
-    model = LMHeadModel(model_config("transformer", 32, 1, 16, head_dim=16))
+    model = LMHeadModel(model_config("transformer", 32, 1, 16, head_dim=16), device=DEVICE)
     record = decode_benchmark(model, torch.randint(16, (2, 8)), 3, repeats=1)
     assert json.loads(json.dumps(record)) == record
     assert record["batch"] == 2 and record["prompt_len"] == 8 and record["new_tokens"] == 3
