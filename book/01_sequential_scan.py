@@ -32,7 +32,7 @@
 # | $\Delta_t$, $A$, $B_t$, $C_t$ | step size, state matrix (diagonal), input and readout maps of the SSM |
 # | $N$ | the state size (dstate): $h_t \in \mathbb{R}^N$ per channel |
 # | $a_t$, $b_t$ | decay and input of the scalar recurrence $h_t = a_t h_{t-1} + b_t$ ($a_t = \bar A_t$, $b_t = \bar B_t x_t$) |
-# | $g_t$, $\lambda_t$ | the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal L/dh_t$ |
+# | $\mathcal J$; $g_t$, $\lambda_t$ | the loss; the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal J/dh_t$ |
 # ```
 
 # %%
@@ -202,7 +202,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## The gradient is the same recurrence, run backwards
 #
-# Let $g_t = \partial \mathcal{L} / \partial h_t$ be the gradient arriving from above for each output. $h_t$ influences the loss directly and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the total derivative $\lambda_t = d\mathcal{L}/dh_t$ obeys
+# Write $\mathcal{J}$ for the loss (the book keeps $\mathcal L$ for a matrix in chapter 6) and let $g_t = \partial \mathcal{J} / \partial h_t$ be the gradient arriving from above for each output. $h_t$ influences the loss directly and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the total derivative $\lambda_t = d\mathcal{J}/dh_t$ obeys
 #
 # $$
 # \lambda_t = g_t + a_{t+1}\,\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}:
@@ -211,9 +211,9 @@ for dtype in (torch.float16, torch.bfloat16):
 # the same first-order recurrence, walking from the end, with the decays shifted by one step. Since $h_t$ depends on $a_t$ and $b_t$ only through the one step $h_t = a_t h_{t-1} + b_t$,
 #
 # $$
-# \frac{\partial \mathcal{L}}{\partial b_t} = \lambda_t, \qquad
-# \frac{\partial \mathcal{L}}{\partial a_t} = \lambda_t\, h_{t-1}, \qquad
-# \frac{\partial \mathcal{L}}{\partial h_{-1}} = a_0\, \lambda_0 .
+# \frac{\partial \mathcal{J}}{\partial b_t} = \lambda_t, \qquad
+# \frac{\partial \mathcal{J}}{\partial a_t} = \lambda_t\, h_{t-1}, \qquad
+# \frac{\partial \mathcal{J}}{\partial h_{-1}} = a_0\, \lambda_0 .
 # $$
 #
 # So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop:

@@ -31,7 +31,7 @@
 # | $\circ$, $\bullet$ | composition of functions, later map on the left ($f_1 \circ f_0$: first $f_0$); the scan operator on pairs, earlier pair on the left |
 # | $h_t$, $h_{-1}$ | the state after step $t$, the initial state |
 # | $\pi_t = \prod_{s \le t} a_s$ | the running product of the decays, the first component of a scanned pair |
-# | $g_t$, $\lambda_t$ | the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal L/dh_t$ |
+# | $g_t$, $\lambda_t$ | the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal J/dh_t$ |
 # ```
 
 # %%
@@ -221,7 +221,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## The backward pass is a reverse scan
 #
-# Chapter 1 derived the {term}`adjoint` $\lambda_t = \partial\mathcal L / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
+# Chapter 1 derived the {term}`adjoint` $\lambda_t = \partial\mathcal J / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
 #
 # $$
 # \lambda_t = g_t + a_{t+1}\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}.
@@ -230,10 +230,10 @@ for dtype in (torch.float16, torch.bfloat16):
 # This is the same first-order recurrence, run from the end, over the pairs $(a_{t+1}, g_t)$: the decay that multiplies $\lambda_{t+1}$ belongs to the *next* step. So it is one more {term}`associative scan`, with `reverse=True` and the decays loaded one position later (with anything, say 0, past the end, where $\lambda_L = 0$ makes it irrelevant). Then, as before,
 #
 # $$
-# \frac{\partial\mathcal L}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal L}{\partial a_t} = \lambda_t h_{t-1}, \qquad \frac{\partial\mathcal L}{\partial h_{-1}} = a_0\lambda_0 ,
+# \frac{\partial\mathcal J}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal J}{\partial a_t} = \lambda_t h_{t-1}, \qquad \frac{\partial\mathcal J}{\partial h_{-1}} = a_0\lambda_0 ,
 # $$
 #
-# with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal L/\partial a_t = \lambda_t h_{t+1}$. The kernel reads $a$, $h$ and $g$ once and writes both gradients:
+# with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal J/\partial a_t = \lambda_t h_{t+1}$. The kernel reads $a$, $h$ and $g$ once and writes both gradients:
 
 # %%
 show_source(tuple_scan_bwd_kernel)

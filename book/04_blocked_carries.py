@@ -31,7 +31,7 @@
 # | $k$, $c_k$ | block index, the carry: the state entering block $k$ |
 # | $\pi_t$, $\tilde h_t$ | inside a block: the running product of its decays, the state reached from $h = 0$ |
 # | $(a^{(k)}, b^{(k)})$ | the total map of block $k$: one step of the same kind |
-# | $g_t$, $\lambda_t$, $\mu_t$ | the upstream gradient, the adjoint $d\mathcal L/dh_t$, and $\mu_t = a_t \lambda_t$ |
+# | $g_t$, $\lambda_t$, $\mu_t$ | the upstream gradient, the adjoint $d\mathcal J/dh_t$, and $\mu_t = a_t \lambda_t$ |
 # | $(\alpha, p, q)$ | a run of steps in the backward scan (defined in the backward section) |
 # ```
 
@@ -149,7 +149,7 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 # %% [markdown]
 # ## The backward pass: the same kernels in adjoint mode
 #
-# Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal L/\partial b_t = \lambda_t$, $\partial\mathcal L/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal L/\partial h_{-1} = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_{-1}$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal L/\partial h_{-1}$, one number per row, is left to PyTorch.
+# Chapter 2 showed that $\lambda_t = g_t + a_{t+1}\lambda_{t+1}$ is the recurrence over the pairs $(a_{t+1}, g_t)$, run from the end, and that $\partial\mathcal J/\partial b_t = \lambda_t$, $\partial\mathcal J/\partial a_t = \lambda_t h_{t-1}$, $\partial\mathcal J/\partial h_{-1} = a_0\lambda_0$. With `ADJOINT=True` the kernels scan in the opposite direction and write $\lambda$ straight into `grad_b`; the last phase also loads $h_{t-1}$ (or $h_{-1}$) and writes `grad_a` in the same pass. For `reverse=True` every "later" and "earlier" mirrors. Only $\partial\mathcal J/\partial h_{-1}$, one number per row, is left to PyTorch.
 #
 # The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load: a thread's consecutive elements no longer start on a 16-byte boundary, so the compiler cannot use a {term}`vector load` and loads them one by one. So the kernels read $a_t$ where it lies and scan triples instead of pairs. Write $\mu_t = a_t\lambda_t$, so that $\lambda_t = g_t + \mu_{t+1}$. A run of consecutive steps $s, \dots, u$ (the scan meets $u$ first and $s$, the one nearest the result, last) is the triple
 #

@@ -34,7 +34,7 @@
 # | $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$ | the decay ($\bar A_t$) and the input ($\bar B_t x_t$) of the recurrence $h_t = a_t h_{t-1} + b_t$ |
 # | $h_t \in \mathbb{R}^N$, $y_t$ | the states and the output of one channel |
 # | $D$, $z_t$ | the skip and the gate |
-# | $\lambda_t$ | the adjoint $\partial\mathcal L/\partial h_t$ (a vector of $N$) |
+# | $\lambda_t$ | the adjoint $\partial\mathcal J/\partial h_t$ (a vector of $N$) |
 # | $g^y_t$, $g_t$, $g^{\text{last}}$ | the gradient arriving at the output $y_t$; the part of it that reaches $C_t h_t + D x_t$ (times $\operatorname{silu}(z_t)$ when there is a gate); the gradient arriving at the returned last state |
 # ```
 
@@ -244,7 +244,7 @@ for name, inputs in cases.items():
 # %% [markdown]
 # ## The backward pass
 #
-# Let $g^y_t = \partial \mathcal{L} / \partial y_t$ be the gradient arriving at the output, and $g_t = g^y_t \operatorname{silu}(z_t)$ the part of it that reaches $y^{\text{pre}}_t = C_t h_t + D x_t$, the output before the gate ($g_t = g^y_t$ without a gate). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{L} / \partial h_t$ satisfies
+# Let $g^y_t = \partial \mathcal{J} / \partial y_t$ be the gradient arriving at the output, and $g_t = g^y_t \operatorname{silu}(z_t)$ the part of it that reaches $y^{\text{pre}}_t = C_t h_t + D x_t$, the output before the gate ($g_t = g^y_t$ without a gate). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{J} / \partial h_t$ satisfies
 #
 # $$
 # \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + g^{\text{last}},
@@ -253,8 +253,8 @@ for name, inputs in cases.items():
 # the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $g_t C_t$ plays the part of chapter 1's $g_t$, the gradient arriving at $h_t$ from above, and $g^{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
 #
 # $$
-# \frac{\partial \mathcal{L}}{\partial b_t} = \lambda_t, \qquad
-# \frac{\partial \mathcal{L}}{\partial a_t}\, a_t = \lambda_t\, a_t h_{t-1},
+# \frac{\partial \mathcal{J}}{\partial b_t} = \lambda_t, \qquad
+# \frac{\partial \mathcal{J}}{\partial a_t}\, a_t = \lambda_t\, a_t h_{t-1},
 # $$
 #
 # and the chain rule through $b = \Delta B x$ and $a = e^{\Delta A}$ gives every input:
