@@ -8,9 +8,9 @@ current device's architecture alone, with the nvcc flags setup.py uses, in paral
 Usage (on the GPU box):
     python benchmarks/build_selective_scan_cuda.py mamba_ssm-2.3.2.post1.tar.gz BUILD_DIR
 
-BUILD_DIR then holds ``selective_scan_cuda*.so``; :func:`peers.selective_scan_cuda` imports
-mamba_ssm's ``selective_scan_fn`` against it when that folder is named by the environment
-variable ``SELECTIVE_SCAN_CUDA_DIR``.
+BUILD_DIR then holds ``selective_scan_cuda.so``. With that folder on the import path (the GPU
+scripts add ``$SELECTIVE_SCAN_CUDA_DIR``), :func:`peers.mamba_ssm_selective_scan` gives mamba_ssm's
+``selective_scan_fn`` running it. On the H100 box the build took 170 s on 16 cores (41.6 MB).
 """
 import argparse
 import os

@@ -10,6 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# mamba_ssm's compiled selective scan, where built (benchmarks/build_selective_scan_cuda.py): the
+# Mamba-1 module test compares against it
+[ -n "${SELECTIVE_SCAN_CUDA_DIR:-}" ] && export PYTHONPATH=$SELECTIVE_SCAN_CUDA_DIR:$PYTHONPATH
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_pipeline: no CUDA device')" || exit 1
 notebooks=("$@")
 [ ${#notebooks[@]} -gt 0 ] || notebooks=(book/[0-9][0-9]_*.ipynb)
