@@ -9,7 +9,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # mamba_ssm's compiled selective scan, where built (benchmarks/build_selective_scan_cuda.py)
 [ -n "${SELECTIVE_SCAN_CUDA_DIR:-}" ] && export PYTHONPATH=$SELECTIVE_SCAN_CUDA_DIR:$PYTHONPATH
 topics=("$@")
-[ ${#topics[@]} -gt 0 ] || topics=(linear_scan selective_scan ssd bidirectional attention host_cost models)
+[ ${#topics[@]} -gt 0 ] || topics=(linear_scan selective_scan selective_scan_cuda ssd bidirectional attention host_cost models)
 mkdir -p book/data
 failed=0
 for topic in "${topics[@]}"; do
