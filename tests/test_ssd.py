@@ -674,6 +674,7 @@ def test_backward_is_the_same_bits_on_every_run_at_real_sizes():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 @gpu_only
 def test_64_bit_indexing():
     """x with more than 2^31 elements; the last 300 positions form their own sequence, so their
