@@ -16,10 +16,13 @@ replayed, and compared with an eager run bit for bit; the replay time per call i
 the eager one. A replay costs the host almost nothing, so it is the device's time for the same
 work: where the eager time is not far above it, the case is bound by the device, not the host.
 
-With ``--profile`` it also prints where the host time of each op's forward and forward+backward go
+With ``--breakdown`` it splits each op's forward+backward time, ours beside the peer's: the forward
+recording the autograd graph, the backward alone (the graph kept), and, as a yardstick for what
+autograd itself costs, a Python ``autograd.Function`` that does nothing beside a native op that does
+nothing. With ``--profile`` it also prints where the host time of each op's forward and forward+backward go
 (cProfile, the functions with the most time of their own).
 
-Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200] [--profile]
+Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200] [--profile] [--breakdown]
 """
 import argparse
 import cProfile
@@ -178,6 +181,46 @@ def describe_launch_hooks():
         print(f"triton {name}: {getattr(hooks, 'calls', hooks)!r}")
 
 
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+class PythonIdentity(torch.autograd.Function):
+    """An autograd.Function that does nothing: what the Python side of autograd costs per op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def breakdown(calls):
+    """Each op's forward+backward split in two, ours beside the peer's, and autograd's own cost."""
+    x = torch.randn(1, 64, 4096, device=DEVICE, requires_grad=True)
+    g = torch.randn_like(x)
+    parts = [("autograd: Python Function vs native op (no work)", "x.view_as(x)",
+              lambda: torch.autograd.grad(PythonIdentity.apply(x), [x], g),
+              lambda: torch.autograd.grad(x.view_as(x), [x], g))]
+    for name, peer_name, make, ours, theirs in cases():
+        if theirs is None:
+            continue
+        inputs = make(True)
+        leaves = [t for t in inputs.values() if t.requires_grad]
+        parts.append((f"{name}: forward recording the graph", peer_name,
+                      lambda ours=ours, inputs=inputs: ours(inputs), lambda theirs=theirs, inputs=inputs: theirs(inputs)))
+        outs = [first(fn(inputs)) for fn in (ours, theirs)]
+        grads = [torch.randn_like(out) for out in outs]
+        backward = [lambda out=out, grad=grad, leaves=leaves: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+                    for out, grad in zip(outs, grads)]
+        parts.append((f"{name}: backward alone", peer_name, *backward))
+    for what, peer_name, ours, theirs in parts:
+        ours_us, peer_us, ratio = paired_us(ours, theirs, calls)
+        print(f"{what} | ours_us={ours_us:.1f} | {peer_name}_us={peer_us:.1f} | ratio={ratio:.2f}", flush=True)
+
+
 def profile(fn, calls):
     """The 15 functions with the most time of their own over ``calls`` calls of ``fn``."""
     profiler = cProfile.Profile()
@@ -194,6 +237,7 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--breakdown", action="store_true")
     args = parser.parse_args()
     print(f"device: {device_name()}, torch {torch.__version__}")
     if args.profile:
@@ -218,6 +262,8 @@ def main():
                 profile(wrap(ours, inputs), args.calls)
             print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
+    if args.breakdown:
+        breakdown(args.calls)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=device_name(), torch=torch.__version__, calls=args.calls, rows=rows), f, indent=1)
