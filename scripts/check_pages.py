@@ -303,15 +303,18 @@ class Tab:
             raise TimeoutError(f"{url}: no load event in {timeout:.0f} s")
 
     def follow_redirect(self, url: str, timeout: float = 30.0):
-        """If the page at url redirects (meta refresh), wait until the page it leads to has loaded."""
+        """If the page at url redirects (meta refresh), wait until the page it leads to has loaded.
+        The redirect can replace the document while a question is being asked (Chromium then
+        answers "Inspected target navigated or closed"): every question is asked again until the
+        deadline, the first one included."""
         here = f"location.href !== {json.dumps(url)}"
-        if not self.evaluate(f"{here} || !!document.querySelector('meta[http-equiv=refresh]')"):
-            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
+                if not self.evaluate(f"{here} || !!document.querySelector('meta[http-equiv=refresh]')"):
+                    return  # no redirect
                 if self.evaluate(f"{here} && document.readyState === 'complete'"):
-                    return
+                    return  # redirected, and the new page has loaded
             except RuntimeError:  # the old document went away mid-call
                 pass
             time.sleep(0.05)
