@@ -134,70 +134,70 @@ check("teaching kernel, float32", selective_scan_simple(x_s, delta_s, A_s, B_s, 
 # %% [markdown]
 # It is correct, but built like chapter 1's kernel: every step waits for the previous one, and each step loads a handful of numbers and does only $N$ multiply-adds, so it keeps few bytes in flight. We do not time it here; it shares the limits chapter 1 measured. The production kernel keeps the fusion and removes the chain, with the blocked scan of sections 4.1–4.8.
 #
-# ## The production kernel: one batch row, a block of channels, time in chunks
+# ## The production kernel: one channel per program, time in chunks, one state at a time
 #
-# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $x_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and `BLOCK_D` channels, with their `BLOCK_D × N` states in registers, and walks time in chunks of `BLOCK_L` steps. For each chunk it:
+# There are `batch × dim × N` independent recurrences, but they are not independent in their *inputs*: the $N$ states of a channel share $x_t$ and $\Delta_t$, and all channels of a group share $B_t$ and $C_t$. So one {term}`program` owns one batch row and one channel (`BLOCK_D` channels in general; the tuning below chose one) and walks time in chunks of `BLOCK_L` steps (1024 on a GPU). For each chunk it:
 #
-# 1. loads $x$ (`u`), $\Delta$ (`BLOCK_D × BLOCK_L`) and `B`, `C` (`N × BLOCK_L`) once, with contiguous loads along time;
-# 2. forms $a = \exp_2(\Delta \cdot A \log_2 e)$ and $b = \Delta B x$ as `BLOCK_D × N × BLOCK_L` tiles (exp2 is the GPU's native instruction);
-# 3. scans the pairs $(a, b)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the product of the chunk's decays so far, $\prod_{t_0 \le s \le t} a_s$ with $t_0$ the chunk's first step, and the local state, started from zero at $t_0$;
-# 4. adds the carry: $h_t = \big(\prod_{t_0 \le s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of section 4.1;
-# 5. contracts $y_t = \sum_n C_{nt} h_{nt}$ (plus $D x$, times $\operatorname{silu}(z)$) and stores it;
-# 6. keeps the last column of $h$ as the next chunk's carry.
+# 1. loads $x$ (`u`) and $\Delta$ once, with contiguous loads along time, and forms $\Delta x$;
+# 2. then, for each state $n$ in turn:
+#    1. loads row $n$ of `B` and `C` for the chunk and forms $a = \exp_2(\Delta \cdot A_n \log_2 e)$ and $b = \Delta B_n x$ (exp2 is the GPU's native instruction);
+#    2. scans the pairs $(a, b)$ along time with `tl.associative_scan` and the first-order {term}`combine` of chapter 2; the scan returns both the product of the chunk's decays so far, $\prod_{t_0 \le s \le t} a_s$ with $t_0$ the chunk's first step, and the local state, started from zero at $t_0$;
+#    3. adds the carry: $h_t = \big(\prod_{t_0 \le s \le t} a_s\big)\, h_{\text{carry}} + h^{\text{local}}_t$, as in the chained walk of section 4.1;
+#    4. adds $C_{nt} h_{nt}$ to $y_t$, and keeps the last step's $h$ as state $n$'s next carry;
+# 3. adds $D x$, multiplies by $\operatorname{silu}(z)$ and stores $y$.
 #
-# `BLOCK_D` divides `dim / groups`, so a program reads a single group's `B` and `C`. $N$ is padded to a power of two with $A = 0$ and $B = C = 0$ on the padding, which keeps those states at zero. Steps past $L$ get $\Delta = 0$: $a = 1$, $b = 0$, so the last column of the last chunk is the state at step $L - 1$, which `return_last_state` returns.
+# The loop over $n$ is the design's one decision, and it came from a measurement. The first version of this kernel built `BLOCK_D × N × BLOCK_L` tiles, all $N$ states of a chunk at once, and summed over the state axis for $y$. On an H100 it ran 4 to 5 times slower than mamba_ssm's CUDA kernel in bfloat16 (`benchmarks/bench_selective_scan_cuda.py`). Triton gives every tile a *layout*, which thread holds which elements; the 3-d tile wanted one layout for the scan along time and another for the sum over states, and the compiler moved it between threads through shared memory (a *layout conversion*) at each change. mamba_ssm's CUDA kernel {cite}`gu2023mamba` instead gives each thread a run of time steps of one channel and loops over $n$, so no 3-d tile exists. Looping over $n$ here too keeps every tile two-dimensional, `BLOCK_D × BLOCK_L`, in the one layout that the loads, the scan and the accumulation of $y$ share.
+#
+# It has one cost: the carries. Each of the $N$ states needs its own carry, and Triton cannot pick an element of a register tile by a loop variable (there is no `carries[n]`). So the carries go through memory: the thread that holds the chunk's last step stores state $n$'s value into a small `(2, batch, dim, N)` float32 buffer, and the next chunk loads it. Two things make this safe. A barrier (`tl.debug_barrier()`) at the start of every chunk makes the stores of the previous chunk visible to every thread of the program. And two buffers alternate, chunk $c$ reading buffer $c \bmod 2$ and writing the other, so no thread can overwrite a carry that a slower thread has still to read. After the last chunk, the buffer written last holds the last state, which `return_last_state` returns.
+#
+# Steps past $L$ get $\Delta = 0$: $a = 1$, $b = 0$, so the last column of the last chunk is the state at step $L - 1$. When gradients will be needed, the kernel also stores the state that every backward chunk (32 steps) starts from; those stores are masked to the steps just before such a start.
 
 # %%
-def draw_tile_schedule(channels=2, dstate=3, chunks=3, chunk_len=4):
-    """Rows: (channel, state) pairs of one program; columns: time. Chunks are scanned in parallel
-    inside, linked by carries (red); each column's states contract with C into y (green)."""
-    rows = channels * dstate
+def draw_state_loop(dstate=3, chunks=3, chunk_len=4):
+    """One program's walk: chunks of time, inside each the states one after another (numbered),
+    each a scan along the chunk; carries (red) go from a chunk's last step to the next chunk through
+    memory; every state adds C h into the chunk's y (green)."""
     fig, ax = plt.subplots(figsize=(10, 3.4))
     for c in range(chunks):
-        x0 = c * (chunk_len + 1)
-        for r in range(rows):
+        x0 = c * (chunk_len + 1.5)
+        for n in range(dstate):
             for s in range(chunk_len):
-                ax.add_patch(Rectangle((x0 + s, r), 0.9, 0.9, color=COLORS["h"], alpha=0.25 + 0.15 * (r // dstate)))
+                ax.add_patch(Rectangle((x0 + s, n), 0.9, 0.9, color=COLORS["h"], alpha=0.3 + 0.2 * n))
+            ax.text(x0 - 0.15, n + 0.45, f"{c * dstate + n + 1}", ha="right", va="center", fontsize=7)
         ax.annotate("", xy=(x0 + chunk_len - 0.1, -0.4), xytext=(x0, -0.4),
                     arrowprops=dict(arrowstyle="->", color=COLORS["h"]))
-        ax.text(x0 + chunk_len / 2, -1.0, f"chunk {c}: associative scan", ha="center", fontsize=8, color=COLORS["h"])
+        ax.text(x0 + chunk_len / 2, -1.0, f"chunk {c}: one scan per state", ha="center", fontsize=8, color=COLORS["h"])
         for s in range(chunk_len):
-            ax.add_patch(Rectangle((x0 + s, rows + 0.5), 0.9, 0.9, color=COLORS["y"], alpha=0.6))
+            ax.add_patch(Rectangle((x0 + s, dstate + 0.5), 0.9, 0.9, color=COLORS["y"], alpha=0.6))
         if c + 1 < chunks:
-            for r in range(rows):
-                ax.add_patch(FancyArrowPatch((x0 + chunk_len - 0.1, r + 0.45), (x0 + chunk_len + 1, r + 0.45),
+            for n in range(dstate):
+                ax.add_patch(FancyArrowPatch((x0 + chunk_len - 0.1, n + 0.45), (x0 + chunk_len + 1.3, n + 0.45),
                                              arrowstyle="->", color=COLORS["carry"], mutation_scale=8))
-    for ch in range(channels):
-        ax.text(-0.3, ch * dstate + dstate / 2, f"channel {ch}\n(N = {dstate} states)", ha="right", va="center", fontsize=8)
-    ax.text(-0.3, rows + 0.95, "y (sum over n of C h)", ha="right", va="center", fontsize=8, color=COLORS["y"])
-    ax.set_xlim(-4, chunks * (chunk_len + 1))
-    ax.set_ylim(-1.4, rows + 1.8)
+    for n in range(dstate):
+        ax.text(-0.8, n + 0.45, f"state n = {n}", ha="right", va="center", fontsize=8)
+    ax.text(-0.8, dstate + 0.95, "y (sum over n of C h)", ha="right", va="center", fontsize=8, color=COLORS["y"])
+    ax.set_xlim(-5, chunks * (chunk_len + 1.5))
+    ax.set_ylim(-1.4, dstate + 1.8)
     ax.axis("off")
-    ax.set_title("one program: BLOCK_D channels x N states in registers, time in chunks, carries in red")
+    ax.set_title("one program (one channel): chunks in order, states in order (numbers), carries through memory (red)")
 
 
-draw_tile_schedule()
+draw_state_loop()
 plt.show()
 
 # %% [markdown]
-# The figure is the whole schedule: inside a chunk every (channel, state) row is scanned in parallel, the red carries are the only dependence from one chunk to the next, and every column of states collapses into one output per channel.
+# The numbers give the order of the work: all states of chunk 0, then all states of chunk 1, and so on. Inside a scan, every step of the chunk is computed in parallel; the red carries are the only dependence from one chunk to the next, and each state's row adds into the same row of outputs.
 #
-# The forward kernel, from `mamba_annotated/scan/selective.py`, in three parts. In the kernel's names, `u` is the input $x$ (mamba_ssm's name) and `x` is the discretized input $b = \Delta B x$. First the setup: which channels, states and group the program owns, and what stays in registers for the whole walk, $A \log_2 e$, the bias and the skip $D$.
+# The forward kernel, from `mamba_annotated/scan/selective.py`, in three parts. In the kernel's names, `u` is the input $x$ (mamba_ssm's name) and `x` is the discretized input $b = \Delta B x$. First the setup: which channels and group the program owns, where its two carry buffers are, and the bias and skip $D$ that stay in registers for the whole walk.
 
 # %%
-show_fragment(selective_scan_fwd_kernel, "def selective_scan_fwd_kernel(", "h = tl.zeros([BLOCK_D, BLOCK_N]")
+show_fragment(selective_scan_fwd_kernel, "def selective_scan_fwd_kernel(", "for n in range(dstate):")
 
 # %% [markdown]
-# The walk over chunks starts with the carry $h = 0$. When the backward pass will need them, each chunk first stores the state it starts from; then the chunk's inputs are loaded, all along time, and the step sizes get their bias and softplus (`load_delta`, which also sets $\Delta = 0$ past the end):
+# That fragment ends inside the walk over chunks: each chunk loads its inputs along time (the step sizes get their bias and softplus in `load_delta`, which also sets $\Delta = 0$ past the end), starts $y$ at $D x$, picks the carry buffer to read and the one to write, and waits at the barrier. The heart of it is the loop over states, steps 2.1 to 2.4 of the list above: `decay` and `x` are the `BLOCK_D × BLOCK_L` tiles of $a$ and $b$; the scan returns $\prod a$ and the state started from zero; adding the decayed carry (zero in the first chunk: the masked load) gives $h$; $C h$ adds into $y$; the last column is stored as the next carry, and, for training, the backward chunks' start states are stored. After the loop, the gate and the store of $y$.
 
 # %%
-show_fragment(selective_scan_fwd_kernel, "h = tl.zeros([BLOCK_D, BLOCK_N]", "decay = tl.exp2(")
-
-# %% [markdown]
-# The heart of it: steps 2 to 6 of the list above, one line each. `decay` and `x` are the `BLOCK_D × N × BLOCK_L` tiles of $a$ and $b$; the scan returns $\prod a$ and the state started from zero; adding the decayed carry gives $h$; a sum over the state axis gives $y$; the last column is the next carry, and after the last chunk the last state.
-
-# %%
-show_fragment(selective_scan_fwd_kernel, "decay = tl.exp2(")
+show_fragment(selective_scan_fwd_kernel, "for n in range(dstate):")
 
 # %% [markdown]
 # `selective_scan` validates its inputs, makes them contiguous and launches it. The next cell checks it against the float64 reference with every option on (bias, softplus, $D$, $z$) and the last state, on a length that is not a multiple of the chunk, in every input dtype (float32 accumulation inside; the output is rounded once to the input dtype):
@@ -342,8 +342,8 @@ if stored.exists():
     print_table([{k: r[k] for k in ("implementation", "passes", "ms", "pct_of_floor", "speedup_vs_mambapy")}
                  for r in result["rows"]])
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    colors = {"selective_scan (ours)": COLORS["y"], "mamba.py pscan": COLORS["x"],
-              "mamba_ssm selective_scan_ref": COLORS["decay"]}
+    colors = {"selective_scan (ours)": COLORS["y"], "mamba_ssm selective_scan_cuda": COLORS["h"],
+              "mamba.py pscan": COLORS["x"], "mamba_ssm selective_scan_ref": COLORS["decay"]}
     for ax, passes in zip(axes, ("forward", "forward+backward")):
         rows = [r for r in result["rows"] if r["passes"] == passes]
         ax.bar([r["implementation"].replace(" ", "\n", 1) for r in rows], [r["ms"] for r in rows],

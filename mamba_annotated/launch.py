@@ -21,7 +21,8 @@ Triton would pick), and launches it through the compiled kernel's launcher direc
 
 Binding and classifying are generated as straight-line code for each call shape (how many
 positional arguments, which keywords), the first time that shape is seen: a loop over the
-arguments with a type test per argument cost more host time than the launch itself.
+arguments with a type test per argument cost nearly as much host time as Triton's own launch call
+(measured in benchmarks/bench_host_cost.py's profile).
 
 Launching through ``CompiledKernel.run`` uses an internal Triton interface (the same call in Triton
 3.6, run on the GPU, and 3.9, read); in the interpreter (``TRITON_INTERPRET=1``) the decorator

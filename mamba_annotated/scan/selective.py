@@ -7,12 +7,18 @@ Algorithm (per batch b, channel d, state n, time t; float32 inside the kernels)
     h_t     = a_t * h_{t-1} + x_t,  h_{-1} = 0       N states per channel, never written to memory
     y_t     = sum_n C_nt * h_t + D_d * u_t,  then y_t * silu(z_t)   (D and z optional)
 
-Forward: one program owns one batch row and BLOCK_D channels, holds their [BLOCK_D, N] states in
-registers and walks time in chunks of BLOCK_L steps. Inside a chunk it builds the [BLOCK_D, N,
-BLOCK_L] tiles of a and x, runs ``tl.associative_scan`` with the first-order combine along time,
-adds the carry (h_t = (prod a) * h_carry + scanned x), contracts with C over n to get y, and keeps
-the last column as the next chunk's carry. When gradients are wanted it also stores the state at
-the start of every chunk, (batch, chunks, dim, N): BLOCK_L times fewer numbers than all the states.
+Forward: one program owns one batch row and BLOCK_D channels and walks time in chunks of BLOCK_L
+steps. For each chunk it loads u and delta once, then loops over the N states: state n's decays
+and inputs form [BLOCK_D, BLOCK_L] tiles, ``tl.associative_scan`` with the first-order combine
+runs along time, the carry is added (h_t = (prod a) * h_carry + scanned x), and C_n h accumulates
+into y. Looping over n, as mamba_ssm's CUDA kernel does, keeps every tile two-dimensional: an
+earlier version scanned [BLOCK_D, N, BLOCK_L] tiles and spent most of its time moving them between
+threads. A carry cannot stay in registers (Triton cannot index a register tile with the loop's n),
+so the thread holding a chunk's last step stores state n to a small buffer and the next chunk
+loads it after a barrier; two buffers alternate, so no thread overwrites a carry another thread
+has still to read. When gradients are wanted the kernel also stores the state at the start of
+every backward chunk, (batch, L / BWD_BLOCK_L, dim, N): BWD_BLOCK_L times fewer numbers than all
+the states.
 
 Backward: the adjoint lam_t = dLoss/dh_t obeys lam_t = dy_t * C_t + a_{t+1} * lam_{t+1}, the same
 recurrence run from the end with the decays shifted by one step. The program walks chunks from the
@@ -32,8 +38,8 @@ Shapes: u, delta, z, y (batch, dim, L) contiguous; A (dim, N); B, C (batch, grou
 delta_bias (dim,). BLOCK_D divides dim // groups, so every program reads a single group's B and C.
 
 Bytes moved (element size s of u): forward reads u, delta (z) and writes y: 3-4 * batch*dim*L*s,
-plus B and C (2 * batch*groups*N*L*s), plus the chunk start states when training
-(4 * batch*dim*N*L/BLOCK_L). Backward reads u, delta, z, dy and the chunk states (u, delta and B
+plus B and C (2 * batch*groups*N*L*s from memory; every program reads its group's again, mostly
+from L2), plus the chunk start states when training (4 * batch*dim*N*L/BWD_BLOCK_L). Backward reads u, delta, z, dy and the chunk states (u, delta and B
 again one step behind, delta one step ahead: mostly from cache) and writes du, ddelta, dz:
 7 * batch*dim*L*s, plus the float32 partial sums of dB and dC
 (2 * 4 * batch*(dim/BLOCK_D)*N*L, written once and read once by the final sum).
@@ -51,13 +57,15 @@ from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, cdiv, next_power_of_2, sigmoid, softplus
 from .combine import first_order_combine
 
-# Chunks are long on a GPU (fewer carry hand-offs) and short in the interpreter, so tiny CPU tests
-# still cross several chunk boundaries.
-FWD_BLOCK_L = 16 if INTERPRETED else 64
-BWD_BLOCK_L = 16 if INTERPRETED else 32
-FWD_MAX_BLOCK_D = 4   # channels per program: they share each B, C load
-BWD_MAX_BLOCK_D = 8   # more channels per program: fewer partial sums of dB, dC to write
+# The forward kernel's block sizes come from benchmarks/sweep_selective_scan_forward.py (its table is
+# book/data/selective_scan_forward_sweep.json): one channel per program and chunks of 1024 steps
+# over 4 warps had the best worst case against mamba_ssm's CUDA kernel. In the interpreter the
+# chunks are short, so tiny CPU tests still cross several chunk boundaries.
+FWD_BLOCK_L = 32 if INTERPRETED else 1024
+FWD_MAX_BLOCK_D = 1
 FWD_NUM_WARPS = 4
+BWD_BLOCK_L = 16 if INTERPRETED else 32
+BWD_MAX_BLOCK_D = 8   # more channels per program: fewer partial sums of dB, dC to write
 BWD_NUM_WARPS = 4
 
 
@@ -78,12 +86,6 @@ def load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS: tl.constexpr, DEL
 
 
 @triton.jit
-def last_column(tile, steps, BLOCK_L: tl.constexpr):
-    """tile[:, :, BLOCK_L - 1] of a [BLOCK_D, N, BLOCK_L] tile (a select and a sum: no slicing in Triton)."""
-    return tl.sum(tl.where(steps[None, None, :] == BLOCK_L - 1, tile, 0.0), axis=2)
-
-
-@triton.jit
 def first_column(tile, steps):
     return tl.sum(tl.where(steps[None, None, :] == 0, tile, 0.0), axis=2)
 
@@ -92,61 +94,64 @@ def first_column(tile, steps):
 @triton.jit
 def selective_scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr,
-    y_ptr, last_state_ptr, chunk_states_ptr,
-    dim, dstate, length, groups, channels_per_group,
+    y_ptr, carries_ptr, chunk_states_ptr,
+    batch_size, dim, dstate, length, groups, channels_per_group,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr,
-    STORE_CHUNK_STATES: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    STORE_CHUNK_STATES: tl.constexpr, STATE_EVERY: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     pid_d, batch = tl.program_id(0), tl.program_id(1)
     channels = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)          # all < dim: BLOCK_D divides dim
-    states = tl.arange(0, BLOCK_N)
-    state_mask = states < dstate                                # N padded to a power of two
     steps = tl.arange(0, BLOCK_L)
     group = (pid_d * BLOCK_D) // channels_per_group
     rows = (batch * dim + channels).to(tl.int64) * length        # 64-bit: batch*dim*L may pass 2^31
     bc_base = (batch * groups + group).to(tl.int64) * dstate * length
-    bc_rows = bc_base + states.to(tl.int64) * length
-
-    # Padded states get A = 0 (a = 1) and B = C = 0: they stay 0 and add nothing to y.
-    A2 = tl.load(A_ptr + channels[:, None] * dstate + states[None, :], mask=state_mask[None, :], other=0.0)
-    A2 = A2.to(tl.float32) * LOG2E                 # A * log2(e): exp(x) = exp2(x * log2(e)), exp2 is native
+    # the carries: two (batch, dim, N) buffers; chunk c reads buffer c % 2 and writes the other
+    carry_rows = (batch * dim + channels).to(tl.int64) * dstate
+    carry_buffer = batch_size * dim * dstate
+    slots = tl.cdiv(length, STATE_EVERY)                        # start states kept for the backward
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + channels).to(tl.float32)
     if HAS_D:
         skip = tl.load(D_ptr + channels).to(tl.float32)
 
-    h = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)          # the carry: state before the chunk
     for chunk in range(tl.cdiv(length, BLOCK_L)):
         t = chunk * BLOCK_L + steps
-        t_mask = t < length
-        if STORE_CHUNK_STATES:
-            state_offsets = ((batch * tl.cdiv(length, BLOCK_L) + chunk) * dim + channels).to(tl.int64) * dstate
-            tl.store(chunk_states_ptr + state_offsets[:, None] + states[None, :], h, mask=state_mask[None, :])
+        mask = (t < length)[None, :]
         offsets = rows[:, None] + t[None, :]
-        mask = t_mask[None, :]
         u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         delta, _ = load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        bc_mask = state_mask[:, None] & t_mask[None, :]
-        B = tl.load(B_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
-        C = tl.load(C_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
-
-        decay = tl.exp2(delta[:, None, :] * A2[:, :, None])     # [BLOCK_D, BLOCK_N, BLOCK_L]
-        x = (delta * u)[:, None, :] * B[None, :, :]
-        decay_prod, h_local = tl.associative_scan((decay, x), 2, first_order_combine)
-        h_all = h_local + decay_prod * h[:, :, None]            # the carry, decayed to each step
-        y = tl.sum(h_all * C[None, :, :], axis=1)               # [BLOCK_D, BLOCK_L]
+        delta_u = delta * u
+        y = tl.zeros([BLOCK_D, BLOCK_L], dtype=tl.float32)
         if HAS_D:
-            y += skip[:, None] * u
+            y = skip[:, None] * u
+        read = carries_ptr + (chunk % 2) * carry_buffer + carry_rows
+        write = carries_ptr + ((chunk + 1) % 2) * carry_buffer + carry_rows
+        tl.debug_barrier()                                      # the previous chunk's carries are stored
+        for n in range(dstate):
+            A2 = tl.load(A_ptr + channels * dstate + n).to(tl.float32) * LOG2E   # exp(x) = exp2(x log2 e)
+            B = tl.load(B_ptr + bc_base + n * length + t, mask=t < length, other=0.0).to(tl.float32)
+            C = tl.load(C_ptr + bc_base + n * length + t, mask=t < length, other=0.0).to(tl.float32)
+            decay = tl.exp2(delta * A2[:, None])                # [BLOCK_D, BLOCK_L]: state n of each channel
+            x = delta_u * B[None, :]
+            decay_prod, h = tl.associative_scan((decay, x), 1, first_order_combine)
+            carry = tl.load(read + n, mask=chunk > 0, other=0.0)    # state n before the chunk
+            h += decay_prod * carry[:, None]
+            y += h * C[None, :]
+            # the last column is state n after the chunk: the thread holding it stores it
+            tl.store(write[:, None] + n + 0 * steps[None, :], h, mask=(steps == BLOCK_L - 1)[None, :])
+            if STORE_CHUNK_STATES:
+                # the backward pass starts a chunk every STATE_EVERY steps, from the state before it
+                slot = (t + 1) // STATE_EVERY
+                stored = ((t + 1) % STATE_EVERY == 0) & (slot < slots)
+                slot_rows = ((batch * slots + slot[None, :]) * dim + channels[:, None]).to(tl.int64) * dstate
+                tl.store(chunk_states_ptr + slot_rows + n, h, mask=stored[None, :])
+                tl.store(chunk_states_ptr + slot_rows + n, tl.zeros_like(h), mask=(t == 0)[None, :])
         if HAS_Z:
             z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             y *= z * sigmoid(z)
         tl.store(y_ptr + offsets, y.to(y_ptr.dtype.element_ty), mask=mask)
-        h = last_column(h_all, steps, BLOCK_L)
-
-    last_offsets = (batch * dim + channels).to(tl.int64) * dstate
-    tl.store(last_state_ptr + last_offsets[:, None] + states[None, :], h, mask=state_mask[None, :])
 
 
 @lean_launch
@@ -290,23 +295,21 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplu
     groups, dstate = B.shape[1], B.shape[2]
     block_d = channel_block(dim // groups, FWD_MAX_BLOCK_D)
     y = outputs.empty(u.shape, u.dtype, u.device)
-    last_state = outputs.empty((batch, dim, dstate), torch.float32, u.device)
+    # the kernel's two carry buffers; after chunk c the state is in buffer (c + 1) % 2
+    carries = outputs.empty((2, batch, dim, dstate), torch.float32, u.device)
     chunk_states = None
     if store_chunk_states:
         chunk_states = outputs.empty(chunk_states_shape(batch, dim, dstate, length), torch.float32, u.device)
-    # The forward pass stores start states at the backward's chunk length; its own chunk must match.
-    block_l = BWD_BLOCK_L if store_chunk_states else FWD_BLOCK_L
-    grid = (dim // block_d, batch)
-    selective_scan_fwd_kernel[grid](
+    selective_scan_fwd_kernel[(dim // block_d, batch)](
         u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
         delta_bias if delta_bias is not None else u,
-        y, last_state, chunk_states if chunk_states is not None else last_state,
-        dim, dstate, length, groups, dim // groups,
+        y, carries, chunk_states if chunk_states is not None else carries,
+        batch, dim, dstate, length, groups, dim // groups,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
-        DELTA_SOFTPLUS=delta_softplus, STORE_CHUNK_STATES=store_chunk_states,
-        BLOCK_D=block_d, BLOCK_N=next_power_of_2(dstate), BLOCK_L=block_l, num_warps=FWD_NUM_WARPS,
+        DELTA_SOFTPLUS=delta_softplus, STORE_CHUNK_STATES=store_chunk_states, STATE_EVERY=BWD_BLOCK_L,
+        BLOCK_D=block_d, BLOCK_L=FWD_BLOCK_L, num_warps=FWD_NUM_WARPS,
     )
-    return y, last_state, chunk_states
+    return y, carries[cdiv(length, FWD_BLOCK_L) % 2], chunk_states
 
 
 def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, chunk_states,
