@@ -12,8 +12,8 @@ steps. For each chunk it loads u and delta once, then loops over the N states: s
 and inputs form [BLOCK_D, BLOCK_L] tiles, ``tl.associative_scan`` with the first-order combine
 runs along time, the carry is added (h_t = (prod a) * h_carry + scanned x), and C_n h accumulates
 into y. Looping over n, as mamba_ssm's CUDA kernel does, keeps every tile two-dimensional: an
-earlier version scanned [BLOCK_D, N, BLOCK_L] tiles and spent most of its time moving them between
-threads. A carry cannot stay in registers (Triton cannot index a register tile with the loop's n),
+earlier version scanned [BLOCK_D, N, BLOCK_L] tiles and was 4-5x slower in bfloat16, most likely
+from moving those tiles between threads (not profiled). A carry cannot stay in registers (Triton cannot index a register tile with the loop's n),
 so the thread holding a chunk's last step stores state n to a small buffer and the next chunk
 loads it after a barrier; two buffers alternate, so no thread overwrites a carry another thread
 has still to read. When gradients are wanted the kernel also stores the state at the start of
@@ -106,9 +106,11 @@ def selective_scan_fwd_kernel(
     group = (pid_d * BLOCK_D) // channels_per_group
     rows = (batch * dim + channels).to(tl.int64) * length        # 64-bit: batch*dim*L may pass 2^31
     bc_base = (batch * groups + group).to(tl.int64) * dstate * length
-    # the carries: two (batch, dim, N) buffers; chunk c reads buffer c % 2 and writes the other
+    # the carries: two (batch, dim, N) buffers, each chunk reading one and writing the other; the
+    # last chunk writes buffer 0, which the caller returns as the last state
     carry_rows = (batch * dim + channels).to(tl.int64) * dstate
     carry_buffer = batch_size * dim * dstate
+    chunks = tl.cdiv(length, BLOCK_L)
     slots = tl.cdiv(length, STATE_EVERY)                        # start states kept for the backward
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
@@ -116,7 +118,7 @@ def selective_scan_fwd_kernel(
     if HAS_D:
         skip = tl.load(D_ptr + channels).to(tl.float32)
 
-    for chunk in range(tl.cdiv(length, BLOCK_L)):
+    for chunk in range(chunks):
         t = chunk * BLOCK_L + steps
         mask = (t < length)[None, :]
         offsets = rows[:, None] + t[None, :]
@@ -126,8 +128,8 @@ def selective_scan_fwd_kernel(
         y = tl.zeros([BLOCK_D, BLOCK_L], dtype=tl.float32)
         if HAS_D:
             y = skip[:, None] * u
-        read = carries_ptr + (chunk % 2) * carry_buffer + carry_rows
-        write = carries_ptr + ((chunk + 1) % 2) * carry_buffer + carry_rows
+        read = carries_ptr + ((chunks - chunk) % 2) * carry_buffer + carry_rows
+        write = carries_ptr + ((chunks - 1 - chunk) % 2) * carry_buffer + carry_rows
         tl.debug_barrier()                                      # the previous chunk's carries are stored
         for n in range(dstate):
             A2 = tl.load(A_ptr + channels * dstate + n).to(tl.float32) * LOG2E   # exp(x) = exp2(x log2 e)
@@ -295,7 +297,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplu
     groups, dstate = B.shape[1], B.shape[2]
     block_d = channel_block(dim // groups, FWD_MAX_BLOCK_D)
     y = outputs.empty(u.shape, u.dtype, u.device)
-    # the kernel's two carry buffers; after chunk c the state is in buffer (c + 1) % 2
+    # the kernel's two carry buffers; the last chunk writes the last state into carries[0]
     carries = outputs.empty((2, batch, dim, dstate), torch.float32, u.device)
     chunk_states = None
     if store_chunk_states:
@@ -309,7 +311,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplu
         DELTA_SOFTPLUS=delta_softplus, STORE_CHUNK_STATES=store_chunk_states, STATE_EVERY=BWD_BLOCK_L,
         BLOCK_D=block_d, BLOCK_L=FWD_BLOCK_L, num_warps=FWD_NUM_WARPS,
     )
-    return y, carries[cdiv(length, FWD_BLOCK_L) % 2], chunk_states
+    return y, carries[0], chunk_states
 
 
 def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, chunk_states,
