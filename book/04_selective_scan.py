@@ -188,7 +188,7 @@ plt.show()
 # %% [markdown]
 # The numbers give the order of the work: all states of chunk 0, then all states of chunk 1, and so on. Inside a scan, every step of the chunk is computed in parallel; the red carries are the only dependence from one chunk to the next, and each state's row adds into the same row of outputs.
 #
-# The forward kernel, from `mamba_annotated/scan/selective.py`, in three parts. In the kernel's names, `u` is the input $x$ (mamba_ssm's name) and `x` is the discretized input $b = \Delta B x$. First the setup: which channels and group the program owns, where its two carry buffers are, and the bias and skip $D$ that stay in registers for the whole walk.
+# The forward kernel, from `mamba_annotated/scan/selective.py`, in two parts. In the kernel's names, `u` is the input $x$ (mamba_ssm's name) and `x` is the discretized input $b = \Delta B x$. First the setup: which channels and group the program owns, where its two carry buffers are, and the bias and skip $D$ that stay in registers for the whole walk.
 
 # %%
 show_fragment(selective_scan_fwd_kernel, "def selective_scan_fwd_kernel(", "for n in range(dstate):")
