@@ -150,7 +150,7 @@ check("teaching kernel, float32", selective_scan_simple(x_s, delta_s, A_s, B_s, 
 #
 # It has one cost: the carries. Each of the $N$ states needs its own carry, and Triton cannot pick an element of a register tile by a loop variable (there is no `carries[n]`). So the carries go through memory: the thread that holds the chunk's last step stores state $n$'s value into a small `(2, batch, dim, N)` float32 buffer, and the next chunk loads it. Two things make this safe. A barrier (`tl.debug_barrier()`) at the start of every chunk makes the stores of the previous chunk visible to every thread of the program. And two buffers alternate, each chunk reading the one the previous chunk wrote and writing the other, so no thread can overwrite a carry that a slower thread has still to read. They alternate so that the last chunk writes the first buffer, which holds the last state that `return_last_state` returns: a view at the start of the buffer's storage, as PyTorch's compiler expects from the op's shape function (it checks the storage offset too).
 #
-# Steps past $L$ get $\Delta = 0$: $a = 1$, $b = 0$, so the last column of the last chunk is the state at step $L - 1$. When gradients will be needed, the kernel also stores the state that every backward chunk (32 steps) starts from; those stores are masked to the steps just before such a start.
+# Steps past $L$ get $\Delta = 0$: $a = 1$, $b = 0$, so the last column of the last chunk is the state at step $L - 1$. When gradients will be needed, the kernel also stores the state that every backward chunk (64 steps) starts from; those stores are masked to the steps just before such a start.
 
 # %%
 def draw_state_loop(dstate=3, chunks=3, chunk_len=4):
@@ -278,33 +278,33 @@ for name, inputs in cases.items():
 #
 # and through the softplus, $\partial \Delta^{\text{raw}} = \partial \Delta \cdot \sigma(\Delta^{\text{raw}} + \beta)$, summed over batch and time for $\beta$ (`delta_bias`).
 #
-# The backward kernel needs the states, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. What it rescans is the decayed previous state $a_t h_{t-1}$, which both $\partial\Delta$ and $\partial A$ need: it obeys $a_t h_{t-1} = a_t\,(a_{t-1} h_{t-2}) + a_t b_{t-1}$, a first-order scan over the pairs $(a_t, a_t b_{t-1})$, and then $h_t = a_t h_{t-1} + b_t$. (Forming it as $h_t - b_t$ would be cheaper, but cancels when the decays are small, since $b_t$ is then nearly all of $h_t$.) $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
+# The backward kernel needs the states, which the forward pass never stored. It recomputes them chunk by chunk: when gradients are needed, the forward pass saves the state at the start of every chunk, `(batch, L / BLOCK_L, dim, N)` float32 (`BLOCK_L` times fewer numbers than all the states), and the backward kernel, walking chunks from the last, rescans each chunk from its stored start. Like the forward kernel it loops over the states inside each chunk, so its tiles are `BLOCK_D × BLOCK_L` too, and the adjoint's carry from one chunk to the earlier one goes through two alternating buffers, as the forward kernel's carries do. What it rescans is the decayed previous state $a_t h_{t-1}$, which both $\partial\Delta$ and $\partial A$ need: it obeys $a_t h_{t-1} = a_t\,(a_{t-1} h_{t-2}) + a_t b_{t-1}$, a first-order scan over the pairs $(a_t, a_t b_{t-1})$, and then $h_t = a_t h_{t-1} + b_t$. (Forming it as $h_t - b_t$ would be cheaper, but cancels when the decays are small, since $b_t$ is then nearly all of $h_t$.) $\partial B$ and $\partial C$ are sums over the channels of a group, which many programs hold: each program writes its own partial sum and the launcher adds them up, so there are no atomics and the gradients are deterministic.
 #
-# The kernel in four parts. The setup is the forward kernel's, plus the adjoint carry `lam` (started from $g^{\text{last}}$) and the registers that sum $\partial A$, $\partial D$ and $\partial\beta$ over time:
+# The kernel in four parts. The setup is the forward kernel's, plus the adjoint's carry buffers and the registers that sum $\partial A$, $\partial D$ and $\partial\beta$ over time. $\partial A$ has a column per state; the loop over states fills column $n$ with `tl.where`, which picks an element by comparison where indexing by a loop variable is not allowed:
 
 # %%
 show_fragment(selective_scan_bwd_kernel, "def selective_scan_bwd_kernel(", "chunks = tl.cdiv(length, BLOCK_L)")
 
 # %% [markdown]
-# Chunks are walked from the last. Each loads its inputs, $\Delta$ one step ahead (for $a_{t+1}$) and $x$, $\Delta$, $B$ one step behind (for $b_{t-1}$), and recomputes $a_t h_{t-1}$ (`decayed_prev`) and $h_t$ from the chunk's stored start state:
+# Chunks are walked from the last. Each loads what every state shares: $x$ and $\Delta$, $\Delta$ one step ahead (for $a_{t+1}$), $x$ and $\Delta$ one step behind (for $b_{t-1}$), and the gradient arriving at the output. The gate: with $z$, the gradient reaching $C h + D x$ is $g_t = g^y_t \operatorname{silu}(z_t)$, and $\partial z$ needs $y^{\text{pre}}$, the output before the gate, which the loop over states sums up as it recomputes them. Only the tiles the loop needs stay in registers: $x$, $z$ and the step before its softplus are loaded again after it, because tiles that live through the whole loop compete for the registers its work needs:
 
 # %%
-show_fragment(selective_scan_bwd_kernel, "chunks = tl.cdiv(length, BLOCK_L)", "grad_out = tl.load(")
+show_fragment(selective_scan_bwd_kernel, "chunks = tl.cdiv(length, BLOCK_L)", "for n in range(dstate):")
 
 # %% [markdown]
-# The gate: with $z$, the gradient reaching $C h + D x$ is $g_t = g^y_t \operatorname{silu}(z_t)$, and $\partial z$ needs $y^{\text{pre}}$, the output before the gate, which the states just recomputed give:
+# For each state $n$, the recomputation: $a_t h_{t-1}$ (`decayed_prev`) by a scan from the chunk's stored start state, then $h_t$, and $C h$ added into $y^{\text{pre}}$:
 
 # %%
-show_fragment(selective_scan_bwd_kernel, "grad_out = tl.load(", "# the adjoint: reverse scan")
+show_fragment(selective_scan_bwd_kernel, "for n in range(dstate):", "# the adjoint: reverse scan")
 
 # %% [markdown]
-# The adjoint and the gradients. The reverse scan is `tl.associative_scan(..., reverse=True)`, which section 4.7.1 replaced by tiles of rows because it cost the linear scan's backward a third of its speed. Here it stays, for two reasons. The linear scan does one multiply-add per element and runs at the {term}`memory floor`, so any extra work per element shows; the selective scan's backward does two exponentials and about twenty multiply-adds per element of a `BLOCK_D × N × BLOCK_L` tile and runs many times above its floor, probably limited by moving its 3-d tiles between threads as the forward kernel was before it looped over the states (the speed section below), so the reverse scan's extra shuffles are a small share of it. And the axis is short: chunks of 32 steps on a GPU, so the reverse scan has five rounds. (We have not measured its share; the row-tile trick of section 4.7.1 is the candidate if it ever matters.)
+# The adjoint and the gradients. The reverse scan is `tl.associative_scan(..., reverse=True)`, which section 4.7.1 replaced by tiles of rows because it cost the linear scan's backward a third of its speed. Here it stays, for two reasons. The linear scan does one multiply-add per element and runs at the {term}`memory floor`, so any extra work per element shows; the selective scan's backward does, per state and element, two exponentials, two scans and about twenty multiply-adds, and runs many times above its floor (the speed section below), so the reverse scan's extra shuffles are a small share of it. And the axis is short: chunks of 64 steps on a GPU, so the reverse scan has six rounds. (We have not measured its share; the row-tile trick of section 4.7.1 is the candidate if it ever matters.) After the scan: the adjoint's first column is the carry for the earlier chunk, stored by the thread that holds it; the gradients of $a$ and $b$ add into the tiles of $\partial x$ and $\partial\Delta$, column $n$ of $\partial A$ and, summed over the program's channels, this program's partial sums of $\partial B_n$ and $\partial C_n$. After the loop over states, $\partial z$, $\partial x$ and $\partial \Delta$ are finished and stored:
 
 # %%
 show_fragment(selective_scan_bwd_kernel, "# the adjoint: reverse scan")
 
 # %% [markdown]
-# The next cell checks every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 32 on a GPU), and once more through the last state:
+# The next cell checks every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 64 on a GPU), and once more through the last state:
 
 # %%
 def check_gradients(label, inputs, dtype, use_last_state=False):

@@ -4,8 +4,10 @@ Algorithm (per batch b, channel d, state n, time t; float32 inside the kernels)
     delta_t = softplus(delta_t + delta_bias_d)       (bias and softplus optional)
     a_t     = exp(delta_t * A_dn)                    the discretized decay A-bar
     x_t     = delta_t * B_nt * u_t                   the discretized input B-bar u
-    h_t     = a_t * h_{t-1} + x_t,  h_{-1} = 0       N states per channel, never written to memory
+    h_t     = a_t * h_{t-1} + x_t,  h_{-1} = 0       N states per channel, kept on chip
     y_t     = sum_n C_nt * h_t + D_d * u_t,  then y_t * silu(z_t)   (D and z optional)
+Only the carries between chunks and, for training, the states at the backward's chunk starts are
+written to memory, never all the states.
 
 Forward: one program owns one batch row and BLOCK_D channels and walks time in chunks of BLOCK_L
 steps. For each chunk it loads u and delta once, then loops over the N states: state n's decays
@@ -13,34 +15,36 @@ and inputs form [BLOCK_D, BLOCK_L] tiles, ``tl.associative_scan`` with the first
 runs along time, the carry is added (h_t = (prod a) * h_carry + scanned x), and C_n h accumulates
 into y. Looping over n, as mamba_ssm's CUDA kernel does, keeps every tile two-dimensional: an
 earlier version scanned [BLOCK_D, N, BLOCK_L] tiles and was 4-5x slower in bfloat16, most likely
-from moving those tiles between threads (not profiled). A carry cannot stay in registers (Triton cannot index a register tile with the loop's n),
-so the thread holding a chunk's last step stores state n to a small buffer and the next chunk
-loads it after a barrier; two buffers alternate, so no thread overwrites a carry another thread
-has still to read. When gradients are wanted the kernel also stores the state at the start of
-every backward chunk, (batch, L / BWD_BLOCK_L, dim, N): BWD_BLOCK_L times fewer numbers than all
-the states.
+from moving those tiles between threads (not profiled). A carry cannot stay in registers (Triton
+cannot index a register tile with the loop's n), so the thread holding a chunk's last step stores
+state n to a small buffer and the next chunk loads it after a barrier; two buffers alternate, so
+no thread overwrites a carry another thread has still to read. When gradients are wanted the
+kernel also stores the state at the start of every backward chunk, (batch, L / BWD_BLOCK_L, dim,
+N): BWD_BLOCK_L times fewer numbers than all the states.
 
 Backward: the adjoint lam_t = dLoss/dh_t obeys lam_t = dy_t * C_t + a_{t+1} * lam_{t+1}, the same
 recurrence run from the end with the decays shifted by one step. The program walks chunks from the
-last and recomputes the chunk's decayed previous states g_t = a_t * h_{t-1} from its stored start
-state: g_t = a_t * g_{t-1} + a_t * x_{t-1} is a first-order scan of (a_t, a_t x_{t-1}), with x
-loaded one step behind, and then h_t = g_t + x_t. (Forming g_t as h_t - x_t cancels when the decays
-are small, since x_t is then nearly all of h_t: dA lost three digits at decays near e^-9.) The
-adjoint runs as a reverse scan (a_{t+1} is computed from delta loaded one step ahead), and the
-program collects
+last and, like the forward kernel, loops over the states inside each chunk with [BLOCK_D, BLOCK_L]
+tiles. For state n it recomputes the chunk's decayed previous states g_t = a_t * h_{t-1} from the
+stored start state: g_t = a_t * g_{t-1} + a_t * x_{t-1} is a first-order scan of (a_t, a_t x_{t-1}),
+with x loaded one step behind, and then h_t = g_t + x_t. (Forming g_t as h_t - x_t cancels when the
+decays are small, since x_t is then nearly all of h_t: dA lost three digits at decays near e^-9.)
+The adjoint runs as a reverse scan (a_{t+1} is computed from delta loaded one step ahead) and its
+carry to the earlier chunk goes through two buffers as in the forward kernel. The program collects
     dx_t = lam_t,   dLoss/da_t * a_t = lam_t * g_t,
-so du, ddelta, dz are written per element; dA, dD, ddelta_bias are summed over time in registers
-and over batch by the caller; dB, dC (shared by all channels of a group) are summed over the
-program's channels and written as per-program partial sums that the caller adds up: no atomics,
-so gradients are deterministic.
+summed over n into du and ddelta (written per element, like dz); dA, dD, ddelta_bias are summed over
+time in registers and over batch by the caller; dB, dC (shared by all channels of a group) are
+summed over the program's channels and written as per-program partial sums that the caller adds
+up: no atomics, so gradients are deterministic.
 
 Shapes: u, delta, z, y (batch, dim, L) contiguous; A (dim, N); B, C (batch, groups, N, L); D and
 delta_bias (dim,). BLOCK_D divides dim // groups, so every program reads a single group's B and C.
 
 Bytes moved (element size s of u): forward reads u, delta (z) and writes y: 3-4 * batch*dim*L*s,
 plus B and C (2 * batch*groups*N*L*s from memory; every program reads its group's again, mostly
-from L2), plus the chunk start states when training (4 * batch*dim*N*L/BWD_BLOCK_L). Backward reads u, delta, z, dy and the chunk states (u, delta and B
-again one step behind, delta one step ahead: mostly from cache) and writes du, ddelta, dz:
+from L2), plus the chunk start states when training (4 * batch*dim*N*L/BWD_BLOCK_L). Backward
+reads u, delta, z, dy and the chunk states (u, delta and B again one step behind, delta one step
+ahead: mostly from cache) and writes du, ddelta, dz:
 7 * batch*dim*L*s, plus the float32 partial sums of dB and dC
 (2 * 4 * batch*(dim/BLOCK_D)*N*L, written once and read once by the final sum).
 
@@ -57,16 +61,18 @@ from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, cdiv, next_power_of_2, sigmoid, softplus
 from .combine import first_order_combine
 
-# The forward kernel's block sizes come from benchmarks/sweep_selective_scan_forward.py (its table is
-# book/data/selective_scan_forward_sweep.json): one channel per program and chunks of 1024 steps
-# over 4 warps had the best worst case against mamba_ssm's CUDA kernel. In the interpreter the
-# chunks are short, so tiny CPU tests still cross several chunk boundaries.
+# Block sizes come from benchmarks/sweep_selective_scan.py (its tables are
+# book/data/selective_scan_{forward,backward}_sweep.json), each the best worst case against
+# mamba_ssm's CUDA kernel over the sweep's four cases. Forward: one channel per program, chunks of
+# 1024 steps, 4 warps. Backward: 16 channels per program (dB and dC are summed over them before
+# they are written), chunks of 64 steps, 2 warps; its bigger tiles spilled registers. In the
+# interpreter the chunks are short, so tiny CPU tests still cross several chunk boundaries.
 FWD_BLOCK_L = 32 if INTERPRETED else 1024
 FWD_MAX_BLOCK_D = 1
 FWD_NUM_WARPS = 4
-BWD_BLOCK_L = 16 if INTERPRETED else 32
-BWD_MAX_BLOCK_D = 8   # more channels per program: fewer partial sums of dB, dC to write
-BWD_NUM_WARPS = 4
+BWD_BLOCK_L = 16 if INTERPRETED else 64
+BWD_MAX_BLOCK_D = 16
+BWD_NUM_WARPS = 2
 
 
 @triton.jit
@@ -83,11 +89,6 @@ def load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS: tl.constexpr, DEL
     if DELTA_SOFTPLUS:
         delta = softplus(raw)
     return tl.where(mask, delta, 0.0), raw
-
-
-@triton.jit
-def first_column(tile, steps):
-    return tl.sum(tl.where(steps[None, None, :] == 0, tile, 0.0), axis=2)
 
 
 @lean_launch
@@ -162,8 +163,8 @@ def selective_scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, delta_bias_ptr, chunk_states_ptr,
     grad_y_ptr, grad_last_state_ptr,
     grad_u_ptr, grad_delta_ptr, grad_z_ptr,
-    grad_A_part_ptr, grad_D_part_ptr, grad_bias_part_ptr, grad_B_part_ptr, grad_C_part_ptr,
-    dim, dstate, length, groups, channels_per_group,
+    grad_A_part_ptr, grad_D_part_ptr, grad_bias_part_ptr, grad_B_part_ptr, grad_C_part_ptr, carries_ptr,
+    batch_size, dim, dstate, length, groups, channels_per_group,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DELTA_BIAS: tl.constexpr, DELTA_SOFTPLUS: tl.constexpr,
     HAS_GRAD_LAST_STATE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
@@ -171,30 +172,22 @@ def selective_scan_bwd_kernel(
     pid_d, batch = tl.program_id(0), tl.program_id(1)
     channels = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     states = tl.arange(0, BLOCK_N)
-    state_mask = states < dstate
     steps = tl.arange(0, BLOCK_L)
     group = (pid_d * BLOCK_D) // channels_per_group
     rows = (batch * dim + channels).to(tl.int64) * length
-    bc_rows = (batch * groups + group).to(tl.int64) * dstate * length + states.to(tl.int64) * length
+    bc_base = (batch * groups + group).to(tl.int64) * dstate * length
     # this program's slice of the dB, dC partial sums: (batch, dim / BLOCK_D, N, L)
-    part_rows = (batch * tl.num_programs(0) + pid_d).to(tl.int64) * dstate * length + states.to(tl.int64) * length
+    part_base = (batch * tl.num_programs(0) + pid_d).to(tl.int64) * dstate * length
     channel_state = (batch * dim + channels).to(tl.int64) * dstate
-
-    A = tl.load(A_ptr + channels[:, None] * dstate + states[None, :], mask=state_mask[None, :], other=0.0)
-    A = A.to(tl.float32)
-    A2 = A * LOG2E
+    # the adjoint's carries, as in the forward kernel: two (batch, dim, N) buffers taking turns
+    carry_buffer = batch_size * dim * dstate
     bias = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_DELTA_BIAS:
         bias = tl.load(delta_bias_ptr + channels).to(tl.float32)
     skip = tl.zeros([BLOCK_D], dtype=tl.float32)
     if HAS_D:
         skip = tl.load(D_ptr + channels).to(tl.float32)
-
-    # lam: the adjoint just after the chunk being processed (dLoss/dh at its first step + 1)
-    lam = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
-    if HAS_GRAD_LAST_STATE:
-        lam = tl.load(grad_last_state_ptr + channel_state[:, None] + states[None, :],
-                      mask=state_mask[None, :], other=0.0).to(tl.float32)
+    # dA sums over time in registers; column n is filled by the loop over states
     grad_A = tl.zeros([BLOCK_D, BLOCK_N], dtype=tl.float32)
     grad_D = tl.zeros([BLOCK_D], dtype=tl.float32)
     grad_bias = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -204,72 +197,87 @@ def selective_scan_bwd_kernel(
         chunk = chunks - 1 - i                                   # walk from the end
         t = chunk * BLOCK_L + steps
         t_mask = t < length
-        offsets = rows[:, None] + t[None, :]
         mask = t_mask[None, :]
+        offsets = rows[:, None] + t[None, :]
         u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        delta, delta_raw = load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        # delta one step ahead gives a_{t+1}; past the end it is 0, so a = 1 carries grad_last_state in
-        delta_next, _ = load_delta(delta_ptr, offsets + 1, (t + 1 < length)[None, :], bias,
-                                   HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        bc_mask = state_mask[:, None] & t_mask[None, :]
-        B = tl.load(B_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
-        C = tl.load(C_ptr + bc_rows[:, None] + t[None, :], mask=bc_mask, other=0.0).to(tl.float32)
-
-        # recompute the chunk's decayed previous states g_t = a_t h_{t-1} from its stored start
-        # state, scanning (a_t, a_t x_{t-1}) with x one step behind (none before the chunk's first
-        # step: the start state stands for everything before it); then h_t = g_t + x_t
-        state_offsets = ((batch * chunks + chunk) * dim + channels).to(tl.int64) * dstate
-        h_start = tl.load(chunk_states_ptr + state_offsets[:, None] + states[None, :],
-                          mask=state_mask[None, :], other=0.0)
+        delta, _ = load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        delta_u = delta * u
+        # one step behind (none before the chunk's first step: its start state stands for them)
+        # for the recomputed states; delta one step ahead for a_{t+1} (0 past the end: a = 1)
         prev_mask = (steps > 0)[None, :] & mask
         u_prev = tl.load(u_ptr + offsets - 1, mask=prev_mask, other=0.0).to(tl.float32)
         delta_prev, _ = load_delta(delta_ptr, offsets - 1, prev_mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        B_prev = tl.load(B_ptr + bc_rows[:, None] + t[None, :] - 1, mask=state_mask[:, None] & prev_mask,
-                         other=0.0).to(tl.float32)
-        decay = tl.exp2(delta[:, None, :] * A2[:, :, None])
-        x = (delta * u)[:, None, :] * B[None, :, :]
-        x_prev = (delta_prev * u_prev)[:, None, :] * B_prev[None, :, :]
-        decay_prod, g_local = tl.associative_scan((decay, decay * x_prev), 2, first_order_combine)
-        decayed_prev = g_local + decay_prod * h_start[:, :, None]   # g_t = a_t h_{t-1}
-        h = decayed_prev + x
-
-        grad_out = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        delta_u_prev = delta_prev * u_prev
+        delta_next, _ = load_delta(delta_ptr, offsets + 1, (t + 1 < length)[None, :], bias,
+                                   HAS_DELTA_BIAS, DELTA_SOFTPLUS)
+        # few tiles live through the loop over states (they would spill): u, z and the step size
+        # before softplus are loaded again after it, and dz needs only grad_out * d silu(z)/dz
+        grad_y = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
             gate = sigmoid(z)
-            y = tl.sum(h * C[None, :, :], axis=1) + skip[:, None] * u   # y before the gate
-            grad_z = grad_out * y * gate * (1.0 + z * (1.0 - gate))      # d silu(z)/dz
-            tl.store(grad_z_ptr + offsets, grad_z.to(grad_z_ptr.dtype.element_ty), mask=mask)
-            grad_y = grad_out * z * gate
-        else:
-            grad_y = grad_out
+            grad_gate = grad_y * gate * (1.0 + z * (1.0 - gate))
+            grad_y *= z * gate
+        y = skip[:, None] * u                                    # y before the gate, for dz
+        lam_B = tl.zeros([BLOCK_D, BLOCK_L], dtype=tl.float32)  # sum_n lam_t B_t
+        grad_delta = tl.zeros([BLOCK_D, BLOCK_L], dtype=tl.float32)
+        read = carries_ptr + (i % 2) * carry_buffer + channel_state
+        write = carries_ptr + ((i + 1) % 2) * carry_buffer + channel_state
+        start_states = chunk_states_ptr + ((batch * chunks + chunk) * dim + channels).to(tl.int64) * dstate
+        tl.debug_barrier()                                      # the later chunk's carries are stored
+        for n in range(dstate):
+            A = tl.load(A_ptr + channels * dstate + n).to(tl.float32)
+            A2 = A * LOG2E
+            B = tl.load(B_ptr + bc_base + n * length + t, mask=t_mask, other=0.0).to(tl.float32)
+            B_prev = tl.load(B_ptr + bc_base + n * length + t - 1, mask=t_mask & (steps > 0),
+                             other=0.0).to(tl.float32)
+            C = tl.load(C_ptr + bc_base + n * length + t, mask=t_mask, other=0.0).to(tl.float32)
+            # recompute the decayed previous states g_t = a_t h_{t-1} from the chunk's stored start
+            # state by scanning (a_t, a_t x_{t-1}); then h_t = g_t + x_t
+            decay = tl.exp2(delta * A2[:, None])
+            x = delta_u * B[None, :]
+            decay_prod, g_local = tl.associative_scan((decay, decay * (delta_u_prev * B_prev[None, :])), 1,
+                                                      first_order_combine)
+            h_start = tl.load(start_states + n)
+            decayed_prev = g_local + decay_prod * h_start[:, None]
+            h = decayed_prev + x
+            if HAS_Z:
+                y += h * C[None, :]
+            # the adjoint: reverse scan of lam_t = dy_t C_t + a_{t+1} lam_{t+1}, plus the carry
+            # from the later chunk (or dLoss/d(last state) in the last chunk)
+            decay_next = tl.exp2(delta_next * A2[:, None])
+            decay_next_prod, lam_local = tl.associative_scan(
+                (decay_next, grad_y * C[None, :]), 1, first_order_combine, reverse=True)
+            carry = tl.load(read + n, mask=i > 0, other=0.0)
+            if HAS_GRAD_LAST_STATE:
+                carry += tl.load(grad_last_state_ptr + channel_state + n, mask=i == 0, other=0.0).to(tl.float32)
+            lam = lam_local + decay_next_prod * carry[:, None]
+            # the first column is the carry for the earlier chunk: the thread holding it stores it
+            tl.store(write[:, None] + n + 0 * steps[None, :], lam, mask=(steps == 0)[None, :])
+
+            grad_decay = lam * decayed_prev                       # dLoss/da_t * a_t = lam_t * a_t * h_{t-1}
+            lam_B += lam * B[None, :]
+            grad_delta += grad_decay * A[:, None]
+            grad_A += tl.where(states[None, :] == n, tl.sum(grad_decay * delta, axis=1)[:, None], 0.0)
+            # dB and dC summed over this program's channels
+            tl.store(grad_B_part_ptr + part_base + n * length + t, tl.sum(lam * delta_u, axis=0), mask=t_mask)
+            tl.store(grad_C_part_ptr + part_base + n * length + t, tl.sum(h * grad_y, axis=0), mask=t_mask)
+
+        if HAS_Z:
+            tl.store(grad_z_ptr + offsets, (grad_gate * y).to(grad_z_ptr.dtype.element_ty), mask=mask)
+        u = tl.load(u_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         grad_D += tl.sum(grad_y * u, axis=1)
-
-        # the adjoint: reverse scan of lam_t = dy_t C_t + a_{t+1} lam_{t+1}, then the carry from later chunks
-        decay_next = tl.exp2(delta_next[:, None, :] * A2[:, :, None])
-        decay_next_prod, lam_local = tl.associative_scan(
-            (decay_next, grad_y[:, None, :] * C[None, :, :]), 2, first_order_combine, reverse=True)
-        lam_all = lam_local + decay_next_prod * lam[:, :, None]
-
-        grad_decay = lam_all * decayed_prev                      # dLoss/da_t * a_t = lam_t * a_t * h_{t-1}
-        lam_B = tl.sum(lam_all * B[None, :, :], axis=1)          # sum_n lam_t B_t: [BLOCK_D, BLOCK_L]
         grad_u = lam_B * delta + grad_y * skip[:, None]
-        grad_delta = lam_B * u + tl.sum(grad_decay * A[:, :, None], axis=1)
-        grad_A += tl.sum(grad_decay * delta[:, None, :], axis=2)
+        grad_delta += lam_B * u
         if DELTA_SOFTPLUS:
+            _, delta_raw = load_delta(delta_ptr, offsets, mask, bias, HAS_DELTA_BIAS, DELTA_SOFTPLUS)
             grad_delta *= sigmoid(delta_raw)
         grad_delta = tl.where(mask, grad_delta, 0.0)             # padded steps carry lam but no gradient
         grad_bias += tl.sum(grad_delta, axis=1)
         tl.store(grad_u_ptr + offsets, grad_u.to(grad_u_ptr.dtype.element_ty), mask=mask)
         tl.store(grad_delta_ptr + offsets, grad_delta.to(grad_delta_ptr.dtype.element_ty), mask=mask)
 
-        grad_B = tl.sum(lam_all * (delta * u)[:, None, :], axis=0)   # [BLOCK_N, BLOCK_L], over channels
-        grad_C = tl.sum(h * grad_y[:, None, :], axis=0)
-        tl.store(grad_B_part_ptr + part_rows[:, None] + t[None, :], grad_B, mask=bc_mask)
-        tl.store(grad_C_part_ptr + part_rows[:, None] + t[None, :], grad_C, mask=bc_mask)
-        lam = first_column(lam_all, steps)
-
-    tl.store(grad_A_part_ptr + channel_state[:, None] + states[None, :], grad_A, mask=state_mask[None, :])
+    tl.store(grad_A_part_ptr + channel_state[:, None] + states[None, :], grad_A, mask=(states < dstate)[None, :])
     tl.store(grad_D_part_ptr + batch * dim + channels, grad_D)
     tl.store(grad_bias_part_ptr + batch * dim + channels, grad_bias)
 
@@ -330,13 +338,14 @@ def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softpl
     grad_bias_part = outputs.empty((batch, dim), torch.float32, u.device)
     grad_B_part = outputs.empty((batch, blocks, dstate, length), torch.float32, u.device)
     grad_C_part = outputs.empty((batch, blocks, dstate, length), torch.float32, u.device)
+    carries = outputs.empty((2, batch, dim, dstate), torch.float32, u.device)   # the adjoint's carries
     selective_scan_bwd_kernel[(blocks, batch)](
         u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
         delta_bias if delta_bias is not None else u, chunk_states,
         grad_y, grad_last_state if grad_last_state is not None else grad_y,
         grad_u, grad_delta, grad_z if grad_z is not None else grad_u,
-        grad_A_part, grad_D_part, grad_bias_part, grad_B_part, grad_C_part,
-        dim, dstate, length, groups, dim // groups,
+        grad_A_part, grad_D_part, grad_bias_part, grad_B_part, grad_C_part, carries,
+        batch, dim, dstate, length, groups, dim // groups,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DELTA_BIAS=delta_bias is not None,
         DELTA_SOFTPLUS=delta_softplus, HAS_GRAD_LAST_STATE=grad_last_state is not None,
         BLOCK_D=block_d, BLOCK_N=next_power_of_2(dstate), BLOCK_L=BWD_BLOCK_L, num_warps=BWD_NUM_WARPS,
