@@ -402,7 +402,7 @@ print_table(timing_rows)
 #
 # The state update is elementwise in $n$, which is why the work is exponentials and scalar FMAs that {term}`tensor cores <tensor core>` cannot help with. Chapter 5, Mamba-2's state-space duality {cite}`dao2024transformers`, changes the model so that they can: $A$ becomes one scalar per head, so the decay between two steps of a chunk is the same for every state, and the chunk's input–output map becomes a masked, decayed matrix product $(C B^\top \odot \text{decay}) X$ — a matmul. The chunks are still linked by carries of states, as here.
 #
-# **Exercise** (no stub or checker here; `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py` holds a solution, and the answer is in the dropdown below). Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * x$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and check it numerically against `selective_scan`. Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?
+# **Exercise 4.9.** Make the model time-invariant: $\Delta_t = \Delta$, $B_t = B$ and $C_t = C$ constant in time (S4D {cite}`gu2022efficiently`). Show that then $y = K * x$, a causal convolution with the kernel $K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n$, and compute $K$ (the stub below; the checker compares it with the float64 reference scan's response to a unit impulse, which is $K$ itself). Why does this stop working as soon as $\Delta$, $B$ or $C$ depend on $t$ — and what did Mamba buy, and give up, by making them depend on the input?
 #
 # ```{admonition} Answer (click to show)
 # :class: dropdown
@@ -415,7 +415,31 @@ print_table(timing_rows)
 # \end{aligned}
 # $$
 #
-# (plus $D x_t$, which adds $D$ to $K_0$). To check it, call `selective_scan` with `delta`, `B` and `C` expanded from constants along time, build $K$ for $k = 0, \dots, L-1$ in float64, and compare with the causal convolution $\sum_{s \le t} K_{t-s} x_s$; `test_exercise_time_invariant_scan_is_a_convolution` does exactly this.
+# (plus $D x_t$, which adds $D$ to $K_0$). Fed a unit impulse at $t = 0$, the scan returns $y_t = K_t$: that is what the checker compares with. `test_exercise_time_invariant_scan_is_a_convolution` in `tests/test_selective_scan.py` also convolves a random input with $K$ and compares it with `selective_scan` itself.
 #
 # With $\Delta_t$, $B_t$ or $C_t$ varying, the weight of $x_s$ in $y_t$ is $C_t \cdot \big(\prod_{s < r \le t} a_r\big) \Delta_s B_s$: it depends on $s$ and $t$ separately, not on $t - s$ alone, so there is no single kernel $K$ and no convolution. Mamba bought selection: per token, the model decides what to keep and what to forget. It gave up the convolution view, in which one precomputed $K$ and an FFT process a whole sequence in $O(L \log L)$, and needs a scan such as this section's instead.
 # ```
+#
+# Write `convolution_kernel(delta, A, B, C, length)`: $K$ as a `(dim, L)` tensor, for `delta` `(dim,)`, `A` `(dim, N)` and `B`, `C` `(N,)`, all float32. Replace the `raise` and run the cell:
+
+# %%
+from mamba_annotated.exercises import check as check_exercise
+
+
+def convolution_kernel(delta, A, B, C, length):
+    raise NotImplementedError  # your code here
+
+
+attempted = check_exercise("4.9", convolution_kernel)
+
+# %% [markdown]
+# The solution (click to show), run through the same checker:
+
+# %% tags=["hide-input"]
+def convolution_kernel(delta, A, B, C, length):
+    k = torch.arange(length, dtype=torch.float64, device=delta.device)
+    decay = torch.exp(k * (delta.double()[:, None] * A.double())[..., None])       # (dim, N, L)
+    return (C.double()[None, :, None] * decay * (delta.double()[:, None] * B.double())[..., None]).sum(1)
+
+
+assert check_exercise("4.9", convolution_kernel)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .attention.reference import attention_ref
 from .bidirectional.reference import quasiseparable_matrix, shift_within_sequences
 from .runtime import DEVICE
-from .scan.reference import linear_scan_ref
+from .scan.reference import linear_scan_ref, selective_scan_ref
 from .ssd.reference import ssd_chunked_ref, ssd_recurrent_ref
 from .testing import assert_close, randn, random_scan_inputs, tolerance, uniform
 
@@ -173,6 +173,24 @@ def check_blocked_cumsum(blocked_cumsum):
                      f"exercise 4.3 (rows = {rows}, L = {length}, block = {block})")
 
 
+def check_convolution_kernel(convolution_kernel):
+    """4.9: convolution_kernel(delta, A, B, C, length) -> K (dim, L), the kernel of the
+    time-invariant selective scan, K[d, k] = sum_n C_n exp(k delta_d A_dn) delta_d B_n, for delta
+    (dim,) > 0, A (dim, N) < 0 and B, C (N,), float32. The oracle is the float64 reference scan's
+    response to a unit impulse at t = 0: y = K * x for that x is K itself."""
+    for dim, dstate, length in ((1, 1, 1), (3, 4, 17), (4, 16, 40)):
+        delta = uniform(dim, low=0.05, high=0.5)
+        A = -uniform(dim, dstate, low=0.5, high=4.0)
+        B, C = randn(dstate), randn(dstate)
+        impulse = torch.zeros(1, dim, length, dtype=torch.float64, device=DEVICE)
+        impulse[..., 0] = 1.0
+        constant = lambda v: v[None, :, None].expand(1, len(v), length)  # noqa: E731  the same at every step
+        want = selective_scan_ref(impulse, constant(delta), A, constant(B), constant(C))[0]
+        got = convolution_kernel(delta.clone(), A.clone(), B.clone(), C.clone(), length)
+        expect_tensor("4.9", got, (dim, length), " (dim, L)")
+        assert_close(got, want, tolerance(torch.float32), f"exercise 4.9 (dim {dim}, N {dstate}, L {length})")
+
+
 def check_chunk_states(chunk_states):
     """5.3: chunk_states(x, B, dt, dA_cumsum) -> (batch, chunks, heads, P, N), what each chunk adds
     to the state: S_c = sum_{s in c} exp(a_last - a_s) dt_s x_s B_s^T.
@@ -290,7 +308,7 @@ def check_conv_step(conv_step):
                      f"exercise 8.2 (batch {batch}, channels {channels}, width {width}, L {length})")
 
 CHECKERS = {"0.1": check_axpy, "1.3": check_reverse_scan, "2.3": check_cumsum, "3.3": check_pack_halves, "3.4": check_unpack_halves,
-            "4.3": check_blocked_cumsum, "5.3": check_chunk_states, "6.1": check_shift_adjoint,
+            "4.3": check_blocked_cumsum, "4.9": check_convolution_kernel, "5.3": check_chunk_states, "6.1": check_shift_adjoint,
             "6.2": check_diagonal, "7.1": check_merge_attention, "7.3": check_softmax, "7.4": check_logsumexp,
             "8.1": check_ssd_step, "8.2": check_conv_step}
 

@@ -296,6 +296,20 @@ def cumsum_without_carry(x, block):
     return torch.cumsum(blocks, -1).flatten(-2)[..., :x.shape[-1]]
 
 
+def convolution_kernel(delta, A, B, C, length):
+    """Chapter 4.9's solution to 4.9: K[d, k] = sum_n C_n exp(k delta_d A_dn) delta_d B_n."""
+    k = torch.arange(length, dtype=torch.float64, device=delta.device)
+    decay = torch.exp(k * (delta.double()[:, None] * A.double())[..., None])       # (dim, N, L)
+    return (C.double()[None, :, None] * decay * (delta.double()[:, None] * B.double())[..., None]).sum(1)
+
+
+def convolution_kernel_without_step_on_input(delta, A, B, C, length):
+    """Wrong for 4.9: the input taken as B x, not delta B x (the decay discretized, the input not)."""
+    k = torch.arange(length, dtype=torch.float64, device=delta.device)
+    decay = torch.exp(k * (delta.double()[:, None] * A.double())[..., None])
+    return (C.double()[None, :, None] * decay * B.double()[None, :, None]).sum(1)
+
+
 def chunk_states_without_decay(x, B, dt, dA_cumsum):
     """Wrong for 5.3: dt_s x_s B_s^T summed over the chunk, forgetting the decay to its end."""
     return chunk_states(x, B, dt, torch.zeros_like(dA_cumsum))
@@ -353,11 +367,11 @@ def conv_step_reversed_filter(window, x, weight, bias):
     return new_window, (new_window * weight.flip(-1)).sum(-1) + bias
 
 SOLUTIONS = [("0.1", axpy), ("1.3", reverse_scan), ("2.3", cumsum), ("3.3", pack_halves), ("3.4", unpack_halves),
-             ("4.3", blocked_cumsum), ("5.3", chunk_states), ("6.1", shift_adjoint), ("6.2", diagonal),
+             ("4.3", blocked_cumsum), ("4.9", convolution_kernel), ("5.3", chunk_states), ("6.1", shift_adjoint), ("6.2", diagonal),
              ("7.1", merge_attention), ("7.3", softmax), ("7.4", logsumexp), ("8.1", ssd_step), ("8.2", conv_step)]
 
 WRONG = [("0.1", axpy_unmasked_tail), ("1.3", forward_scan), ("2.3", exclusive_cumsum), ("3.3", pack_sign_extended), ("3.4", unpack_swapped),
-         ("4.3", cumsum_without_carry), ("5.3", chunk_states_without_decay), ("6.1", shift_adjoint_ignoring_sequences),
+         ("4.3", cumsum_without_carry), ("4.9", convolution_kernel_without_step_on_input), ("5.3", chunk_states_without_decay), ("6.1", shift_adjoint_ignoring_sequences),
          ("6.1", shift_right), ("6.2", diagonal_counted_once), ("6.2", diagonal_one_group),
          ("7.1", merge_by_averaging), ("7.3", softmax_without_max), ("7.4", logsumexp_without_max),
          ("8.1", ssd_step_groups_tiled), ("8.1", ssd_step_output_before_update), ("8.2", conv_step_reversed_filter)]
