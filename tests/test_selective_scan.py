@@ -81,6 +81,39 @@ def test_gradient_through_the_last_state():
                            tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("fwd_block_l, bwd_block_d, bwd_block_l, bwd_warps",
+                         [(16, 1, 16, 1), (32, 4, 16, 2), (64, 2, 32, 4), (64, 8, 64, 2)])
+def test_every_block_size_the_sweeps_may_pick(monkeypatch, fwd_block_l, bwd_block_d, bwd_block_l, bwd_warps):
+    """The block sizes are module constants that benchmarks/sweep_selective_scan.py changes: the
+    kernels must be right for any of them (a chunk of one or several backward chunks, one channel
+    or several per program, in a group of 4 channels), through the last state too."""
+    from mamba_annotated.scan import selective
+    for name, value in dict(FWD_BLOCK_L=fwd_block_l, BWD_MAX_BLOCK_D=bwd_block_d, BWD_BLOCK_L=bwd_block_l,
+                            BWD_NUM_WARPS=bwd_warps).items():
+        monkeypatch.setattr(selective, name, value)
+    length = 2 * fwd_block_l + 5
+    inputs, flags = make_inputs(2, 8, 3, length, groups=2, **ALL_OPTIONS)
+
+    def y_and_last_state(scan):
+        def run(**kw):
+            y, last = scan(**kw, **flags, return_last_state=True)
+            return torch.cat([y.flatten(), last.flatten()])
+        return run
+
+    leaves = {k: v.requires_grad_() for k, v in inputs.items()}
+    assert_gradients_close(y_and_last_state(selective_scan), y_and_last_state(selective_scan_ref), leaves,
+                           tolerance(torch.float32))
+
+
+def test_forward_chunks_must_hold_whole_backward_chunks(monkeypatch):
+    from mamba_annotated.scan import selective
+    monkeypatch.setattr(selective, "FWD_BLOCK_L", 16)
+    monkeypatch.setattr(selective, "BWD_BLOCK_L", 32)
+    inputs, flags = make_inputs(1, 4, 4, 40)
+    with pytest.raises(AssertionError, match="whole backward chunks"):
+        selective_scan(**{k: v.requires_grad_() for k, v in inputs.items() if v is not None}, **flags)
+
+
 def test_large_steps_and_strong_decay():
     """delta up to 5 and A down to -8: a_t down to e^-40, where h_t - x_t must stay accurate."""
     inputs, flags = make_inputs(1, 4, 4, 29, D=True)
