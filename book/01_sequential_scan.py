@@ -59,7 +59,10 @@ runtime.describe()
 # A state-space model maps an input signal $x(t)$ to an output $y(t)$ through a hidden state $h(t) \in \mathbb{R}^N$:
 #
 # $$
-# h'(t) = A\,h(t) + B\,x(t), \qquad y(t) = C\,h(t).
+# \begin{aligned}
+# h'(t) &= A\,h(t) + B\,x(t), \\
+# y(t) &= C\,h(t).
+# \end{aligned}
 # $$
 #
 # On a sequence we sample it with a step size $\Delta$. Holding $x$ constant over each step (zero-order hold) and solving the linear ODE exactly over one step gives
@@ -77,7 +80,10 @@ runtime.describe()
 # Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$ at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
 #
 # $$
-# h_t = a_t\, h_{t-1} + b_t, \qquad t = 0, \dots, L-1, \qquad h_{-1} \text{ given (zero by default)}.
+# \begin{gathered}
+# h_t = a_t\, h_{t-1} + b_t \quad (t = 0, \dots, L-1), \\
+# h_{-1} \text{ given (zero by default)}.
+# \end{gathered}
 # $$
 #
 # $h_{-1}$ is the initial state, the argument `h0` of the code; $h_0$ is the state after step 0.
@@ -211,9 +217,11 @@ for dtype in (torch.float16, torch.bfloat16):
 # the same first-order recurrence, walking from the end, with the decays shifted by one step. Since $h_t$ depends on $a_t$ and $b_t$ only through the one step $h_t = a_t h_{t-1} + b_t$,
 #
 # $$
+# \begin{gathered}
 # \frac{\partial \mathcal{J}}{\partial b_t} = \lambda_t, \qquad
-# \frac{\partial \mathcal{J}}{\partial a_t} = \lambda_t\, h_{t-1}, \qquad
+# \frac{\partial \mathcal{J}}{\partial a_t} = \lambda_t\, h_{t-1}, \\
 # \frac{\partial \mathcal{J}}{\partial h_{-1}} = a_0\, \lambda_0 .
+# \end{gathered}
 # $$
 #
 # So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop:

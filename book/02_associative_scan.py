@@ -59,16 +59,25 @@ runtime.describe()
 # Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$, written as usual for functions: the map applied first stands on the right. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2$. For pairs we write the operator the other way round, with its own symbol $\bullet$: the earlier map on the left, the order in which a scan meets them,
 #
 # $$
-# (a_1, b_1) \bullet (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2), \qquad \text{the pair of } f_2 \circ f_1 .
+# \begin{gathered}
+# (a_1, b_1) \bullet (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2), \\
+# \text{the pair of } f_2 \circ f_1 .
+# \end{gathered}
 # $$
 #
 # **Associativity.** Both bracketings of three maps give the same pair:
 #
 # $$
-# \big((a_1,b_1)\bullet(a_2,b_2)\big)\bullet(a_3,b_3) = (a_1 a_2 a_3,\; a_3(a_2 b_1 + b_2) + b_3),
+# \begin{aligned}
+# &\big((a_1,b_1)\bullet(a_2,b_2)\big)\bullet(a_3,b_3) \\
+# &\qquad = (a_1 a_2 a_3,\; a_3(a_2 b_1 + b_2) + b_3),
+# \end{aligned}
 # $$
 # $$
-# (a_1,b_1)\bullet\big((a_2,b_2)\bullet(a_3,b_3)\big) = (a_1 a_2 a_3,\; a_2 a_3 b_1 + a_3 b_2 + b_3),
+# \begin{aligned}
+# &(a_1,b_1)\bullet\big((a_2,b_2)\bullet(a_3,b_3)\big) \\
+# &\qquad = (a_1 a_2 a_3,\; a_2 a_3 b_1 + a_3 b_2 + b_3),
+# \end{aligned}
 # $$
 #
 # and the second components are equal after expanding. (Shorter: composition of functions is always associative, and the pair is just a function.) The operator is *not* commutative: the order of time matters.
@@ -230,7 +239,10 @@ for dtype in (torch.float16, torch.bfloat16):
 # This is the same first-order recurrence, run from the end, over the pairs $(a_{t+1}, g_t)$: the decay that multiplies $\lambda_{t+1}$ belongs to the *next* step. So it is one more {term}`associative scan`, with `reverse=True` and the decays loaded one position later (with anything, say 0, past the end, where $\lambda_L = 0$ makes it irrelevant). Then, as before,
 #
 # $$
-# \frac{\partial\mathcal J}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal J}{\partial a_t} = \lambda_t h_{t-1}, \qquad \frac{\partial\mathcal J}{\partial h_{-1}} = a_0\lambda_0 ,
+# \begin{gathered}
+# \frac{\partial\mathcal J}{\partial b_t} = \lambda_t, \qquad \frac{\partial\mathcal J}{\partial a_t} = \lambda_t h_{t-1}, \\
+# \frac{\partial\mathcal J}{\partial h_{-1}} = a_0\lambda_0 ,
+# \end{gathered}
 # $$
 #
 # with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal J/\partial a_t = \lambda_t h_{t+1}$. The kernel reads $a$, $h$ and $g$ once and writes both gradients:
@@ -256,7 +268,8 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # \begin{aligned}
 # h_t &= \pi_t \sum_{s \le t} \frac{b_s}{\pi_s}
 # \quad\Longrightarrow \\
-# \log h_t &= \underbrace{\textstyle\sum_{s\le t}\log a_s}_{\texttt{cumsum}} + \texttt{logcumsumexp}_{s \le t}\big(\log b_s - \log \pi_s\big)
+# \log h_t &= \underbrace{\textstyle\sum_{s\le t}\log a_s}_{\texttt{cumsum}} \\
+# &\quad + \underbrace{\log \textstyle\sum_{s \le t} e^{\log b_s - \log \pi_s}}_{\texttt{logcumsumexp}}
 # \end{aligned}
 # $$
 #

@@ -63,7 +63,10 @@ runtime.describe()
 # Cut a row into blocks of a fixed number of steps. Inside block $k$, scanning the pairs gives for each position $t$ the composed map of the block's steps so far, $(\pi_t, \tilde h_t)$ with $\pi_t$ the product of the block's decays up to $t$ and $\tilde h_t$ the state the block would reach from $h = 0$. The state that really enters the block, the **carry** $c_k$, enters linearly:
 #
 # $$
-# h_t = \tilde h_t + \pi_t\, c_k, \qquad c_{k+1} = h_{\text{last step of block } k}.
+# \begin{aligned}
+# h_t &= \tilde h_t + \pi_t\, c_k, \\
+# c_{k+1} &= h_{\text{last step of block } k}.
+# \end{aligned}
 # $$
 #
 # So each block needs one number from the past. There are two ways to provide it.
@@ -154,8 +157,11 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 # The decay $a_{t+1}$ belongs to the step after $t$. Loading it one step off is a misaligned load: a thread's consecutive elements no longer start on a 16-byte boundary, so the compiler cannot use a {term}`vector load` and loads them one by one. So the kernels read $a_t$ where it lies and scan triples instead of pairs. Write $\mu_t = a_t\lambda_t$, so that $\lambda_t = g_t + \mu_{t+1}$. A run of consecutive steps $s, \dots, u$ (the scan meets $u$ first and $s$, the one nearest the result, last) is the triple
 #
 # $$
-# (\alpha, p, q) = \Big(a_s,\;\; \prod_{k=s+1}^{u} a_k,\;\; \sum_{r=s}^{u} \Big(\prod_{k=s+1}^{r} a_k\Big) g_r\Big),
-# \qquad \lambda_s = q + p\, \mu_{u+1} :
+# \begin{aligned}
+# (\alpha, p, q) &= \Big(a_s,\;\; \prod_{k=s+1}^{u} a_k, \\
+# &\qquad\;\; \sum_{r=s}^{u} \Big(\prod_{k=s+1}^{r} a_k\Big) g_r\Big), \\
+# \lambda_s &= q + p\, \mu_{u+1} :
+# \end{aligned}
 # $$
 #
 # $q$ is the part of $\lambda_s$ that the run's own upstream gradients give, each decayed back to step $s$; $p$ carries in what lies beyond the run, through $\mu_{u+1}$; and the run keeps its own first decay $\alpha = a_s$ aside, unused, until it is joined to the run before it in time. A single step is $(a_t, 1, g_t)$.
@@ -172,7 +178,10 @@ for name, per_segment in [("chained walk", None), ("three phases, 1 block per se
 # and the joined run, whose first step is $s_2$, is the triple
 #
 # $$
-# (\alpha_1, p_1, q_1) \bullet (\alpha_2, p_2, q_2) = \big(\alpha_2,\;\; p_2\,\alpha_1 p_1,\;\; q_2 + p_2\,\alpha_1 q_1\big),
+# \begin{aligned}
+# &(\alpha_1, p_1, q_1) \bullet (\alpha_2, p_2, q_2) \\
+# &\qquad = \big(\alpha_2,\;\; p_2\,\alpha_1 p_1,\;\; q_2 + p_2\,\alpha_1 q_1\big),
+# \end{aligned}
 # $$
 #
 # with chapter 2's $\bullet$: the operand the scan meets first on the left. This is `adjoint_combine` below. The carry between blocks and segments is $\mu$, not $\lambda$. (Dividing, $\lambda_t = \mu_t / a_t$, would need only pairs, but breaks where a decay is 0.)

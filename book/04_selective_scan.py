@@ -70,8 +70,9 @@ runtime.describe()
 #
 # $$
 # \begin{aligned}
-# \Delta_t &= \operatorname{softplus}(\Delta^{\text{raw}}_t + \beta_d), & a_t &= e^{\Delta_t A_{dn}}, \\
-# b_t &= \Delta_t\, B_{nt}\, x_t, & h_t &= a_t\, h_{t-1} + b_t,
+# \Delta_t &= \operatorname{softplus}(\Delta^{\text{raw}}_t + \beta_d), \\
+# a_t &= e^{\Delta_t A_{dn}}, \qquad b_t = \Delta_t\, B_{nt}\, x_t, \\
+# h_t &= a_t\, h_{t-1} + b_t,
 # \end{aligned}
 # $$
 #
@@ -247,7 +248,10 @@ for name, inputs in cases.items():
 # Let $g^y_t = \partial \mathcal{J} / \partial y_t$ be the gradient arriving at the output, and $g_t = g^y_t \operatorname{silu}(z_t)$ the part of it that reaches $y^{\text{pre}}_t = C_t h_t + D x_t$, the output before the gate ($g_t = g^y_t$ without a gate). The state $h_t$ influences the loss through $y_t$ and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the adjoint $\lambda_t = \partial \mathcal{J} / \partial h_t$ satisfies
 #
 # $$
-# \lambda_t = g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1} C_{L-1} + g^{\text{last}},
+# \begin{aligned}
+# \lambda_t &= g_t\, C_t + a_{t+1}\, \lambda_{t+1}, \\
+# \lambda_{L-1} &= g_{L-1} C_{L-1} + g^{\text{last}},
+# \end{aligned}
 # $$
 #
 # the same first-order recurrence run from the end, with the decays shifted by one step (chapter 2); $g_t C_t$ plays the part of chapter 1's $g_t$, the gradient arriving at $h_t$ from above, and $g^{\text{last}}$ is the gradient of the returned last state, if it is used. The kernel gets $a_{t+1}$ by loading $\Delta$ one step ahead, and runs the adjoint as `tl.associative_scan(..., reverse=True)` inside a chunk, with a carry from the chunk after it. Then, per element,
@@ -262,16 +266,17 @@ for name, inputs in cases.items():
 # $$
 # \begin{aligned}
 # \partial x_t &= \Delta_t \sum_n \lambda_{nt} B_{nt} + D\, g_t, \\
-# \partial \Delta_t &= x_t \sum_n \lambda_{nt} B_{nt} + \sum_n A_n \lambda_{nt}\, a_{nt} h_{n,t-1}, \\
+# \partial \Delta_t &= x_t \sum_n \lambda_{nt} B_{nt} \\
+# &\quad + \sum_n A_n \lambda_{nt}\, a_{nt} h_{n,t-1}, \\
 # \partial A_n &= \sum_{\text{batch}, t} \Delta_t \lambda_{nt}\, a_{nt} h_{n,t-1},
 # \end{aligned}
 # $$
 #
 # $$
 # \begin{aligned}
-# \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} x_{dt}, &
+# \partial B_{nt} &= \sum_{d \in \text{group}} \lambda_{dnt}\, \Delta_{dt} x_{dt}, \\
 # \partial C_{nt} &= \sum_{d \in \text{group}} g_{dt}\, h_{dnt}, \\
-# \partial D &= \sum_{\text{batch},t} g_t x_t, &
+# \partial D &= \sum_{\text{batch},t} g_t x_t, \\
 # \partial z_t &= g^y_t\, y^{\text{pre}}_t\, \operatorname{silu}'(z_t),
 # \end{aligned}
 # $$
@@ -411,7 +416,8 @@ print_table(timing_rows)
 # $$
 # \begin{aligned}
 # h_{nt} &= \sum_{s \le t} e^{(t-s)\Delta A_n}\, \Delta B_n\, x_s, \\
-# y_t &= \sum_n C_n h_{nt} = \sum_{s \le t} K_{t-s}\, x_s, \qquad K_k = \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n
+# y_t &= \sum_n C_n h_{nt} = \sum_{s \le t} K_{t-s}\, x_s, \\
+# K_k &= \sum_n C_n\, e^{k \Delta A_n}\, \Delta B_n
 # \end{aligned}
 # $$
 #

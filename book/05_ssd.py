@@ -77,7 +77,10 @@ runtime.describe()
 # Mamba-2 {cite}`dao2024transformers` restricts Mamba's decay to a scalar per head: $\bar A_t = \exp(\Delta_t A)$ with one number $A$ per head. A head has an input $x_t \in \mathbb{R}^P$ (headdim $P$), a state $h_t \in \mathbb{R}^{P \times N}$ (dstate $N$), and
 #
 # $$
-# h_t = e^{\Delta_t A}\, h_{t-1} + \Delta_t\, x_t B_t^\top, \qquad y_t = h_t\, C_t .
+# \begin{aligned}
+# h_t &= e^{\Delta_t A}\, h_{t-1} + \Delta_t\, x_t B_t^\top, \\
+# y_t &= h_t\, C_t .
+# \end{aligned}
 # $$
 #
 # Unroll the recurrence and write $\ell_t = \sum_{k \le t} \Delta_k A$ for the cumulative log-decay (the code calls it `a`, and its per-chunk version `dA_cumsum`). The decay from $s$ to $t$ is $\exp(\sum_{k=s+1}^{t} \Delta_k A) = e^{\ell_t - \ell_s}$, so
@@ -146,8 +149,10 @@ plt.show()
 # The states entering the chunks obey a short recurrence, one step per chunk (chapter 4's carry, with a matrix in place of a number):
 #
 # $$
-# S_c = \sum_{s \in c} e^{\ell_{\text{last}} - \ell_s} \Delta_s\, x_s B_s^\top, \qquad
-# H_{c+1} = e^{\ell_{\text{last}}(c)}\, H_c + S_c, \qquad H_0 = h_{\text{init}} .
+# \begin{aligned}
+# S_c &= \sum_{s \in c} e^{\ell_{\text{last}} - \ell_s} \Delta_s\, x_s B_s^\top, \\
+# H_{c+1} &= e^{\ell_{\text{last}}(c)}\, H_c + S_c, \qquad H_0 = h_{\text{init}} .
+# \end{aligned}
 # $$
 #
 # So the algorithm is: (1) the cumulative sums $\ell$ inside each chunk; (2) $C \cdot B$ inside each chunk; (3) the chunk states $S_c$; (4) the carry $H_c$; (5) the outputs, diagonal block plus $e^{\ell_t} H_c C_t$. Steps 2, 3 and 5 are matmuls; step 4 is sequential but has only $L/Q$ steps. The figure colours the blocks of $M$ by the path they take.
@@ -389,7 +394,8 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #   $$
 #   \begin{aligned}
 #   dC^{(h)}_t &= e^{\ell_t} dy_t H_c + \textstyle\sum_{s \le t} dCB^{(h)}_{ts} B_s, \\
-#   dB^{(h)}_s &= e^{\ell_{\text{last}}-\ell_s}\Delta_s\, x_s dS_c + \textstyle\sum_{t \ge s} dCB^{(h)}_{ts} C_t,
+#   dB^{(h)}_s &= e^{\ell_{\text{last}}-\ell_s}\Delta_s\, x_s dS_c \\
+#   &\quad + \textstyle\sum_{t \ge s} dCB^{(h)}_{ts} C_t,
 #   \end{aligned}
 #   $$
 #
@@ -398,8 +404,11 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #
 #   $$
 #   \begin{aligned}
-#   \frac{\partial}{\partial \ell_t} \Big(&\textstyle\sum_{s \le t} CB_{ts}\, \Gamma_{ts} \Delta_s\, (dy_t \cdot x_s) + e^{\ell_t}\, dy_t \cdot H_c C_t\Big) \\
-#   &= \textstyle\sum_{s \le t} (C_t \cdot B_s)\, dCB^{(h)}_{ts} + C_t \cdot e^{\ell_t} dy_t H_c = C_t \cdot dC^{(h)}_t .
+#   &\frac{\partial}{\partial \ell_t} \Big(\textstyle\sum_{s \le t} CB_{ts}\, \Gamma_{ts} \Delta_s\, (dy_t \cdot x_s) \\
+#   &\qquad + e^{\ell_t}\, dy_t \cdot H_c C_t\Big) \\
+#   &= \textstyle\sum_{s \le t} (C_t \cdot B_s)\, dCB^{(h)}_{ts} \\
+#   &\qquad + C_t \cdot e^{\ell_t} dy_t H_c \\
+#   &= C_t \cdot dC^{(h)}_t .
 #   \end{aligned}
 #   $$
 #
@@ -407,7 +416,8 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #
 # $$
 # \begin{aligned}
-# \frac{\partial\mathcal J}{\partial \ell_r} &= C_r \cdot dC^{(h)}_r - B_r \cdot dB^{(h)}_r \;\big(+\, \langle dS_c, H_{c+1}\rangle \text{ at the last slot}\big),
+# \frac{\partial\mathcal J}{\partial \ell_r} &= C_r \cdot dC^{(h)}_r - B_r \cdot dB^{(h)}_r \\
+# &\quad \big(+\, \langle dS_c, H_{c+1}\rangle \text{ if } r \text{ ends } c\big),
 # \\
 # \frac{\partial\mathcal J}{\partial(\Delta_k A)} &= \sum_{r \ge k,\ r \in c} \frac{\partial\mathcal J}{\partial \ell_r},
 # \end{aligned}

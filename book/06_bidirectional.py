@@ -86,8 +86,10 @@ runtime.describe()
 #
 # $$
 # \begin{aligned}
-# h_t &= e^{\Delta_t A} h_{t-1} + \Delta_t\, x_t B_t^\top, & y^{\rightarrow}_t &= h_t C_t,\\
-# g_t &= e^{\Delta'_t A} g_{t+1} + \Delta'_t\, x_t B'^{\top}_t, & y^{\leftarrow}_t &= g_t C'_t .
+# h_t &= e^{\Delta_t A} h_{t-1} + \Delta_t\, x_t B_t^\top, \\
+# y^{\rightarrow}_t &= h_t C_t,\\
+# g_t &= e^{\Delta'_t A} g_{t+1} + \Delta'_t\, x_t B'^{\top}_t, \\
+# y^{\leftarrow}_t &= g_t C'_t .
 # \end{aligned}
 # $$
 #
@@ -223,8 +225,10 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 #
 # $$
 # \begin{aligned}
-# S_c &= \textstyle\sum_{s \in c} e^{\ell_{Q-1} - \ell_s}\, \Delta_s\, x_s B_s^\top, & H_{c+1} &= e^{\ell_{Q-1}(c)}\, H_c + S_c,\\
-# S'_c &= \textstyle\sum_{s \in c} e^{\ell'_{s-1}}\, \Delta'_s\, x_s B'^{\top}_s, & H'_{c-1} &= e^{\ell'_{Q-1}(c)}\, H'_c + S'_c .
+# S_c &= \textstyle\sum_{s \in c} e^{\ell_{Q-1} - \ell_s}\, \Delta_s\, x_s B_s^\top, \\
+# H_{c+1} &= e^{\ell_{Q-1}(c)}\, H_c + S_c,\\
+# S'_c &= \textstyle\sum_{s \in c} e^{\ell'_{s-1}}\, \Delta'_s\, x_s B'^{\top}_s, \\
+# H'_{c-1} &= e^{\ell'_{Q-1}(c)}\, H'_c + S'_c .
 # \end{aligned}
 # $$
 #

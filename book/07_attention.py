@@ -74,7 +74,10 @@ runtime.describe()
 # For one head, queries $Q \in \mathbb{R}^{L_q \times d}$, keys $K$ and values $V \in \mathbb{R}^{L_k \times d}$ and a scale $\tau$ (by default $1/\sqrt d$):
 #
 # $$
-# S = \tau\, Q K^\top, \qquad P_{ij} = \frac{e^{S_{ij}}}{\sum_{j'} e^{S_{ij'}}}, \qquad O = P V .
+# \begin{gathered}
+# S = \tau\, Q K^\top, \qquad P_{ij} = \frac{e^{S_{ij}}}{\sum_{j'} e^{S_{ij'}}}, \\
+# O = P V .
+# \end{gathered}
 # $$
 #
 # Written this way, $S$ and $P$ are $L_q \times L_k$ per head, and autograd keeps $P$ for the backward pass: at $L = 16384$, 16 heads and a batch of 4, that is 32 GiB in bfloat16 for one layer ($4 \cdot 16 \cdot 16384^2$ entries of 2 bytes). *Causal* attention lets query $i$ see key $j$ only if $j \le i + L_k - L_q$: the diagonal is aligned to the bottom-right corner, as in FlashAttention $\ge$ 2.1, so that the last query always sees every key (the case of decoding one new token against a cache). *Grouped-query attention* lets several query heads share one key/value head: query head $h$ reads key head $h \,/\!/\, (H / H_{kv})$.
@@ -309,7 +312,10 @@ for name, sq, sk, d, dtype in cases:
 # The softmax line is the Jacobian of $p = \operatorname{softmax}(s)$, $\partial p_j / \partial s_k = p_j(\mathbb{1}[j = k] - p_k)$, applied to $dP_{i\cdot}$. Its inner sum looks as if it needed a whole row of $P$ and $dP$ before any $dS$ could be formed, which would break the tiling. It does not:
 #
 # $$
-# \delta_i := \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij}\, (dO_i \cdot v_j) = dO_i \cdot \Big(\sum_j P_{ij} v_j\Big) = dO_i \cdot O_i ,
+# \begin{aligned}
+# \delta_i &:= \sum_j P_{ij}\, dP_{ij} = \sum_j P_{ij}\, (dO_i \cdot v_j) \\
+# &= dO_i \cdot \Big(\sum_j P_{ij} v_j\Big) = dO_i \cdot O_i ,
+# \end{aligned}
 # $$
 #
 # so $\delta = \operatorname{rowsum}(dO \circ O)$, one float per query row from two tensors we already have. A preprocessing kernel computes it (and converts $\mathrm{lse}$ to base 2; a row that saw no key has $\mathrm{lse} = +\infty$, so its rebuilt $P$ is exactly 0). With $\mathrm{lse}$ and $\delta$ in hand, every tile of $dS$ needs only its own tiles of $Q$, $K$, $V$ and $dO$.

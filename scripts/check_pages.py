@@ -17,10 +17,10 @@ toggled block is opened, and the check fails on:
 Each failure names the page, the element (the equation's TeX, the listing's first line) and the
 widths in CSS pixels. It prints what it checked: pages, display equations, code listings, outputs.
 
-The default width, 1200 px, is the narrowest window that still shows both sidebars, where the text
-column is narrowest (624 px); wider windows, and the one-sidebar layout below 1200 px, give a wider
-column. Phone widths (--width 390) are not part of the test command: at 390 px 21 of the 32
-display equations are still wider than the 358 px column.
+The test command checks two widths. 1200 px is the narrowest window that still shows both
+sidebars, where the text column is narrowest on a desktop (624 px); wider windows, and the
+one-sidebar layout below 1200 px, give a wider column. 390 px is a phone held upright (a 358 px
+column, 326 px inside an admonition): display equations are broken into lines to fit it.
 
 Why this way: Debian's `chromium` package is driven through the Chrome DevTools Protocol over
 `--remote-debugging-pipe` (NUL-separated JSON on file descriptors 3 and 4), with nothing but the
@@ -354,13 +354,13 @@ def find_chromium() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--html", default=str(ROOT / "_build" / "html"), help="the built book")
-    ap.add_argument("--width", type=int, action="append", help="viewport width in CSS px (repeatable; default 1200)")
+    ap.add_argument("--width", type=int, action="append", help="viewport width in CSS px (repeatable; default 1200 and 390)")
     ap.add_argument("--screenshots", help="write a full-page PNG of each page here")
     ap.add_argument("--pages", nargs="+", help="pages to check, relative to --html without .html "
                     "(default: the index and every page of _toc.yml)")
     args = ap.parse_args()
     html = pathlib.Path(args.html).resolve()
-    widths = args.width or [1200]
+    widths = args.width or [1200, 390]
     names = args.pages or ["index"] + toc_pages(ROOT)
     pages = [(p, html / f"{p}.html") for p in names]
     missing = [name for name, path in pages if not path.is_file()]

@@ -57,7 +57,7 @@ def report(tmp_path_factory):
     for name, (extra, body) in PAGES.items():
         (html / f"{name}.html").write_text(HEAD.format(extra=extra, body=body))
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_pages.py"), "--html", str(html),
-                          "--pages", *PAGES], capture_output=True, text=True, timeout=300)
+                          "--width", "1200", "--pages", *PAGES], capture_output=True, text=True, timeout=300)
     return run.returncode, run.stdout + run.stderr
 
 
