@@ -7,7 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
 python scripts/check_pairs.py
-python -m pytest -q tests
-python -m pytest -q --nbval-lax --nbval-current-env --nbval-sanitize-with book/nbval_sanitize.cfg book/
+# one worker per core: the kernels run in the interpreter, one core each (CI has two)
+python -m pytest -q -n auto tests
+python -m pytest -q -n auto --dist loadfile --nbval-lax --nbval-current-env \
+  --nbval-sanitize-with book/nbval_sanitize.cfg book/
 bash scripts/build_book.sh
 python scripts/check_pages.py
