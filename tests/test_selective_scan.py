@@ -67,18 +67,19 @@ def test_groups_and_state_sizes(dim, groups, dstate):
     check_forward_and_gradients(inputs, flags, tolerance(torch.float32), return_last_state=True)
 
 
+def y_and_last_state(scan, flags):
+    """``scan`` with the last state returned and flattened beside y, so one gradient check covers both."""
+    def run(**kw):
+        y, last = scan(**kw, **flags, return_last_state=True)
+        return torch.cat([y.flatten(), last.flatten()])
+    return run
+
+
 def test_gradient_through_the_last_state():
     inputs, flags = make_inputs(1, 4, 4, 37, z=True, delta_softplus=True)
-
-    def y_and_last_state(scan):
-        def run(**kw):
-            y, last = scan(**kw, **flags, return_last_state=True)
-            return torch.cat([y.flatten(), last.flatten()])
-        return run
-
     leaves = {k: (v.requires_grad_() if v is not None else None) for k, v in inputs.items()}
-    assert_gradients_close(y_and_last_state(selective_scan), y_and_last_state(selective_scan_ref), leaves,
-                           tolerance(torch.float32))
+    assert_gradients_close(y_and_last_state(selective_scan, flags), y_and_last_state(selective_scan_ref, flags),
+                           leaves, tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("fwd_block_l, bwd_block_d, bwd_block_l, bwd_warps",
@@ -93,16 +94,9 @@ def test_every_block_size_the_sweeps_may_pick(monkeypatch, fwd_block_l, bwd_bloc
         monkeypatch.setattr(selective, name, value)
     length = 2 * fwd_block_l + 5
     inputs, flags = make_inputs(2, 8, 3, length, groups=2, **ALL_OPTIONS)
-
-    def y_and_last_state(scan):
-        def run(**kw):
-            y, last = scan(**kw, **flags, return_last_state=True)
-            return torch.cat([y.flatten(), last.flatten()])
-        return run
-
     leaves = {k: v.requires_grad_() for k, v in inputs.items()}
-    assert_gradients_close(y_and_last_state(selective_scan), y_and_last_state(selective_scan_ref), leaves,
-                           tolerance(torch.float32))
+    assert_gradients_close(y_and_last_state(selective_scan, flags), y_and_last_state(selective_scan_ref, flags),
+                           leaves, tolerance(torch.float32))
 
 
 def test_forward_chunks_must_hold_whole_backward_chunks(monkeypatch):
