@@ -235,7 +235,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
 cases = {
     "one step": make_inputs(2, 4, 4, 1),
     "exactly one chunk": make_inputs(1, 4, 4, FWD_BLOCK_L),
-    "N = 5 (padded to 8)": make_inputs(1, 4, 5, 21),
+    "N = 5 (not a power of two)": make_inputs(1, 4, 5, 21),
     "3 groups of 2 channels": make_inputs(2, 6, 4, 19, groups=3),
 }
 for name, inputs in cases.items():

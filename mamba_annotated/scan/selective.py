@@ -65,8 +65,9 @@ from .combine import first_order_combine
 # book/data/selective_scan_{forward,backward}_sweep.json), each the best worst case against
 # mamba_ssm's CUDA kernel over the sweep's four cases. Forward: one channel per program, chunks of
 # 1024 steps, 4 warps. Backward: 16 channels per program (dB and dC are summed over them before
-# they are written), chunks of 64 steps, 2 warps; its bigger tiles spilled registers. In the
-# interpreter the chunks are short, so tiny CPU tests still cross several chunk boundaries.
+# they are written), chunks of 64 steps, 2 warps: the fastest in the sweep, though it too spills
+# registers on an H200. In the interpreter the chunks are short, so tiny CPU tests still cross
+# several chunk boundaries.
 FWD_BLOCK_L = 32 if INTERPRETED else 1024
 FWD_MAX_BLOCK_D = 1
 FWD_NUM_WARPS = 4
@@ -226,8 +227,9 @@ def selective_scan_bwd_kernel(
         delta_u_prev = delta_prev * u_prev
         delta_next, _ = load_delta(delta_ptr, offsets + 1, (t + 1 < length)[None, :], bias,
                                    HAS_DELTA_BIAS, DELTA_SOFTPLUS)
-        # few tiles live through the loop over states (they would spill): u, z and the step size
-        # before softplus are loaded again after it, and dz needs only grad_out * d silu(z)/dz
+        # few tiles live through the loop over states (they would spill): u and the step size
+        # before softplus are loaded again after it, and of z only one tile stays, the part of
+        # dz that is grad_out * d silu(z)/dz
         grad_y = tl.load(grad_y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_Z:
             z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
