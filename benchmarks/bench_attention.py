@@ -139,9 +139,9 @@ def tune(seqlen, head_dims):
 
         print(f"default forward {forward_config(head_dim, q.dtype)}; backward {backward_config(head_dim, q.dtype)}")
         for cfg in FORWARD_CANDIDATES:
-            report("fwd", cfg, lambda: attention_forward(q, k, v, causal=False, softmax_scale=scale, config=cfg),
+            report("fwd", cfg, lambda: attention_forward(q, k, v, softmax_scale=scale, config=cfg),
                    flops_fwd)
-        out, lse = attention_forward(q, k, v, causal=False, softmax_scale=scale)
+        out, lse = attention_forward(q, k, v, softmax_scale=scale)
         default = backward_config(head_dim, q.dtype)
         for loop in ("dkdv", "dq"):
             for cand in LOOP_CANDIDATES:
@@ -149,7 +149,7 @@ def tune(seqlen, head_dims):
                          else dict(BLOCK_M=cand["own"], BLOCK_N=cand["walk"]))
                 cfg = dict(default, **{loop: dict(tiles, num_warps=cand["num_warps"], num_stages=cand["num_stages"])})
                 report(f"bwd[{loop}]", cfg[loop],
-                       lambda: attention_backward(q, k, v, out, lse, grad_out, causal=False, softmax_scale=scale,
+                       lambda: attention_backward(q, k, v, out, lse, grad_out, softmax_scale=scale,
                                                   config=cfg), flops_bwd)
 
 

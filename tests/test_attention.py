@@ -10,10 +10,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mamba_annotated.attention import api, attention
 from mamba_annotated.attention.api import attention_op
-from mamba_annotated.attention.reference import attention_ref, naive_attention
+from mamba_annotated.attention.reference import attention_ref, causal_mask, naive_attention
+from mamba_annotated.attention.scores import tanh
 from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_within_same_computation, gradients, randn,
@@ -36,12 +39,16 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype):
     return q, k, v
 
 
-def check_all(q, k, v, causal, softmax_scale=None, backward="split"):
-    """Output, lse and dq, dk, dv of the kernel against float64, bounded by PyTorch in q's dtype."""
+def check_all(q, k, v, causal, softmax_scale=None, backward="split", **features):
+    """Output, lse and dq, dk, dv of the kernel against float64, bounded by PyTorch in q's dtype.
+    ``features``: window_size, softcap, alibi_slopes (production schedule only)."""
     dtype = q.dtype
-    out, lse = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
-    ref_out, ref_lse = attention_ref(q, k, v, causal, softmax_scale)
-    same_out, same_lse = naive_attention(q, k, v, causal, softmax_scale)
+    reference_features = dict(features)
+    if "window_size" in features:  # the reference takes the window as flash_attn resolves it
+        reference_features["window"] = api.resolve_window(causal, reference_features.pop("window_size"), k.shape[1])
+    out, lse = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True, **features)
+    ref_out, ref_lse = attention_ref(q, k, v, causal, softmax_scale, **reference_features)
+    same_out, same_lse = naive_attention(q, k, v, causal, softmax_scale, **reference_features)
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     assert_within_same_computation("out", out, same_out, ref_out, dtype)
@@ -49,11 +56,17 @@ def check_all(q, k, v, causal, softmax_scale=None, backward="split"):
 
     inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
-    ours = gradients(lambda q, k, v: attention_variant(q, k, v, causal, softmax_scale, backward=backward),
+    if features:
+        ours = gradients(lambda q, k, v: attention(q, k, v, softmax_scale=softmax_scale, causal=causal, **features),
+                         inputs, grad_out)
+    else:
+        ours = gradients(lambda q, k, v: attention_variant(q, k, v, causal, softmax_scale, backward=backward),
+                         inputs, grad_out)
+    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal, softmax_scale, **reference_features)[0],
                      inputs, grad_out)
-    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal, softmax_scale), inputs, grad_out)
     ref64 = {name: t.detach().double().requires_grad_() for name, t in inputs.items()}
-    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal, softmax_scale), ref64, grad_out)
+    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal, softmax_scale, **reference_features)[0],
+                    ref64, grad_out)
     for name in ("q", "k", "v"):
         assert ours[name].dtype == dtype
         assert_within_same_computation(f"grad {name}", ours[name], same[name], ref[name], dtype)
@@ -99,6 +112,132 @@ def test_softmax_scale_zero_and_negative_included(softmax_scale, causal, dtype):
     check_all(*make_qkv(1, n + 5 * causal, n, 2, 1, 32, dtype), causal, softmax_scale=softmax_scale)
 
 
+
+# --- local attention, soft-capping, ALiBi ------------------------------------------------------------
+
+def alibi(*shape):
+    """Slopes as in ALiBi's geometric series, shuffled so that heads differ in order too."""
+    n = math.prod(shape)
+    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / n) for i in range(n)], dtype=torch.float32)
+    return slopes[torch.randperm(n)].reshape(shape).to(DEVICE)
+
+
+# (seqlen_q, seqlen_k): square, more keys than queries, more queries than keys (rows that see nothing)
+WINDOW_SHAPES = [(257, 257), (203, 1023), (1023, 203)] if ON_GPU else [(45, 45), (29, 77), (77, 29)]
+
+
+@pytest.mark.parametrize("window_size, causal", [
+    ((5, 3), False), ((9, -1), False), ((-1, 6), False), ((0, 0), False), ((7, 2), True), ((40, 40), False)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", WINDOW_SHAPES)
+def test_sliding_window(window_size, causal, seqlen_q, seqlen_k):
+    """Windows narrower and wider than a block, one side bounded, the diagonal alone, with causal."""
+    check_all(*make_qkv(1, seqlen_q, seqlen_k, 2, 1, 32, torch.float32), causal, window_size=window_size)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_in_every_dtype(dtype, causal):
+    n = 1000 if ON_GPU else 61
+    check_all(*make_qkv(2, n, n + 3, 4, 2, 40, dtype), causal, window_size=(n // 7, n // 11))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("softcap, softmax_scale", [(1.5, None), (30.0, 2.0), (4.0, -0.5)])
+def test_softcap(softcap, softmax_scale, dtype):
+    """A small cap saturates tanh (its derivative near 0 in the backward pass); a large one barely
+    bends the scores; a negative scale goes through tanh as well."""
+    n = 300 if ON_GPU else 37
+    check_all(*make_qkv(1, n, n + 8, 2, 2, 32, dtype), False, softmax_scale=softmax_scale, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi(per_batch, causal, dtype):
+    batch, heads = 2, 4
+    n = 400 if ON_GPU else 41
+    slopes = alibi(batch, heads) if per_batch else alibi(heads)
+    check_all(*make_qkv(batch, n - 9, n, heads, 2, 32, dtype), causal, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", WINDOW_SHAPES)
+def test_every_feature_together(seqlen_q, seqlen_k, dtype):
+    """Causal + window + softcap + ALiBi + grouped-query heads + odd lengths + a head dim that is
+    not a power of two."""
+    check_all(*make_qkv(2, seqlen_q, seqlen_k, 6, 2, 24, dtype), True, softcap=6.0, window_size=(13, 5),
+              alibi_slopes=alibi(2, 6))
+
+
+def test_window_skips_key_blocks_it_does_not_cover():
+    """Skipped, not masked: keys far outside every row's window hold NaN, which a masked-out but
+    loaded block would still carry into out (0 * NaN) and into the gradients."""
+    seqlen_q, seqlen_k, window = (128, 4096, (64, 64)) if ON_GPU else (16, 256, (8, 8))
+    q, k, v = make_qkv(1, seqlen_q, seqlen_k, 2, 1, 32, torch.float32)
+    # the lowest key any row sees is seqlen_k - seqlen_q - window[0]; every key over a block below it is poisoned
+    poisoned = seqlen_k - seqlen_q - window[0] - (128 if ON_GPU else 32)
+    k[:, :poisoned], v[:, :poisoned] = math.nan, math.nan
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = attention(q, k, v, window_size=window, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    sl = slice(poisoned, None)
+    ref_out, ref_lse = attention_ref(q, k[:, sl], v[:, sl], window=window)  # the same distances
+    assert_close(out, ref_out, 1e-5)
+    assert_close(lse, ref_lse, 1e-5)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk[:, sl]).all() and torch.isfinite(dv[:, sl]).all()
+    assert not dk[:, :poisoned].nan_to_num(1.0).any() and not dv[:, :poisoned].nan_to_num(1.0).any()
+
+
+def test_rows_outside_every_key_see_nothing():
+    """A window that leaves a row no key (here the keys end before the window of the last rows
+    begins) gives that row out = 0, lse = +inf and zero gradients, as causal rows that see nothing."""
+    q, k, v = make_qkv(1, 40, 10, 2, 1, 16, torch.float32)
+    q.requires_grad_()
+    out, lse = attention(q, k, v, window_size=(3, 2), return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, window=(3, 2))
+    blind = ref_lse.isinf()
+    assert blind.any() and not blind.all()
+    assert torch.equal(lse.isinf(), blind) and not out.transpose(1, 2)[blind].any()
+    assert_close(out, ref_out, 1e-5)
+    (dq,) = torch.autograd.grad(out, q, torch.randn_like(out))
+    assert torch.isfinite(dq).all() and not dq.transpose(1, 2)[blind].any()
+
+
+def test_alibi_with_causal_differs_from_flash_attn_only_in_lse_by_a_row_constant():
+    """flash_attn's kernel adds slope * j when causal (no left window): the same out, an lse larger
+    by slope * (i + seqlen_k - seqlen_q). Checked through the reference with that bias."""
+    q, k, v = make_qkv(1, 23, 31, 2, 2, 16, torch.float64)
+    slopes = alibi(2).double()
+    out, lse = attention_ref(q, k, v, causal=True, alibi_slopes=slopes)
+    scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) / 4.0
+    j = torch.arange(31, dtype=torch.float64, device=q.device)
+    scores = (scores + slopes[:, None, None] * j).masked_fill(~causal_mask(23, 31, q.device), -math.inf)
+    flash_lse = torch.logsumexp(scores, -1)
+    flash_out = (torch.softmax(scores, -1) @ v.transpose(1, 2)).transpose(1, 2)
+    assert_close(out, flash_out, 1e-12)
+    i = torch.arange(23, dtype=torch.float64, device=q.device)
+    assert_close(flash_lse - lse, (slopes[:, None] * (i + 31 - 23)).expand_as(lse), 1e-12)
+    ours_out, ours_lse = attention(q.float(), k.float(), v.float(), causal=True, alibi_slopes=slopes.float(),
+                                   return_lse=True)
+    assert_close(ours_lse, lse, 1e-5)
+
+
+@triton.jit
+def tanh_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tanh(tl.load(x_ptr + offs, mask=offs < n)), mask=offs < n)
+
+
+def test_tanh_is_accurate_to_float32_rounding():
+    """The softcap's tanh: a few float32 ulps against float64 from 1e-30 to saturation, both signs."""
+    magnitudes = torch.cat([torch.logspace(-30, 1.5, 400, dtype=torch.float64), torch.tensor([0.5, 0.4999, 0.5001])])
+    x = torch.cat([magnitudes, -magnitudes, torch.zeros(1, dtype=torch.float64)]).float().to(DEVICE)
+    y = torch.empty_like(x)
+    tanh_kernel[(1,)](x, y, x.numel(), BLOCK=1024)
+    exact = torch.tanh(x.double())
+    ulp = torch.finfo(torch.float32).eps * exact.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((y.double() - exact).abs() <= 3 * ulp).all()
+
 # --- flash_attn_func's interface -------------------------------------------------------------------
 
 def test_signature_is_flash_attn_func():
@@ -126,18 +265,10 @@ def test_positional_arguments_follow_flash_attn_func():
     assert_close(attention(q, k, v, 0.0, 0.3), attention_ref(q, k, v, softmax_scale=0.3)[0], 1e-5)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("dropout_p", 0.1), ("window_size", (4, -1)), ("window_size", (-1, 3)), ("window_size", [2, 0]),
-    ("softcap", 30.0), ("alibi_slopes", "a tensor")])
-def test_unimplemented_arguments_raise_naming_them(name, value):
+def test_dropout_raises_naming_it():
     q, k, v = make_qkv(1, 9, 11, 2, 1, 16, torch.float32)
-    if name == "alibi_slopes":
-        value = torch.ones(2, dtype=torch.float32)
-    with pytest.raises(NotImplementedError, match=name):
-        attention(q, k, v, **{name: value})
-    if name == "window_size":  # causal makes right = 0, leaving the bounded left side
-        with pytest.raises(NotImplementedError, match=name):
-            attention(q, k, v, causal=True, window_size=(4, 4))
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        attention(q, k, v, dropout_p=0.1)
 
 
 def test_arguments_at_what_flash_attn_reads_as_default_are_accepted():
@@ -287,20 +418,24 @@ def test_float32_dots_are_exact_unless_tf32_is_allowed():
 
 # --- torch.library registration and torch.compile ---------------------------------------------------
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, kv_heads, causal", [(5, 7, 2, 2, False), (7, 5, 4, 2, True)])
-def test_opcheck(seqlen_q, seqlen_k, heads, kv_heads, causal):
+@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi", [
+    (5, 7, 2, 2, (-1, -1), 0.0, False), (7, 5, 4, 2, (-1, 0), 0.0, False), (9, 12, 2, 1, (3, 2), 5.0, True)])
+def test_opcheck(seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi):
     q, k, v = (t.requires_grad_() for t in make_qkv(1, seqlen_q, seqlen_k, heads, kv_heads, 16, torch.float32))
-    torch.library.opcheck(attention_op.op, (q, k, v, 0.25, causal))
-    out, lse = attention_op(q, k, v, 0.25, causal)
+    options = (0.25, *window, softcap, alibi(heads) if with_alibi else None)
+    torch.library.opcheck(attention_op.op, (q, k, v, *options))
+    out, lse = attention_op(q, k, v, *options)
     torch.library.opcheck(attention_op.backward_op, (q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                                                     torch.randn_like(out), 0.25, causal))
+                                                     torch.randn_like(out), *options))
 
 
-def test_torch_compile_fullgraph_matches_eager():
+@pytest.mark.parametrize("features", ["causal", "window, softcap, alibi"])
+def test_torch_compile_fullgraph_matches_eager(features):
     q, k, v = make_qkv(1, 9, 13, 2, 1, 16, torch.float32)
+    kwargs = dict(causal=True) if features == "causal" else dict(window_size=(3, 2), softcap=5.0, alibi_slopes=alibi(2))
 
     def loss(q, k, v):
-        out, lse = attention(q, k, v, causal=True, return_lse=True)
+        out, lse = attention(q, k, v, return_lse=True, **kwargs)
         return (out * out).sum() + lse.sum()
 
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
@@ -379,6 +514,16 @@ BAD_INPUTS = [
     (lambda q, k, v: dict(q=q, k=k, v=v, window_size=-1), TypeError, "window_size must be a pair of ints"),
     (lambda q, k, v: dict(q=q, k=k, v=v, window_size=(-1, -1, -1)), TypeError, "window_size must be a pair"),
     (lambda q, k, v: dict(q=q, k=k, v=v, window_size=(-1.0, -1)), TypeError, "window_size must be a pair"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, softcap=math.nan), ValueError, "softcap must be finite"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a tensor"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, alibi_slopes=torch.ones(4, dtype=torch.float16, device=q.device)),
+     TypeError, "alibi_slopes must be float32"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, alibi_slopes=torch.ones(2, device=q.device)), ValueError,
+     r"alibi_slopes must have shape \(heads,\) = \(4,\) or \(batch, heads\) = \(2, 4\); got \(2,\)"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, alibi_slopes=torch.ones(4, 2, device=q.device)), ValueError,
+     "alibi_slopes must have shape"),
+    (lambda q, k, v: dict(q=q, k=k, v=v, alibi_slopes=torch.ones(4, device=q.device, requires_grad=True)),
+     NotImplementedError, "alibi_slopes: no gradient"),
 ]
 
 

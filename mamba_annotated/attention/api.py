@@ -3,6 +3,7 @@ registered with torch.library (:mod:`..library`) around chapter 7's kernels."""
 import math
 import numbers
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -48,44 +49,56 @@ def check_real(name, value):
         raise ValueError(f"{name} must be finite; got {value}")
 
 
-def resolve_mask(causal, window_size, seqlen_k) -> bool:
-    """Whether the call is causal, after flash_attn's reading of ``window_size = (left, right)``:
-    a side that is negative or at least seqlen_k is unbounded, and causal sets right = 0. Both
-    sides unbounded is full attention; left unbounded and right = 0 is causal (so that
-    ``window_size=(-1, 0)`` is causal attention in flash_attn too). Any other window is local
-    (sliding-window) attention, which is not implemented."""
+def resolve_window(causal, window_size, seqlen_k) -> tuple[int, int]:
+    """(left, right), -1 for an unbounded side, after flash_attn's reading of ``window_size``: a
+    side that is negative or at least seqlen_k is unbounded, and causal sets right = 0. So (-1, -1)
+    is full attention, (-1, 0) causal attention, anything else local (sliding-window) attention."""
     if isinstance(causal, torch.Tensor) or not isinstance(causal, (bool, numbers.Integral)):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
     if type(window_size) is tuple and tuple(map(type, window_size)) == (int, int) and window_size == (-1, -1):
-        return bool(causal)  # the default, decided without the ABC checks below (a microsecond each)
+        return (-1, 0) if causal else (-1, -1)  # the default, decided without the ABC checks below (a microsecond each)
     if (isinstance(window_size, (str, torch.Tensor)) or not isinstance(window_size, Sequence)
             or len(window_size) != 2
             or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for unbounded; got {window_size!r}")
-    left, right = (-1 if w >= seqlen_k else int(w) for w in window_size)
-    if causal:
-        right = 0
-    if left < 0 and right < 0:
-        return False
-    if left < 0 and right == 0:
-        return True
-    raise NotImplementedError(f"window_size: local (sliding-window) attention is not implemented; got "
-                              f"window_size={tuple(window_size)} with seqlen_k = {seqlen_k} and causal={bool(causal)}")
+    left, right = (-1 if w < 0 or w >= seqlen_k else int(w) for w in window_size)
+    return left, 0 if causal else right
 
 
-def check_unimplemented(dropout_p, softcap, alibi_slopes):
-    """flash_attn arguments accepted at their defaults (or what flash_attn reads as the default)."""
+def check_softcap(softcap) -> float:
+    """softcap as a float; flash_attn reads any softcap <= 0 as off, returned as 0.0."""
+    check_real("softcap", softcap)
+    return float(softcap) if softcap > 0 else 0.0
+
+
+def check_alibi_slopes(alibi_slopes, q):
+    """ALiBi slopes: float32, (heads,) or (batch, heads), on q's device; constants, as in flash_attn,
+    which returns no gradient for them (a slope that requires one is refused rather than left
+    without it)."""
+    if alibi_slopes is None:
+        return
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a tensor or None; got {type(alibi_slopes).__name__}")
+    batch, _, heads, _ = q.shape
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, as in flash_attn; got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on the device of q ({q.device}); got {alibi_slopes.device}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}); "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("alibi_slopes: no gradient with respect to the slopes (flash_attn has none "
+                                  "either); pass alibi_slopes.detach() for fixed slopes")
+
+
+def check_dropout(dropout_p):
     check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: attention dropout is not implemented; got dropout_p={dropout_p} "
                                   f"(pass 0.0, e.g. dropout_p=p if self.training else 0.0 at inference)")
-    check_real("softcap", softcap)
-    if softcap > 0.0:
-        raise NotImplementedError(f"softcap: tanh soft-capping of the scores is not implemented; got softcap={softcap}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi biases are not implemented; pass alibi_slopes=None")
 
 
 def last_dim_contiguous(t):
@@ -93,8 +106,9 @@ def last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
+                      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), both contiguous. With no query or no key there is nothing to launch: out is 0
     and a row that sees no key has lse = +inf, as in flash_attn."""
     if q.numel() == 0 or k.numel() == 0:
@@ -102,42 +116,44 @@ def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
         lse = torch.full((batch, heads, seqlen_q), math.inf, dtype=torch.float32, device=q.device)
         return q.new_zeros(q.shape), lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    return attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return attention_forward(q, k, v, softmax_scale=softmax_scale, window=(window_left, window_right),
+                             softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def fake_attention_outputs(q, k, v, softmax_scale, causal):
+def fake_attention_outputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 def attention_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        dout: torch.Tensor, softmax_scale: float, causal: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        dout: torch.Tensor, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                        alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, in the inputs' dtype. With no query or no key the gradients are 0
     (out does not depend on q when no key is seen) and nothing is launched."""
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
-    return attention_backward(q, k, v, out, lse, dout, causal=causal, softmax_scale=softmax_scale)
+    return attention_backward(q, k, v, out, lse, dout, softmax_scale=softmax_scale, window=(window_left, window_right),
+                              softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def fake_attention_gradients(q, k, v, out, lse, dout, softmax_scale, causal):
+def fake_attention_gradients(q, k, v, out, lse, dout, softmax_scale, window_left, window_right, softcap, alibi_slopes):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def save_attention(ctx, inputs, output):  # torch.library passes ``output`` by keyword
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, *options, alibi_slopes = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.options = options  # softmax_scale, window_left, window_right, softcap
 
 
 def attention_grads(ctx, run_backward, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv = run_backward(q, k, v, out, lse, grad_out, ctx.softmax_scale, ctx.causal)
-    return dq, dk, dv, None, None
+    dq, dk, dv = run_backward(q, k, v, out, lse, grad_out, *ctx.options, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None
 
 
 attention_op = define_op("attention", attention_outputs, fake_attention_outputs, attention_gradients,
@@ -157,18 +173,27 @@ def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
     is 0 and lse = +inf.
 
     ``softmax_scale``: any finite number, 0 and negative included; None means 1 / sqrt(head_dim).
-    ``causal=True`` lets query i see key j iff j <= i + seqlen_k - seqlen_q (aligned to the
-    bottom-right corner, as flash-attn >= 2.1); a query that sees no key gets a zero output and
-    lse = +inf, flash_attn's convention. ``window_size`` is read as flash_attn reads it: a side
-    that is negative or at least seqlen_k is unbounded, so (-1, -1) (or [-1, -1]) is full
-    attention and (-1, 0) is causal; a window that bounds a side (local attention) raises
-    NotImplementedError, as do ``dropout_p > 0``, ``softcap > 0`` (flash_attn reads softcap <= 0
-    as off) and ``alibi_slopes``. ``deterministic`` is accepted and changes nothing: the backward
-    pass is always deterministic (every gradient element has one writer; no atomics), so two runs
-    give bitwise equal gradients.
+    Query i and key j are ``distance = i + seqlen_k - seqlen_q - j`` apart (the diagonal aligned to
+    the bottom-right corner, as flash-attn >= 2.1). ``causal=True`` lets query i see key j iff
+    distance >= 0. ``window_size = (left, right)`` (local, sliding-window attention) lets it see
+    key j iff -right <= distance <= left; it is read as flash_attn reads it: a side that is
+    negative or at least seqlen_k is unbounded, and causal sets right = 0, so (-1, -1) is full
+    attention and (-1, 0) causal. Key blocks outside every row's window are skipped, so the cost
+    grows with the window, not with seqlen_k. A query that sees no key gets a zero output and
+    lse = +inf, flash_attn's convention.
+    ``softcap > 0`` caps the logits: softcap * tanh(softmax_scale * q.k / softcap) (softcap <= 0 is
+    off, as in flash_attn). ``alibi_slopes`` (float32, (heads,) or (batch, heads)) adds
+    -slope * |distance| to the logits, after the cap. flash_attn's CUDA kernel, when causal and
+    without a left window, adds slope * j instead: a per-row constant away from this, so out and
+    the gradients are the same, but its lse is larger by slope * (i + seqlen_k - seqlen_q). Here
+    the bias is the same formula in every mode and near 0 on the diagonal, where float32 rounds
+    finest. The slopes get no gradient (nor in flash_attn); slopes that require one are refused.
+    ``dropout_p > 0`` raises NotImplementedError. ``deterministic`` is accepted and changes
+    nothing: the backward pass is always deterministic (every gradient element has one writer; no
+    atomics), so two runs give bitwise equal gradients.
 
     Returns out like q. With ``return_attn_probs=True``, (out, lse, S_dmask) as flash_attn:
-    lse (batch, heads, seqlen_q) float32, the natural-log sum of exp(scores) per query row, and
+    lse (batch, heads, seqlen_q) float32, the natural-log sum of exp(logits) per query row, and
     S_dmask the dropout-encoded probabilities that flash_attn fills only when dropout_p > 0; with
     the dropout_p = 0 that is implemented here it is, as flash_attn's, an empty tensor of shape
     (0,) in q's dtype. Keyword-only extra: ``return_lse=True`` returns (out, lse) (ignored when
@@ -176,12 +201,14 @@ def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
     Differentiable in q, k and v.
     """
     check_attention_inputs(q, k, v)
-    check_unimplemented(dropout_p, softcap, alibi_slopes)
+    check_dropout(dropout_p)
+    softcap = check_softcap(softcap)
+    check_alibi_slopes(alibi_slopes, q)
     if softmax_scale is not None:
         check_real("softmax_scale", softmax_scale)
-    causal = resolve_mask(causal, window_size, k.shape[1])
+    window_left, window_right = resolve_window(causal, window_size, k.shape[1])
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = attention_op(q, k, v, scale, causal)
+    out, lse = attention_op(q, k, v, scale, window_left, window_right, softcap, alibi_slopes)
     if return_attn_probs:
         return out, lse, q.new_empty(0)
     return (out, lse) if return_lse else out

@@ -38,6 +38,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
+from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, visible
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -93,14 +94,16 @@ def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_
 
 
 @triton.jit
-def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until,
-                      offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale,
-                      stride_qm, stride_dom,
-                      CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
+                      offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
+                      window_left, window_right, stride_qm, stride_dom,
+                      WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                      ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add the query blocks [lo, hi) of one head to this key block's dk, dv (transposed tiles:
-    keys down, queries across); causal, the blocks that start before mask_until are masked.
-    Pointers point at block lo."""
+    keys down, queries across). The blocks that start before mask_until (a row right of the
+    window's right edge for the block's last key) or end after mask_from (a row whose window
+    starts after the block's first key) are masked. Pointers point at block lo."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         if EVEN_M and EVEN_D:
@@ -117,13 +120,21 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
             lse2 = tl.load(lse2_ptrs, mask=rows < seqlen_q, other=float("inf"))
             delta = tl.load(delta_ptrs, mask=rows < seqlen_q, other=0.0)
         # keys past seqlen_k were loaded as zeros: their dk, dv rows are never stored
-        p_t = tl.exp2(mm(k, tl.trans(q), PRECISION) * qk_scale - lse2[None, :])
-        if CAUSAL:
-            if start_m < mask_until:  # a runtime test per block, the mask only on the diagonal
-                p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
+        distance = rows[None, :] + causal_offset - offs_n[:, None]
+        s_t, t_t = logits2(mm(k, tl.trans(q), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        p_t = tl.exp2(s_t - lse2[None, :])
+        if WINDOW_LEFT or WINDOW_RIGHT:
+            needs_mask = start_m < mask_until
+            if WINDOW_LEFT:
+                needs_mask = needs_mask | (start_m + BLOCK_M > mask_from)
+            if needs_mask:  # a runtime test per block, the mask only where the window's edges cross it
+                p_t = tl.where(visible(distance, offs_n[:, None], seqlen_k, window_left, window_right,
+                                       WINDOW_LEFT, WINDOW_RIGHT), p_t, 0.0)
         dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
         dp_t = mm(v, tl.trans(do), PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk += mm(cast(ds_t, q.dtype, PRECISION), q, PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -134,11 +145,14 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
 
 @triton.jit
 def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 alibi_ptr,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                 seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                 CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
+                 seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale,
+                 window_left, window_right,
+                 WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk, dv of keys [key_block * BLOCK_N, + BLOCK_N) of one (batch, kv head), summed over its group."""
     start_n = key_block * BLOCK_N
@@ -161,26 +175,34 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Query blocks from lo on see some key of this block; those that start before mask_until hold
-    # a row that does not see all of them (the diagonal crosses the tile). One loop, not two: a
-    # second loop would get its own pipeline buffers in shared memory.
-    if CAUSAL:
-        lo = tl.maximum(0, start_n - causal_offset) // BLOCK_M * BLOCK_M
-        mask_until = start_n + BLOCK_N - 1 - causal_offset
-    else:
-        lo = 0
-        mask_until = 0
+    # Query blocks [lo, hi) see some key of this block (query i sees key j iff
+    # j - off - right <= i <= j - off + left, off = seqlen_k - seqlen_q); those that start before
+    # mask_until or end after mask_from hold a row that does not see all of them. One loop, not
+    # two: a second loop would get its own pipeline buffers in shared memory.
+    lo = 0
+    hi = seqlen_q
+    mask_until = 0
+    mask_from = seqlen_q
+    if WINDOW_RIGHT:
+        lo = tl.maximum(0, start_n - causal_offset - window_right) // BLOCK_M * BLOCK_M
+        mask_until = start_n + BLOCK_N - 1 - causal_offset - window_right
+    if WINDOW_LEFT:
+        hi = tl.minimum(seqlen_q, tl.maximum(0, start_n + BLOCK_N - causal_offset + window_left))
+        mask_from = start_n - causal_offset + window_left + 1
     for g in range(group):
         head = kv_head * group + g
-        row_tile = lo.to(tl.int64) + tl.arange(0, BLOCK_M)[:, None]
+        slope2 = alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI)
+        row_tile = lo + tl.arange(0, BLOCK_M)[:, None].to(tl.int64)
         q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
         do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
         lse2_ptrs = lse2_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
         delta_ptrs = delta_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
         dk, dv = dkdv_query_blocks(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, seqlen_q, mask_until,
-            offs_m, offs_n, offs_d, seqlen_q, head_dim, causal_offset, qk_scale, stride_qm, stride_dom,
-            CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
+            dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
+            offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
+            window_left, window_right, stride_qm, stride_dom,
+            WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+            EVEN_M=EVEN_M, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
 
     dk_ptrs = (dk_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh + start_n.to(tl.int64) * stride_dkn
                + key_tile * stride_dkn + offs_d[None, :])
@@ -196,14 +218,14 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
 
 
 @triton.jit
-def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d,
-                  seqlen_k, head_dim, causal_offset, qk_scale, stride_kn, stride_vn,
-                  CAUSAL: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                  PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add the key blocks [0, hi) to this query block's dq; the blocks that reach past mask_from
-    are masked (causal: right of the diagonal; otherwise: past the last key). Pointers point at
-    block 0."""
-    for start_n in range(0, hi, BLOCK_N):
+def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d,
+                  seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right,
+                  stride_kn, stride_vn,
+                  WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add the key blocks [lo, hi) to this query block's dq; the blocks that reach past mask_from
+    or start before mask_until are masked, as in the forward pass. Pointers point at block lo."""
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if EVEN_N and EVEN_D:
             k = tl.load(k_ptrs)
@@ -212,19 +234,22 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m,
             kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        p = tl.exp2(mm(q, tl.trans(k), PRECISION) * qk_scale - lse2[:, None])
-        if CAUSAL or not EVEN_N:
-            if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only where needed
+        distance = offs_m[:, None] + causal_offset - cols[None, :]
+        s, t = logits2(mm(q, tl.trans(k), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        p = tl.exp2(s - lse2[:, None])
+        if WINDOW_LEFT or WINDOW_RIGHT or not EVEN_N:
+            needs_mask = start_n + BLOCK_N > mask_from
+            if WINDOW_LEFT:
+                needs_mask = needs_mask | (start_n < mask_until)
+            if needs_mask:  # a runtime test per block, the mask only where needed
                 # A key past the end loads as zeros, and its P = exp2(-lse2) overflows where every
-                # score of the row is very negative: inf * 0 would be NaN in dq. Causal, such keys
-                # are right of the diagonal of every row that is stored.
-                if CAUSAL:
-                    visible = cols[None, :] <= offs_m[:, None] + causal_offset
-                else:
-                    visible = cols[None, :] < seqlen_k
-                p = tl.where(visible, p, 0.0)
+                # score of the row is very negative: inf * 0 would be NaN in dq.
+                p = tl.where(visible(distance, cols[None, :], seqlen_k, window_left, window_right,
+                                     WINDOW_LEFT, WINDOW_RIGHT), p, 0.0)
         dp = mm(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
+            ds = ds * (1.0 - t * t)
         dq += mm(cast(ds, k.dtype, PRECISION), k, PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -232,12 +257,13 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m,
 
 
 @triton.jit
-def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
+def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-               stride_dqb, stride_dqm, stride_dqh,
-               seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-               CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+               stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
+               seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale, window_left, window_right,
+               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of queries [query_block * BLOCK_M, + BLOCK_M) of one (batch, head)."""
     start_m = query_block * BLOCK_M
@@ -246,6 +272,7 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     causal_offset = seqlen_k - seqlen_q
+    slope2 = alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI)
     row_tile = start_m.to(tl.int64) + tl.arange(0, BLOCK_M)[:, None]
     q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
     do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
@@ -261,19 +288,24 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     delta = tl.load(delta_ptr + row_ptrs, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:  # the same bounds as the forward pass
-        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset))
-        mask_from = start_m + causal_offset + 1
-    else:
-        hi = seqlen_k
-        mask_from = seqlen_k
-    key_tile = offs_n[:, None]
+    lo = 0  # the same bounds as the forward pass
+    hi = seqlen_k
+    mask_from = seqlen_k
+    mask_until = 0
+    if WINDOW_RIGHT:
+        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset + window_right))
+        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + window_right + 1)
+    if WINDOW_LEFT:
+        lo = tl.maximum(0, start_m + causal_offset - window_left) // BLOCK_N * BLOCK_N
+        mask_until = start_m + BLOCK_M - 1 + causal_offset - window_left
+    key_tile = (lo + offs_n)[:, None]
     k_ptrs = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh + key_tile * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + key_tile * stride_vn + offs_d[None, :]
     dq = dq_key_blocks(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi, mask_from, offs_m, offs_n, offs_d, seqlen_k, head_dim,
-        causal_offset, qk_scale, stride_kn, stride_vn,
-        CAUSAL=CAUSAL, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d, seqlen_k,
+        head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, stride_kn, stride_vn,
+        WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
 
     dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
     dq = dq * softmax_scale
@@ -285,42 +317,49 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
 
 @lean_launch
 @triton.jit
-def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                               stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                              seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, softmax_scale,
-                              CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                              stride_ab, stride_ah,
+                              seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
+                              window_left, window_right,
+                              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                              ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                               EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (key blocks, batch * kv_heads)."""
     dkdv_program(tl.program_id(0), tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads,
-                 q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                 seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
-                 CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                 stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
+                 seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
+                 window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+                 EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @lean_launch
 @triton.jit
-def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
+def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
                             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                             stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                            stride_dqb, stride_dqm, stride_dqh,
-                            seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, softmax_scale,
-                            CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                            stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
+                            seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
+                            window_left, window_right,
+                            WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                            ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                             EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (query blocks, batch * heads)."""
     dq_program(tl.program_id(0), tl.program_id(1) // heads, tl.program_id(1) % heads,
-               q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr,
+               q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-               stride_dqb, stride_dqm, stride_dqh,
-               seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, softmax_scale,
-               CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+               stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
+               seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
+               window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+               EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 def batch_row_head_strides(*tensors):
@@ -342,10 +381,11 @@ def backward_preprocess(out, dout, lse):
     return delta, lse2
 
 
-def attention_backward(q, k, v, out, lse, dout, *, causal, softmax_scale, config=None):
+def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                       config=None):
     """Gradients (dq, dk, dv) of the forward pass that returned (out, lse), each contiguous in its
-    input's dtype; bitwise reproducible. Shapes as the module docstring; ``config`` overrides
-    :func:`backward_config`."""
+    input's dtype; bitwise reproducible. Shapes and arguments as :func:`.forward.attention_forward`;
+    ``config`` overrides :func:`backward_config`."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     cfg = config or backward_config(head_dim, q.dtype)
@@ -358,12 +398,18 @@ def attention_backward(q, k, v, out, lse, dout, *, causal, softmax_scale, config
     dq = outputs.empty(q.shape, q.dtype, q.device)
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
-    common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, softmax_scale * LOG2E.value, softmax_scale)
-    flags = dict(CAUSAL=causal, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype), BLOCK_D=block_d)
+    alibi = lse if alibi_slopes is None else alibi_slopes  # a pointer never read without ALiBi
+    common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, *logit_scales(softmax_scale, softcap), softmax_scale,
+              *window)
+    flags = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap > 0,
+                 ALIBI=alibi_slopes is not None, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
+                 BLOCK_D=block_d)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, *batch_row_head_strides(q, k, v, dout, dk, dv), *common,
+        q, k, v, dout, lse2, delta, dk, dv, alibi, *batch_row_head_strides(q, k, v, dout, dk, dv),
+        *alibi_strides(alibi_slopes), *common,
         EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
     attention_bwd_dq_kernel[(cdiv(seqlen_q, bm2), batch * heads)](
-        q, k, v, dout, lse2, delta, dq, *batch_row_head_strides(q, k, v, dout, dq), *common,
+        q, k, v, dout, lse2, delta, dq, alibi, *batch_row_head_strides(q, k, v, dout, dq),
+        *alibi_strides(alibi_slopes), *common,
         EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2, **flags, **dq_cfg)
     return dq, dk, dv

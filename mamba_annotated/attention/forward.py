@@ -44,7 +44,8 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, LOG2E, block_size, cast, cdiv, dot_precision, mm
+from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, mm
+from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, visible
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -70,14 +71,15 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 @lean_launch
 @triton.jit
-def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                         stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-                         seqlen_q, seqlen_k, heads, group, head_dim, qk_scale,
-                         CAUSAL: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
+                         stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_ab, stride_ah,
+                         seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, window_left, window_right,
+                         WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                         ALIBI: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    if CAUSAL:  # the longest rows start first; the short ones fill the tail of the launch
+    if WINDOW_RIGHT:  # causal: the longest rows start first; the short ones fill the tail of the launch
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     else:
         start_m = tl.program_id(0) * BLOCK_M
@@ -88,6 +90,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     causal_offset = seqlen_k - seqlen_q
+    slope2 = alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI)
 
     # 64-bit base offsets; within a tile the offsets are small
     q_ptrs = (q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + start_m.to(tl.int64) * stride_qm
@@ -101,26 +104,31 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if SCALE_FIRST:  # scale <= 0: the scores are scaled before the mask, the exponent takes them as they are
+    if SCALE_FIRST:  # the logits are formed whole (scale <= 0, softcap or ALiBi); the exponent takes them as they are
         exponent_scale = 1.0
-    else:  # scale > 0: the scale is fused into the exponent's multiply-add
+    else:  # plain scores and scale > 0: the scale is fused into the exponent's multiply-add
         exponent_scale = qk_scale
 
-    # Keys [0, hi) are seen by some row of the tile. Keys >= mask_from are hidden from some row
-    # (right of the diagonal for the tile's first row, or past the end), so only the last blocks,
-    # those that reach past mask_from, pay for the mask. One loop, not two: a second loop would
-    # get its own pipeline buffers in shared memory.
-    if CAUSAL:
-        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset))
-        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + 1)
-    else:
-        hi = seqlen_k
-        mask_from = seqlen_k
+    # Keys [lo, hi) are seen by some row of the tile; blocks outside are never loaded, so a window
+    # costs what it covers, not seqlen_k. A block that reaches past mask_from (right of the
+    # diagonal, or past the end, for the tile's first row) or starts before mask_until (left of
+    # the window for its last row) holds a pair some row does not see, and only those blocks pay
+    # for the mask. One loop, not two: a second loop would get its own pipeline buffers in shared
+    # memory.
+    lo = 0
+    hi = seqlen_k
+    mask_from = seqlen_k
+    if WINDOW_RIGHT:
+        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset + window_right))
+        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + window_right + 1)
+    if WINDOW_LEFT:
+        lo = tl.maximum(0, start_m + causal_offset - window_left) // BLOCK_N * BLOCK_N
+        mask_until = start_m + BLOCK_M - 1 + causal_offset - window_left
     k_ptrs = (k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
-              + offs_n[:, None] * stride_kn + offs_d[None, :])
+              + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :])
     v_ptrs = (v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
-              + offs_n[:, None] * stride_vn + offs_d[None, :])
-    for start_n in range(0, hi, BLOCK_N):
+              + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :])
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if EVEN_N and EVEN_D:
             k = tl.load(k_ptrs)
@@ -130,16 +138,18 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         s = mm(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
+        distance = offs_m[:, None] + causal_offset - cols[None, :]
         if SCALE_FIRST:  # -inf * scale is NaN or +inf for a scale <= 0: scale before masking
-            s = s * qk_scale
-        if CAUSAL or not EVEN_N:
-            if start_n + BLOCK_N > mask_from:  # a runtime test per block, the mask only where needed
-                visible = cols[None, :] < seqlen_k
-                if CAUSAL:
-                    visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-                s = tl.where(visible, s, float("-inf"))
+            s, _ = logits2(s, distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        if WINDOW_LEFT or WINDOW_RIGHT or not EVEN_N:
+            needs_mask = start_n + BLOCK_N > mask_from
+            if WINDOW_LEFT:
+                needs_mask = needs_mask | (start_n < mask_until)
+            if needs_mask:  # a runtime test per block, the mask only where needed
+                seen = visible(distance, cols[None, :], seqlen_k, window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT)
+                s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * exponent_scale)
-        if CAUSAL:  # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
+        if WINDOW_LEFT or WINDOW_RIGHT:  # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
@@ -151,7 +161,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
 
-    empty_row = l_i == 0.0  # causal rows that see no key
+    empty_row = l_i == 0.0  # rows that see no key (causal with seqlen_q > seqlen_k, or a window off the keys)
     l_safe = tl.where(empty_row, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty_row, float("inf"), (m_i + tl.log2(l_safe)) * LN2)  # base 2 -> natural
@@ -165,9 +175,11 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(q, k, v, *, causal, softmax_scale, config=None):
+def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, config=None):
     """q (B, Nq, H, d), k, v (B, Nk, KVH, d), none empty, last strides 1; ``softmax_scale`` any
-    finite float. Returns out (B, Nq, H, d) contiguous and lse (B, H, Nq) float32.
+    finite float; ``window`` (left, right) with -1 for an unbounded side (causal: (-1, 0));
+    ``softcap`` > 0 or 0 for none; ``alibi_slopes`` float32 (H,) or (B, H), or None. Returns out
+    (B, Nq, H, d) contiguous and lse (B, H, Nq) float32.
 
     ``config`` overrides :func:`forward_config` (the benchmark's tuning sweep uses it).
     """
@@ -180,11 +192,12 @@ def attention_forward(q, k, v, *, causal, softmax_scale, config=None):
     lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
     grid = (cdiv(seqlen_q, block_m), batch * heads)
     attention_fwd_kernel[grid](
-        q, k, v, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, softmax_scale * LOG2E.value,
-        CAUSAL=causal, SCALE_FIRST=softmax_scale <= 0, EVEN_M=seqlen_q % block_m == 0,
-        EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,
+        q, k, v, out, lse, lse if alibi_slopes is None else alibi_slopes,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *alibi_strides(alibi_slopes),
+        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, *logit_scales(softmax_scale, softcap), *window,
+        WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+        SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None,
+        EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d,
+        PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,
     )
     return out, lse

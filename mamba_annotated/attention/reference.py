@@ -10,24 +10,42 @@ import math
 import torch
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) bool, True where query i may see key j: j <= i + seqlen_k - seqlen_q.
-
-    The diagonal is aligned to the bottom-right corner, as in FlashAttention >= 2.1: the last query
-    sees every key. With seqlen_q > seqlen_k the first seqlen_q - seqlen_k queries see no key at all.
-    """
+def distances(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) int64: i + seqlen_k - seqlen_q - j, how far key j lies in query i's past,
+    the diagonal aligned to the bottom-right corner as in FlashAttention >= 2.1."""
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return i + (seqlen_k - seqlen_q) - j
 
 
-def naive_attention(q, k, v, causal=False, softmax_scale=None):
-    """softmax(scale * q k^T) v in q's dtype; returns (out, lse) in flash_attn's layout.
+def window_mask(seqlen_q: int, seqlen_k: int, window=(-1, -1), device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j: -right <= distance <= left, a
+    side of ``window = (left, right)`` that is negative unbounded. Causal is (-1, 0): with
+    seqlen_q > seqlen_k the first seqlen_q - seqlen_k queries then see no key at all."""
+    distance = distances(seqlen_q, seqlen_k, device)
+    left, right = window
+    seen = torch.ones_like(distance, dtype=torch.bool)
+    if right >= 0:
+        seen &= distance >= -right
+    if left >= 0:
+        seen &= distance <= left
+    return seen
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool, True where query i may see key j: j <= i + seqlen_k - seqlen_q."""
+    return window_mask(seqlen_q, seqlen_k, (-1, 0), device)
+
+
+def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """softmax(logits) v in q's dtype; returns (out, lse) in flash_attn's layout.
 
     q (batch, seqlen_q, heads, d); k, v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads.
-    out like q; lse (batch, heads, seqlen_q), the natural-log sum of exp(scores) of each query row.
-    A row that sees no key (causal with seqlen_q > seqlen_k, or no keys at all) gets out = 0 and,
-    as in flash_attn, lse = +inf: then exp(S - lse) = 0 for every score.
+    The logits are scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0, minus
+    slope * |distance| with ALiBi slopes ((heads,) or (batch, heads)); keys outside the window
+    (left, right) (causal: right = 0) are masked. out like q; lse (batch, heads, seqlen_q), the
+    natural-log sum of exp(logits) of each query row. A row that sees no key gets out = 0 and, as
+    in flash_attn, lse = +inf: then exp(S - lse) = 0 for every score.
     """
     heads, kv_heads = q.shape[2], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -36,8 +54,16 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None):
     k_ = k_.repeat_interleave(heads // kv_heads, dim=1)
     v_ = v_.repeat_interleave(heads // kv_heads, dim=1)
     scores = scale * (q_ @ k_.transpose(-1, -2))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(scores.dtype).expand(q.shape[0], heads)[:, :, None, None]
+        scores = scores - slopes * distances(q.shape[1], k.shape[1], q.device).abs().to(scores.dtype)
+    left, right = window
     if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[1], k.shape[1], q.device), float("-inf"))
+        right = 0
+    if left >= 0 or right >= 0:
+        scores = scores.masked_fill(~window_mask(q.shape[1], k.shape[1], (left, right), q.device), float("-inf"))
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a row that sees no key
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: 0/0 -> 0
@@ -45,7 +71,7 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None):
     return out, lse
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """The float64 ground truth: naive_attention on float64 copies; returns (out, lse) in float64."""
-    out, lse = naive_attention(q.double(), k.double(), v.double(), causal, softmax_scale)
-    return out, lse
+    slopes = alibi_slopes.double() if alibi_slopes is not None else None
+    return naive_attention(q.double(), k.double(), v.double(), causal, softmax_scale, window, softcap, slopes)

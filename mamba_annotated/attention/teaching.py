@@ -25,8 +25,7 @@ from .. import outputs
 from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
 from .api import (attention, attention_gradients, attention_outputs, check_attention_inputs, check_real,
                   last_dim_contiguous)
-from .backward import (attention_backward, backward_config, backward_preprocess, batch_row_head_strides,
-                       dkdv_program, dq_program)
+from .backward import backward_config, backward_preprocess, batch_row_head_strides, dkdv_program, dq_program
 
 
 @triton.jit
@@ -47,21 +46,22 @@ def attention_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_pt
     kv_head = tl.program_id(1) % kv_heads
     group = heads // kv_heads
     if block * BLOCK_N < seqlen_k:
+        # causal is the window (unbounded, 0); no softcap, no ALiBi (lse2_ptr: a pointer never read)
         dkdv_program(block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
-                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                     lse2_ptr, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-                     seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                     CAUSAL, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                     stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, 0, 0,
+                     seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0,
+                     False, CAUSAL, False, False, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
     if block * BLOCK_M2 < seqlen_q:
         for g in range(group):
             dq_program(block, batch, kv_head * group + g, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr,
-                       dq_ptr,
+                       dq_ptr, lse2_ptr,
                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
-                       stride_dqb, stride_dqm, stride_dqh,
-                       seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, softmax_scale,
-                       CAUSAL, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
+                       stride_dqb, stride_dqm, stride_dqh, 0, 0,
+                       seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0,
+                       False, CAUSAL, False, False, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
 
 
 @triton.jit
@@ -200,7 +200,8 @@ def attention_backward_atomic(q, k, v, out, lse, dout, *, causal, softmax_scale,
     return dq.to(q.dtype), dk, dv
 
 
-BACKWARDS = {"split": attention_backward, "fused": attention_backward_fused, "atomic": attention_backward_atomic}
+FOILS = {"fused": attention_backward_fused, "atomic": attention_backward_atomic}
+BACKWARDS = ("split", *FOILS)  # "split": the production op
 
 
 class AttentionVariant(torch.autograd.Function):
@@ -208,7 +209,7 @@ class AttentionVariant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, backward):
-        out, lse = attention_outputs(q, k, v, softmax_scale, causal)
+        out, lse = attention_outputs(q, k, v, softmax_scale, -1, 0 if causal else -1, 0.0, None)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.backward = softmax_scale, causal, backward
         return out
@@ -218,11 +219,12 @@ class AttentionVariant(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         if q.numel() == 0 or k.numel() == 0:
-            grads = attention_gradients(q, k, v, out, lse, grad_out, ctx.softmax_scale, ctx.causal)
+            grads = attention_gradients(q, k, v, out, lse, grad_out, ctx.softmax_scale, -1, 0 if ctx.causal else -1,
+                                        0.0, None)
         else:
             q, k, v, grad_out = (last_dim_contiguous(t) for t in (q, k, v, grad_out))
-            grads = BACKWARDS[ctx.backward](q, k, v, out, lse, grad_out, causal=ctx.causal,
-                                            softmax_scale=ctx.softmax_scale)
+            grads = FOILS[ctx.backward](q, k, v, out, lse, grad_out, causal=ctx.causal,
+                                        softmax_scale=ctx.softmax_scale)
         return (*grads, None, None, None)
 
 
@@ -231,7 +233,7 @@ def attention_variant(q, k, v, causal=False, softmax_scale=None, *, backward="sp
     the benchmark: "split" (the production op itself: dK/dV kernel + dQ kernel), "fused" (one
     kernel, two loops) or "atomic" (dQ by float32 atomics; not bitwise reproducible). Returns out."""
     if backward not in BACKWARDS:
-        raise ValueError(f"backward must be one of {tuple(BACKWARDS)}; got {backward!r}")
+        raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
     if backward == "split":
         return attention(q, k, v, softmax_scale=softmax_scale, causal=causal)
     check_attention_inputs(q, k, v)
