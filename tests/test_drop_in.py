@@ -233,7 +233,7 @@ def non_contiguous_op_args():
                                                None, None, None, True, 0.0, math.inf, None)),
         ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
          (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
-        ("attention", attention_op, (q, k, v, 0.25, True)),
+        ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None)),
     ]
 
 

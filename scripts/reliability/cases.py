@@ -27,6 +27,7 @@ import torch
 
 from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, selective_scan, sequential_scan
 from mamba_annotated import ssd_chunk_scan
+from mamba_annotated.attention.api import resolve_window
 from mamba_annotated.attention.reference import naive_attention
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import bidirectional_ref
@@ -622,7 +623,7 @@ class BidirectionalChunkScan(ChunkedSSM):
 class Attention(Op):
     name = "attention"
     minimum = {"batch": 1, "Lq": 1, "Lk": 1, "heads": 1, "kv_heads": 1, "head_dim": 16}
-    defaults = {"causal": False, "softmax_scale": None}
+    defaults = {"causal": False, "softmax_scale": None, "window_size": [-1, -1], "softcap": 0.0, "alibi": None}
 
     def draw(self, rng):
         heads = rng.choice(size(gpu=(1, 2, 3, 4, 6, 8), cpu=(1, 2)))
@@ -635,13 +636,22 @@ class Attention(Op):
                     head_dim=pick(rng, (2, rng.choice(size(gpu=(16, 32, 64, 80, 96, 128, 256), cpu=(16, 24)))),
                                   (1, rng.randint(16, size(gpu=256, cpu=40)))))
         scale = pick(rng, (4, None), (1, rng.choice([0.0, -0.7, 2.0, 0.05])))
-        opts = dict(causal=rng.random() < 0.5, softmax_scale=scale)
+        side = max(dims["Lq"], dims["Lk"])
+        window = pick(rng, (2, [-1, -1]), (1, [rng.choice([-1, rng.randint(0, side)]), rng.randint(0, side)]),
+                      (1, [rng.randint(0, side), -1]))
+        opts = dict(causal=rng.random() < 0.5, softmax_scale=scale, window_size=window,
+                    softcap=pick(rng, (3, 0.0), (1, rng.choice([1.5, 5.0, 30.0]))),
+                    alibi=pick(rng, (3, None), (1, rng.choice(["heads", "batch, heads"]))))
         return self.fix(dict(dims=dims, dtype=rng.choice(list(DTYPES)), opts=opts,
                              layouts=draw_layouts(rng, ("q", "k", "v"))))
 
     def fix(self, params):
         d = params["dims"]
         d["head_dim"] = min(max(d["head_dim"], 16), 256)
+        if "expanded" in params.get("layouts", {}).values():
+            # expanded along the batch: with batch 1 the view would repeat one key (or value) along
+            # the sequence, where dq (or dq and dk) is exactly 0 and no relative error exists
+            d["batch"] = max(d["batch"], 2)
         if d["heads"] % d["kv_heads"]:
             d["kv_heads"] = max(g for g in divisors(d["heads"]) if g <= d["kv_heads"])
         cap = size(gpu=1 << 25, cpu=1 << 13) // (d["batch"] * d["heads"])
@@ -660,31 +670,40 @@ class Attention(Op):
         return {k: leaf(lambda t: randn(*t, dtype=dtype), s[k], lay[k]) for k in ("q", "k", "v")}
 
     def call(self, params, fn):
-        opts = params["opts"]
+        """``fn(q, k, v, causal, scale, window, softcap, alibi_slopes)`` with the window as flash_attn
+        resolves it (-1 for an unbounded side, causal: right = 0) and ALiBi's geometric slopes."""
+        opts, d = {**self.defaults, **params["opts"]}, params["dims"]
+        window = resolve_window(opts["causal"], tuple(opts["window_size"]), d["Lk"])
+        slopes = None
+        if opts["alibi"] is not None:
+            shape = (d["heads"],) if opts["alibi"] == "heads" else (d["batch"], d["heads"])
+            slopes = 2.0 ** (-8.0 * torch.arange(1, math.prod(shape) + 1, device=DEVICE) / math.prod(shape))
+            slopes = slopes.reshape(shape)
 
         def run(q, k, v):
-            return fn(q, k, v, opts["causal"], opts["softmax_scale"])
+            return fn(q, k, v, opts["causal"], opts["softmax_scale"], window, opts["softcap"], slopes)
         return run
 
     def ours(self, params):
-        return self.call(params, lambda q, k, v, causal, scale: attention(q, k, v, softmax_scale=scale, causal=causal,
-                                                                         return_lse=True))
+        return self.call(params, lambda q, k, v, causal, scale, window, softcap, slopes: attention(
+            q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True))
 
     def small(self):
         return [dict(dims=dict(batch=2, Lq=size(gpu=77, cpu=19), Lk=size(gpu=131, cpu=23), heads=4, kv_heads=2,
                                head_dim=size(gpu=80, cpu=24)), dtype="bfloat16",
-                     opts=dict(causal=True, softmax_scale=None),
+                     opts=dict(self.defaults, causal=True, window_size=[9, -1], alibi="heads"),
                      layouts=dict(q="transposed", k="strided", v="expanded")),
                 dict(dims=dict(batch=1, Lq=size(gpu=65, cpu=17), Lk=size(gpu=65, cpu=17), heads=2, kv_heads=1,
                                head_dim=size(gpu=256, cpu=16)), dtype="float32",
-                     opts=dict(causal=False, softmax_scale=-0.7),
+                     opts=dict(self.defaults, softmax_scale=-0.7, softcap=5.0, window_size=[20, 3]),
                      layouts=dict(q="offset", k="reversed", v="contiguous"))]
 
     def judge(self, params, leaves, seed):
         verdict, dtype = Verdict(), DTYPES[params["dtype"]]
 
-        def ref(q, k, v, causal, scale):
-            return naive_attention(q.double(), k.double(), v.double(), causal, scale)
+        def ref(q, k, v, causal, scale, window, softcap, slopes):
+            return naive_attention(q.double(), k.double(), v.double(), causal, scale, window, softcap,
+                                   None if slopes is None else slopes.double())
         fn, same_fn, ref_fn = self.ours(params), self.call(params, naive_attention), self.call(params, ref)
         with torch.no_grad():
             args = self.views(params, leaves)
