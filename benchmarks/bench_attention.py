@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py --json attention.json   # the table (GPU)
     python benchmarks/bench_attention.py --tune                  # sweep the kernels' tile configs
+    python benchmarks/bench_attention.py --features --json f.json  # windows, softcap, ALiBi (GPU)
 
 FLOPs are counted as FlashAttention counts them: 4*B*H*N^2*d forward (two matmuls), halved when
 causal, and 2.5x that backward (five matmuls). Peers, timed in the same run: SDPA's flash backend
@@ -153,15 +154,101 @@ def tune(seqlen, head_dims):
                                                   config=cfg), flops_bwd)
 
 
+def flex_attention_peer(causal, window_left=-1, softcap=0.0, slopes=None):
+    """PyTorch's FlexAttention (compiled) with the same mask and score modification, or None where
+    this torch has none: the peer that takes windows, soft-capping and ALiBi without a dense bias."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        seen = q_idx >= kv_idx if causal else q_idx >= 0
+        return seen & (q_idx - kv_idx <= window_left) if window_left >= 0 else seen
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if slopes is not None:
+            score = score - slopes[h] * (q_idx - kv_idx).abs()
+        return score
+
+    block_masks = {}  # built once per length, outside the timed calls
+
+    def run(q, k, v):
+        seqlen = q.shape[1]
+        if (causal or window_left >= 0) and seqlen not in block_masks:
+            block_masks[seqlen] = create_block_mask(mask_mod, None, None, seqlen, seqlen, device=DEVICE)
+        block_mask = block_masks.get(seqlen)
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask,
+                       score_mod=score_mod if softcap > 0 or slopes is not None else None)
+        return out.transpose(1, 2)
+    return run
+
+
+def feature_cases():
+    """(case, batch, seqlen, our kwargs, flex peer kwargs). The windowed case and the dense causal one
+    at a quarter of its length and four times its batch hold the same tokens, and their queries see
+    about as many keys each (4096); so a window's cost should follow its width, not seqlen^2."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, device=DEVICE) / HEADS)
+    long, width = size(gpu=32768, cpu=128), size(gpu=4096, cpu=16)
+    cases = [("dense causal", 4, long // 4, dict(causal=True), dict(causal=True)),
+             (f"window ({width}, 0)", 1, long, dict(causal=True, window_size=(width, 0)),
+              dict(causal=True, window_left=width))]
+    for narrow in (width // 8, width // 2):
+        cases.append((f"window ({narrow}, 0)", 1, long, dict(causal=True, window_size=(narrow, 0)),
+                      dict(causal=True, window_left=narrow)))
+    n = size(gpu=4096, cpu=64)
+    cases += [("dense", 4, n, dict(), dict(causal=False)),
+              ("softcap 30", 4, n, dict(softcap=30.0), dict(causal=False, softcap=30.0)),
+              ("alibi", 4, n, dict(alibi_slopes=slopes), dict(causal=False, slopes=slopes))]
+    return cases
+
+
+def run_features(head_dims):
+    from mamba_annotated import attention
+
+    rows = []
+    for head_dim in head_dims:
+        for case, batch, seqlen, ours_kwargs, flex_kwargs in progress(feature_cases(), "features "):
+            shape = (batch, seqlen, HEADS, head_dim)
+            q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            grad_out = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
+            peers = {"ours": lambda q, k, v, kw=ours_kwargs: attention(q, k, v, **kw),
+                     "flex": flex_attention_peer(**flex_kwargs)}
+            for name, fn in peers.items():
+                if fn is None:
+                    continue
+                try:
+                    fwd_ms, bwd_ms = time_forward_backward(fn, q, k, v, grad_out)
+                except Exception as e:  # a peer that cannot run this case is reported, not fatal
+                    print(f"\n{name} {case} d={head_dim}: {type(e).__name__}: {str(e)[:160]}", file=sys.stderr)
+                    continue
+                rows.append(dict(d=head_dim, case=case, batch=batch, N=seqlen, impl=name, fwd_ms=fwd_ms,
+                                 bwd_ms=bwd_ms))
+            del q, k, v, grad_out
+    print(f"device: {device_name()}; bfloat16, heads {HEADS}")
+    print_table(rows)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--tune", action="store_true", help="sweep tile configs instead")
+    parser.add_argument("--features", action="store_true", help="windows, softcap and ALiBi against FlexAttention")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=size(gpu=[1024, 4096, 16384], cpu=[64]))
     args = parser.parse_args()
     if args.tune:
         tune(size(gpu=4096, cpu=64), args.head_dims)
+        return
+    if args.features:
+        rows = run_features(args.head_dims)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=device_name(), heads=HEADS, dtype="bfloat16", rows=rows), f, indent=1)
         return
     rows = run_table(args.seqlens, args.head_dims)
     if args.json:

@@ -19,7 +19,8 @@
 #
 # - how an *{term}`online softmax`* computes attention in one sweep over the keys, and why one float per query row, the {term}`log-sum-exp`, is all the backward pass needs to rebuild any tile of the attention matrix;
 # - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (`split`: two kernels; `fused`: one kernel; `atomic`: atomic adds into $dQ$), measured against each other;
-# - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one.
+# - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one;
+# - how sliding windows, soft-capping and ALiBi change the scores, what they do to the gradient, and why a window's cost follows its width rather than $L^2$.
 #
 # :::{admonition} Notation
 # | symbol | meaning |
@@ -41,7 +42,9 @@
 
 # %%
 import contextlib
+import json
 import math
+import pathlib
 
 import matplotlib.pyplot as plt
 import torch
@@ -53,7 +56,8 @@ from mamba_annotated.attention import attention
 from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel, backward_config, dkdv_program,
                                                 dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
-from mamba_annotated.attention.reference import attention_ref, naive_attention
+from mamba_annotated.attention.reference import attention_ref, naive_attention, window_mask
+from mamba_annotated.attention.scores import approximate_tanh, logits2, tanh, visible
 from mamba_annotated.attention.simple import (attention_backward_simple, attention_dkdv_simple_kernel,
                                               attention_dq_simple_kernel, attention_forward_simple,
                                               attention_forward_simple_kernel)
@@ -217,7 +221,7 @@ for causal in (False, True):
 # %% [markdown]
 # ### The production kernel
 #
-# The production kernel is that loop with four changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, scales the scores before the mask and the maximum.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. The mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. And it takes any strides, grouped-query heads, unequal lengths and head dims that are not powers of two. Here it is in four pieces.
+# The production kernel is that loop with four changes. Exponentials are base 2 (`exp2` is one instruction; $e^x = 2^{x \log_2 e}$), and the factor $\tau \log_2 e$ is fused with the subtraction of the maximum into one multiply-add. (That takes the maximum of the raw scores and scales it afterwards, which is right only for $\tau > 0$; for $\tau \le 0$, allowed but rare, the `SCALE_FIRST` branch, chosen on the host, forms the scaled logits before the mask and the maximum. It is taken as well for soft-capping and ALiBi, which change the scores in ways a later multiply cannot; [a section below](attention-features) explains them and the `WINDOW_*`, `SOFTCAP` and `ALIBI` switches. With none of them set, those branches are not compiled in.) The two products $QK^\top$ and $PV$ are `tl.dot`s on 16-bit inputs with float32 accumulation; $P$ is rounded to the input dtype before the second one, as every FlashAttention does. The mask costs only where it applies: one loop walks the key blocks a row tile can see, and a scalar test per block (does the block reach past the diagonal of the tile's first row, or past the end of the keys?) decides whether the `where` runs. And it takes any strides, grouped-query heads, unequal lengths and head dims that are not powers of two. Here it is in four pieces.
 #
 # The arguments, and which tile this program owns. Causal programs are launched longest first (the last query block sees the most keys), so the short ones fill the end of the launch; with grouped-query attention, query head `head` reads key/value head `head // group`:
 
@@ -228,19 +232,19 @@ show_fragment(attention_fwd_kernel, "def attention_fwd_kernel(", "# 64-bit base 
 # The query tile, loaded once, and the three running quantities. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`):
 
 # %%
-show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# Keys [0, hi) are seen")
+show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# Keys [lo, hi) are seen")
 
 # %% [markdown]
-# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the last blocks, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0:
+# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. Causal attention is the window that is unbounded on the left and 0 on the right (`WINDOW_RIGHT` with `window_right = 0`), so the causal bounds are the lines under `if WINDOW_RIGHT`:
 
 # %%
-show_fragment(attention_fwd_kernel, "# Keys [0, hi) are seen", "# causal rows that see no key")
+show_fragment(attention_fwd_kernel, "# Keys [lo, hi) are seen", "# rows that see no key")
 
 # %% [markdown]
 # The end: $O = \tilde o / \ell$ and $\mathrm{lse} = m + \log \ell$ (back from base 2). A causal row that saw no key (more queries than keys) gets $O = 0$ and $\mathrm{lse} = +\infty$, as in flash_attn:
 
 # %%
-show_fragment(attention_fwd_kernel, "# causal rows that see no key")
+show_fragment(attention_fwd_kernel, "# rows that see no key")
 
 # %% [markdown]
 # ```{admonition} Performance notes
@@ -371,16 +375,16 @@ show_source(dkdv_query_blocks)
 # The program around it, in three pieces: which key block and key/value head it owns, with its $K$ and $V$ tiles loaded once; where the causal walk starts and which query blocks it masks, and the loop run for each query head of the group; the stores.
 
 # %%
-show_fragment(dkdv_program, "@triton.jit", "# Query blocks from lo on")
+show_fragment(dkdv_program, "@triton.jit", "# Query blocks [lo, hi) see some key")
 
 # %% [markdown]
 # The program owns keys `[start_n, start_n + BLOCK_N)` of one (batch, key/value head). The kernel that calls it, `attention_bwd_dkdv_kernel`, maps its grid to these three numbers; the one-kernel variant below maps its own. $K_j$ and $V_j$ are loaded once and stay in registers for the whole walk, beside two float32 accumulators for $dK_j$ and $dV_j$. The batch and block offsets are widened to 64 bits before they meet a stride, so tensors of more than $2^{31}$ elements are addressed correctly. The head dim needs no stride: the kernels take any strides with the last one 1. The bounds mask is applied only when the shape needs it (`EVEN_N`, `EVEN_D`, decided on the host): keys past $L_k$ load as zeros, and their rows of $dK$ and $dV$ are never stored.
 
 # %%
-show_fragment(dkdv_program, "# Query blocks from lo on", "dk_ptrs = (dk_ptr")
+show_fragment(dkdv_program, "# Query blocks [lo, hi) see some key", "dk_ptrs = (dk_ptr")
 
 # %% [markdown]
-# Which query blocks the walk visits. Without a causal mask it visits all of them (`lo = 0`) and masks none. Causal, row $i$ sees key $j$ when $j \le i + L_k - L_q$, so `start_n - causal_offset` is the first row that sees any key of the block. `lo` rounds it down to a multiple of `BLOCK_M`, so the query blocks stay aligned as `EVEN_M` assumes: when $L_q$ is a multiple of `BLOCK_M`, no block runs past the end and the loop loads without masks. `mask_until` is the first row that sees every key of the block; the blocks that start before it are the ones the diagonal crosses, and only they pay for the mask. Then the same walk runs once for each query head that reads this key/value head, `kv_head * group + g`, and adds into the same `dk` and `dv`. The sum over the group is taken in registers and no other program writes these rows of $dK$ and $dV$, so the kernel needs no atomics and its result is the same on every run.
+# Which query blocks the walk visits. Without a mask it visits all of them (`lo = 0`, `hi = seqlen_q`) and masks none. Causal, row $i$ sees key $j$ when $j \le i + L_k - L_q$ (the window's right side with `window_right = 0`), so `start_n - causal_offset` is the first row that sees any key of the block. `lo` rounds it down to a multiple of `BLOCK_M`, so the query blocks stay aligned as `EVEN_M` assumes: when $L_q$ is a multiple of `BLOCK_M`, no block runs past the end and the loop loads without masks. `mask_until` is the first row that sees every key of the block; the blocks that start before it are the ones the diagonal crosses, and only they pay for the mask. (A window's left side bounds the walk from above in the same way, `hi` and `mask_from`: see the section on windows.) Then the same walk runs once for each query head that reads this key/value head, `kv_head * group + g`, and adds into the same `dk` and `dv`. The sum over the group is taken in registers and no other program writes these rows of $dK$ and $dV$, so the kernel needs no atomics and its result is the same on every run.
 
 # %%
 show_fragment(dkdv_program, "dk_ptrs = (dk_ptr")
@@ -458,6 +462,140 @@ differing = max((runs[0] != r).sum().item() for r in runs[1:])
 print(f"atomic dQ (float32, L = {n_atomic}): up to {differing} of {runs[0].numel()} elements differ between runs")
 
 # %% [markdown]
+# (attention-features)=
+# ## Windows, soft-capping and ALiBi
+#
+# Models often change the scores before the softmax. `flash_attn_func` takes three such changes, and so does `attention`:
+#
+# - **Local (sliding-window) attention** (Longformer {cite}`beltagy2020longformer`, Mistral, the local layers of Gemma 2): each query sees only the keys within a band around its own position.
+# - **Soft-capping** (Gemma 2 {cite}`gemma2024gemma2`): the logit $\tau\, q_i \cdot k_j$ becomes $c \tanh(\tau\, q_i \cdot k_j / c)$, which is nearly unchanged for small scores and never exceeds $\pm c$.
+# - **ALiBi** {cite}`press2022alibi`: no positional embedding; instead each head $h$ subtracts a penalty proportional to the distance between query and key, with its own slope $m_h$.
+#
+# All three are rules about the *distance* of a query from a key. With the diagonal aligned to the bottom-right corner, as for the causal mask, let
+#
+# $$
+# \Delta_{ij} = i + L_k - L_q - j ,
+# $$
+#
+# so $\Delta_{ij} = 0$ for the key at the query's own position and $\Delta_{ij} > 0$ for keys in its past. A window `window_size = (left, right)` lets query $i$ see key $j$ when $-\text{right} \le \Delta_{ij} \le \text{left}$; a side given as $-1$ is unbounded. Causal attention is the window $(-1, 0)$. The logits become
+#
+# $$
+# z_{ij} = c \tanh\!\left(\frac{\tau\, q_i \cdot k_j}{c}\right) - m_h \left|\Delta_{ij}\right| ,
+# $$
+#
+# without the $\tanh$ when there is no cap and without the last term when there is no ALiBi. The softmax, the online sweep and the lse are unchanged: they only ever see $z$.
+#
+# Both kernels form $z$ the same way, in `mamba_annotated/attention/scores.py`. `logits2` returns $z \log_2 e$ (the kernels take exponentials base 2) and, when capped, the $\tanh$ itself, which the backward pass needs; `visible` is the mask.
+
+# %%
+show_source(logits2)
+show_source(visible)
+
+# %% [markdown]
+# **The gradients.** The backward pass needs $\partial z_{ij} / \partial (q_i \cdot k_j)$. Without a cap it is $\tau$, which the kernels apply once per tile of $dQ$ or $dK$. With the cap it is $\tau \left(1 - \tanh^2(\tau\, q_i \cdot k_j / c)\right)$, so each element of $dS$ is multiplied by $1 - t_{ij}^2$ before the products $dS\,K$ and $dS^\top Q$ (the `if SOFTCAP` lines of `dq_key_blocks` and `dkdv_query_blocks` above). Where the cap saturates, $t_{ij} \to \pm 1$ and the gradient through that score vanishes: capping stops large logits from growing further. The ALiBi term does not depend on $q$ or $k$, so it leaves $dS$ as it is, and the slopes get no gradient (in flash_attn neither; `attention` refuses slopes that require one rather than dropping it silently). A masked pair has $P_{ij} = 0$ and so $dS_{ij} = 0$.
+#
+# **Two $\tanh$s.** For 16-bit inputs on a GPU the kernels use the hardware's one-instruction `tanh.approx.f32`, as FlashAttention does (CUTLASS's `fast_tanh`): its relative error, about $2^{-11}$, is below what rounding $P$ to 16 bits costs anyway. For float32 inputs, and in Triton's interpreter (which has neither `libdevice` nor inline assembly), `tanh` is written out exactly. The textbook $1 - 2/(e^{2x} + 1)$ would lose the low digits of a small $x$: the result is a small difference of two numbers near 1. Writing $\tanh x = (1 - e)/(1 + e)$ with $e = e^{-2|x|}$, and computing $1 - e$ as $(1 - e) \cdot 2|x| / (-\log e)$ for small $|x|$ (Kahan's trick: the rounding error of $e$ cancels between numerator and denominator), keeps every $x$ within a few float32 units in the last place; `test_tanh_is_accurate_to_float32_rounding` checks it from $10^{-30}$ to saturation. It costs an exponential, a logarithm and two divisions per score, on the special-function units that the softmax's one `exp2` per score already keeps busy, which is why 16-bit inputs get the hardware's.
+
+# %%
+show_source(approximate_tanh)
+show_source(tanh)
+
+# %% [markdown]
+# **Skipping, not masking.** A window does not just hide keys: the kernels never load the key blocks that no row of a tile can see, so the work follows the width of the window, not $L_q \times L_k$. For the rows $[m_0, m_0 + B_M)$ of a forward (or dQ) tile, the keys seen by some row run from $m_0 + L_k - L_q - \text{left}$ (the first row's window) to $m_0 + B_M - 1 + L_k - L_q + \text{right}$ (the last row's). The loop starts at `lo`, the first of them rounded down to a block, and stops at `hi`; of those blocks, only the ones that reach past `mask_from` or start before `mask_until` hold a pair that some row does not see, and only they pay for the mask. The dK/dV walk turns the same inequalities around, $j - L_k + L_q - \text{right} \le i \le j - L_k + L_q + \text{left}$, to find the query blocks `[lo, hi)` a key block needs. The plot applies the exact rule (a tile is skipped when no pair in it is seen, unmasked when every pair is) to a causal window of 96 keys; the kernels' per-block tests produce the same classification.
+
+# %%
+def window_tile_kind(seen):
+    """'skip', 'mask' or 'full' for one tile of the (L_q, L_k) visibility matrix."""
+    return "skip" if not seen.any() else "full" if seen.all() else "mask"
+
+
+def draw_window_schedule(ax, seqlen, block_m, block_n, window, title):
+    colors = {"full": COLORS["x"], "mask": COLORS["h"], "skip": "#dddddd"}
+    seen = window_mask(seqlen, seqlen, window)
+    for m0 in range(0, seqlen, block_m):
+        for n0 in range(0, seqlen, block_n):
+            kind = window_tile_kind(seen[m0:m0 + block_m, n0:n0 + block_n])
+            ax.add_patch(Rectangle((n0, m0), block_n, block_m, facecolor=colors[kind], edgecolor="white", lw=1.5))
+    ax.plot([0, seqlen], [0, seqlen], "k--", lw=1)
+    ax.plot([0, seqlen - window[0]], [window[0], seqlen], "k:", lw=1)
+    ax.set(xlim=(0, seqlen), ylim=(seqlen, 0), title=title, xlabel="keys", ylabel="queries", aspect="equal")
+
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 4.5))
+draw_window_schedule(axes[0], 512, 64, 32, (96, 0), "forward and dQ tiles\n(64 queries x 32 keys)")
+draw_window_schedule(axes[1], 512, 32, 64, (96, 0), "dK, dV tiles\n(64 keys x 32 queries)")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Each feature, alone and together, against the float64 reference, forward and all three gradients, by the chapter's rule. The windows include one narrower than a block, one-sided ones and the diagonal alone ($(0, 0)$: each query sees only its own key); the last line combines causal, a window, a cap, per-batch ALiBi slopes and grouped-query heads with unequal lengths, where the first rows see no key at all.
+
+# %%
+def check_features(name, q, k, v, causal=False, **features):
+    """Forward and gradients of ``attention`` with ``features`` against float64, bounded by PyTorch."""
+    window = features.pop("window_size", (-1, -1))
+    ref_window = (window[0], 0 if causal else window[1])
+    inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
+    ours = gradients(lambda q, k, v: attention(q, k, v, causal=causal, window_size=window, **features,
+                                               return_lse=True), inputs, grad_out)
+    out, lse = attention(q, k, v, causal=causal, window_size=window, **features, return_lse=True)
+    same_out, same_lse = naive_attention(q, k, v, causal, window=ref_window, **features)
+    ref_out, ref_lse = attention_ref(q, k, v, causal, window=ref_window, **features)
+    check_within_same_computation(f"{name}, out", out, same_out, ref_out, q.dtype)
+    check_within_same_computation(f"{name}, lse", lse, same_lse, ref_lse, q.dtype)
+    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal, window=ref_window, **features),
+                     inputs, grad_out)
+    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal, window=ref_window, **features),
+                    {key: t.detach().double().requires_grad_() for key, t in inputs.items()}, grad_out)
+    for key in "qkv":
+        check_within_same_computation(f"{name}, d{key}", ours[key], same[key], ref[key], q.dtype)
+
+
+slopes = 2.0 ** (-8.0 * torch.arange(1, dims["heads"] + 1, device=runtime.DEVICE) / dims["heads"])
+check_features("window (n/8, n/8)", *make_qkv(n, n), window_size=(n // 8, n // 8))
+check_features("window (5, -1), one side", *make_qkv(n, n + 9), window_size=(5, -1))
+check_features("window (0, 0), the diagonal", *make_qkv(n, n, dtype=torch.float32), window_size=(0, 0))
+check_features("softcap 5", *make_qkv(n, n + 3, dtype=torch.float16), softcap=5.0)
+check_features("ALiBi, causal", *make_qkv(n - 5, n), causal=True, alibi_slopes=slopes)
+check_features("all: causal, window (n/4, .), softcap 10, per-batch ALiBi", *make_qkv(n + 17, n), causal=True,
+               window_size=(n // 4, 7), softcap=10.0, alibi_slopes=slopes.expand(dims["batch"], -1).contiguous())
+
+# %% [markdown]
+# One convention differs from flash_attn's CUDA kernel. When causal without a left window, that kernel adds $m_h \, j$ (the key's index) instead of $-m_h |\Delta_{ij}|$. On the keys a causal row sees, the two differ by $m_h (i + L_k - L_q)$, the same for every key of row $i$, which the softmax cancels. So the output and the gradients agree, and only the returned lse differs, by that constant. `attention` uses $-m_h |\Delta_{ij}|$ in every mode: it is the formula flash_attn applies everywhere else, and it keeps the bias near 0 on the diagonal. That matters because a float32 logit of size $m_h\, j \approx 60\,000$ (slope $\tfrac12$, $j = 120\,000$) keeps only about 0.004 of absolute precision. `test_alibi_with_causal_differs_from_flash_attn_only_in_lse_by_a_row_constant` checks the relation.
+#
+# **What the features cost** (stored run, `book/data/attention_features_bench.json`, written by `benchmarks/bench_attention.py --features`: bfloat16, 16 heads, forward and backward timed separately). The plot puts a causal window of $w$ keys on $L = 32\,768$ (batch 1) beside dense causal attention on $L = 8192$ with batch 4: the same 32 768 query tokens, each seeing about 4096 keys in the dense case and $w$ in the windowed one. If skipping works, the window of 4096 costs what the dense case costs, and narrower windows cost proportionally less.
+
+# %%
+features_bench = json.loads(pathlib.Path("data/attention_features_bench.json").read_text())
+feature_rows = [r for r in features_bench["rows"] if r["impl"] == "ours"]
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+for ax, d in zip(axes, (64, 128)):
+    rows = {r["case"]: r for r in feature_rows if r["d"] == d}
+    windows = sorted((int(case.split("(")[1].split(",")[0]), r) for case, r in rows.items()
+                     if case.startswith("window"))
+    for phase, color in (("fwd", COLORS["x"]), ("bwd", COLORS["h"])):
+        ax.plot([w for w, _ in windows], [r[f"{phase}_ms"] for _, r in windows], "o-", color=color,
+                label=f"window, L = 32768, batch 1 ({phase})")
+        ax.axhline(rows["dense causal"][f"{phase}_ms"], color=color, ls="--", lw=1,
+                   label=f"dense causal, L = 8192, batch 4 ({phase})")
+    ax.set(title=f"head dim {d}", xlabel="window width w (keys)", ylabel="ms")
+axes[0].legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+for d in (64, 128):
+    rows = {r["case"]: r for r in feature_rows if r["d"] == d}
+    dense, window, plain = rows["dense causal"], rows["window (4096, 0)"], rows["dense"]
+    print(f"head dim {d}, time against dense attention over the same tokens:")
+    for name, row, base in (("window 4096, L = 32768", window, dense), ("softcap 30", rows["softcap 30"], plain),
+                            ("ALiBi", rows["alibi"], plain)):
+        print(f"  {name}: forward {row['fwd_ms'] / base['fwd_ms']:.2f}x, backward {row['bwd_ms'] / base['bwd_ms']:.2f}x")
+print(f"({features_bench['device']})")
+
+# %% [markdown]
+# SPEED_VERDICT_PLACEHOLDER
+
+# %% [markdown]
 # ## Memory
 #
 # What a forward pass keeps for the backward pass, measured with `torch.autograd.graph.saved_tensors_hooks` (every distinct storage saved, inputs included): naive attention keeps the $L \times L$ probabilities, this kernel keeps $Q, K, V, O$ and the lse, as does PyTorch's SDPA when it picks a flash backend. On a GPU the cell also reports the peak memory of a forward and backward pass above the inputs.
@@ -515,8 +653,6 @@ plt.show()
 # `benchmarks/bench_attention.py` also measures the peak memory of a whole forward and backward pass above the inputs, at its longest length ($L = 16384$, batch 4, 16 heads, bfloat16), beside SDPA's backends. When its JSON is beside the book, the next cell shows those numbers and the GPU they were measured on:
 
 # %% tags=["nbval-ignore-output"]
-import json  # noqa: E402
-import pathlib  # noqa: E402
 
 results = pathlib.Path("data/attention_bench.json")  # written by benchmarks/bench_attention.py --json
 if results.is_file():
@@ -608,7 +744,7 @@ plt.show()
 #
 # ## What we have
 #
-# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns; dropout, local (sliding-window) attention, soft-capping and ALiBi raise `NotImplementedError`.
+# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping and ALiBi work forward and backward, alone or together; dropout raises `NotImplementedError`.
 #
 # The [last chapter](08_models.ipynb) puts this kernel, the selective scan and the SSD chunk scan into blocks of real models, trains them side by side, and generates text with them.
 #

@@ -38,7 +38,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
-from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, visible
+from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, softcap_mode, visible
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -401,7 +401,7 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window=(-1, -1
     alibi = lse if alibi_slopes is None else alibi_slopes  # a pointer never read without ALiBi
     common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, *logit_scales(softmax_scale, softcap), softmax_scale,
               *window)
-    flags = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap > 0,
+    flags = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
                  ALIBI=alibi_slopes is not None, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
                  BLOCK_D=block_d)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](

@@ -45,7 +45,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, mm
-from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, visible
+from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, softcap_mode, visible
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -195,7 +195,8 @@ def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, a
         q, k, v, out, lse, lse if alibi_slopes is None else alibi_slopes,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *alibi_strides(alibi_slopes),
         seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, *logit_scales(softmax_scale, softcap), *window,
-        WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap > 0, ALIBI=alibi_slopes is not None,
+        WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
+        ALIBI=alibi_slopes is not None,
         SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None,
         EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d,
         PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,

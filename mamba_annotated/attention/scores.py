@@ -14,10 +14,16 @@ The kernels take exponentials base 2, so :func:`logits2` returns the logits time
 host folds log2(e) into ``qk_scale`` (no softcap) or into ``cap2 = c * log2(e)`` (softcap, where
 ``qk_scale = scale / c`` is the argument of tanh) and into the kernel's ALiBi slope.
 """
+import torch
 import triton
 import triton.language as tl
 
+from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E
+
+# How the cap's tanh is computed (the kernels' SOFTCAP constexpr): not at all, exactly, or by the
+# GPU's approximate instruction
+NO_SOFTCAP, EXACT_TANH, APPROXIMATE_TANH = (tl.constexpr(mode) for mode in range(3))
 
 
 @triton.jit
@@ -36,11 +42,22 @@ def tanh(x):
 
 
 @triton.jit
+def approximate_tanh(x):
+    """The GPU's one-instruction ``tanh.approx.f32`` (relative error about 2^-11): FlashAttention's
+    choice for the cap, accurate enough for logits of 16-bit inputs, whose P is rounded to 16 bits."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def logits2(qk, distance, qk_scale, cap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """(s, t) for a tile of products qk: s the base-2 logits, t = tanh(scale * qk / c) when soft-capped
-    (the backward pass needs 1 - t^2) and qk itself otherwise. ``distance`` is a tile (or a
-    broadcastable pair of vectors) of query-key distances, read only with ALiBi."""
-    if SOFTCAP:
+    (the backward pass needs 1 - t^2) and qk itself otherwise. ``SOFTCAP`` is a :func:`softcap_mode`.
+    ``distance`` is a tile (or a broadcastable pair of vectors) of query-key distances, read only
+    with ALiBi."""
+    if SOFTCAP == APPROXIMATE_TANH:
+        t = approximate_tanh(qk * qk_scale)
+        s = t * cap2
+    elif SOFTCAP == EXACT_TANH:
         t = tanh(qk * qk_scale)
         s = t * cap2
     else:
@@ -71,6 +88,16 @@ def alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI: tl.constex
     else:
         slope2 = 0.0
     return slope2
+
+
+def softcap_mode(softcap: float, dtype: torch.dtype) -> int:
+    """The kernels' SOFTCAP: none for softcap <= 0; the hardware tanh for 16-bit inputs on a GPU
+    (one instruction instead of the exact :func:`tanh`'s exponential, logarithm and two divisions,
+    on the units the softmax's exp2 keeps busy); the exact one for float32 and in the interpreter,
+    which has no inline assembly."""
+    if softcap <= 0:
+        return NO_SOFTCAP.value
+    return EXACT_TANH.value if INTERPRETED or dtype == torch.float32 else APPROXIMATE_TANH.value
 
 
 def logit_scales(softmax_scale: float, softcap: float) -> tuple[float, float]:
