@@ -15,9 +15,11 @@ Kernels
         element, so the result is deterministic and needs no atomics.
     dQ: a program owns BLOCK_M queries of one (batch, head) and walks the key blocks; it, too, is
         the only writer of its elements. The backward pass is therefore bitwise reproducible.
-    Causal: tiles wholly above the diagonal are skipped; each loop tests per block whether the
-    diagonal crosses it, and only then applies the mask (one loop per kernel: Triton gives every
-    loop its own pipeline buffers in shared memory). Two other schedules of the same loops, one
+    Windows (causal is the window (unbounded, 0); see :mod:`.forward`): tiles that no pair of
+    the window reaches are skipped; each loop tests per block whether an edge of the window
+    crosses it, and only then applies the mask (one loop per kernel: Triton gives every loop its
+    own pipeline buffers in shared memory). Soft-capping multiplies dS by 1 - tanh^2 of the
+    capped argument; ALiBi's bias does not depend on q or k and leaves dS as it is. Two other schedules of the same loops, one
     kernel and dQ by atomics, are chapter 7's foils (:mod:`.teaching`).
 
 Shapes: q, dq (batch, seqlen_q, heads, d), k, v, dk, dv (batch, seqlen_k, kv_heads, d), out and

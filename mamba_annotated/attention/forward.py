@@ -13,18 +13,22 @@ Algorithm (FlashAttention-2)
     (SCALE_FIRST, chosen on the host) scales the scores before the mask and the maximum instead,
     since -inf times a scale <= 0 is NaN or +inf.
 
-Masking
-    causal: query i sees key j iff j <= i + (seqlen_k - seqlen_q), the diagonal aligned to the
-    bottom-right corner as in FlashAttention >= 2.1. Key blocks wholly right of the diagonal are
-    never loaded; key blocks wholly left of it run without the causal mask; only the blocks the
-    diagonal crosses pay for it. The bounds masks (seqlen not a multiple of the block, head_dim not a
-    power of two) are compiled in only when needed (EVEN_* constexprs). It is one loop with a
-    scalar test per block, not an unmasked loop followed by a masked one: with Triton 3.6 two
-    loops got two sets of pipeline buffers (256 KiB of shared memory at head dim 128, over the
-    limit) and, at head dim 64, 255 registers with 200 spilled, which made causal attention
-    several times slower than this loop. Causal programs start with the last query block, which
-    sees the most keys. A row that sees no key (causal with seqlen_q > seqlen_k) gets out = 0 and,
-    as in flash_attn, lse = +inf, so that the backward pass rebuilds its P as exp(S - inf) = 0.
+Masking, windows, soft-capping, ALiBi (:mod:`.scores`)
+    Query i sees key j iff -right <= distance <= left, distance = i + (seqlen_k - seqlen_q) - j
+    (the diagonal aligned to the bottom-right corner, as in FlashAttention >= 2.1); an unbounded
+    side is not tested (WINDOW_LEFT / WINDOW_RIGHT, chosen on the host). Causal attention is the
+    window (unbounded, 0). A program loads only the key blocks [lo, hi) that some row of its tile
+    sees, so a window costs what it covers, not seqlen_k; of those, only the blocks an edge of the
+    window (or the end of the keys) crosses pay for the mask. The bounds masks (seqlen not a
+    multiple of the block, head_dim not a power of two) are compiled in only when needed (EVEN_*
+    constexprs). It is one loop with a scalar test per block, not an unmasked loop followed by a
+    masked one: with Triton 3.6 two loops got two sets of pipeline buffers (256 KiB of shared
+    memory at head dim 128, over the limit) and, at head dim 64, 255 registers with 200 spilled,
+    which made causal attention several times slower than this loop. Causal programs start with
+    the last query block, which sees the most keys. A row that sees no key gets out = 0 and, as in
+    flash_attn, lse = +inf, so that the backward pass rebuilds its P as exp(S - inf) = 0.
+    Soft-capping replaces the logit scale * q.k by c * tanh(scale * q.k / c), and ALiBi subtracts
+    slope * |distance|; both form the logits whole before the maximum (SCALE_FIRST).
 
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
 strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
@@ -35,7 +39,8 @@ step.
 
 Bytes moved (element size s, H heads): q and out once, 2*B*Nq*H*d*s; k and v once per query block,
 2*B*Nk*H*d*s*ceil(Nq/BLOCK_M) (mostly hits in L2); lse 4*B*H*Nq. FLOPs 4*B*H*Nq*Nk*d, about half
-that causal: the kernel is bound by the tensor cores, not by memory.
+that causal, about 4*B*H*Nq*w*d for a window w keys wide: the kernel is bound by computation, not
+by memory.
 """
 import torch
 import triton
