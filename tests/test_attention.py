@@ -151,6 +151,18 @@ def test_softcap(softcap, softmax_scale, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("softcap, causal", [(30.0, False), (50.0, True)])
+def test_softcap_saturated(softcap, causal, dtype):
+    """Caps of the size models use (Gemma 2: 50) on scores of that size, so that tanh saturates:
+    on a GPU, 16-bit inputs go through the hardware's approximate tanh, whose error moves a
+    saturated logit by up to softcap * 2^-11."""
+    n = 300 if ON_GPU else 37
+    q, k, v = make_qkv(1, n, n + 5, 4, 2, 32, dtype)
+    q = (q.float() * 2.0 * softcap).to(dtype)  # scores of about 2 softcap: tanh(2) = 0.96
+    check_all(q, k, v, causal, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("per_batch", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi(per_batch, causal, dtype):
