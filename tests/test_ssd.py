@@ -370,9 +370,20 @@ def test_state_dtype_sets_the_dtype_of_the_returned_and_stored_states():
         assert (final.dtype, varlen.dtype) == (state_dtype, state_dtype)
         assert_close(final, ref_final, tolerance(torch.bfloat16), "final_states")
         assert_close(varlen, ref_varlen, tolerance(torch.bfloat16), "varlen_states")
-    # states stored in float32: the gradients are still right
-    check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=16, seq_idx=seq_idx, state_dtype=torch.float32),
-                        lambda **a: ssd_quadratic_ref(**a, seq_idx=seq_idx), inputs, torch.bfloat16)
+    # States stored in float32: the gradients are still right. In a problem this small a fixed
+    # bound fails for some draws (dA and d dt_bias sum 24 bfloat16 terms of both signs, which can
+    # cancel to near 0: 7 of 300 seeds failed, up to a relative error of 1.07; one seed in 80 put
+    # d dt at 1.06e-2), so each gradient may also be up to twice the default path's error on the
+    # same draw.
+    differentiable = {k: (v.requires_grad_() if k in ALL_GRADS else v) for k, v in inputs.items()}
+
+    def errors(**kw):
+        return assert_gradients_close(lambda **a: ssd_chunk_scan(**a, chunk_size=16, seq_idx=seq_idx, **kw),
+                                      lambda **a: ssd_quadratic_ref(**a, seq_idx=seq_idx), differentiable, tol=math.inf)
+    default, stored32 = errors(), errors(state_dtype=torch.float32)
+    for name, err in stored32.items():
+        bound = max(grad_tol(name, torch.bfloat16), 2 * default[name])
+        assert err < bound, f"grad {name}: relative error {err:.3e} (default state dtype: {default[name]:.3e})"
 
 
 def test_initial_states_belong_to_sequence_zero():
