@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mamba_annotated.attention.backward import attention_backward, backward_config
 from mamba_annotated.attention.forward import attention_forward, forward_config
+from mamba_annotated.attention.reference import geometric_alibi_slopes
 from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.bench import format_table, matmul_tflops, median_ms, print_table, progress, tflops
 from mamba_annotated.runtime import DEVICE, device_name, size
@@ -191,7 +192,7 @@ def feature_cases():
     """(case, batch, seqlen, our kwargs, flex peer kwargs). The windowed case and the dense causal one
     at a quarter of its length and four times its batch hold the same tokens, and their queries see
     about as many keys each (4096); so a window's cost should follow its width, not seqlen^2."""
-    slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, device=DEVICE) / HEADS)
+    slopes = geometric_alibi_slopes(HEADS, DEVICE)
     long, width = size(gpu=32768, cpu=128), size(gpu=4096, cpu=16)
     cases = [("dense causal", 4, long // 4, dict(causal=True), dict(causal=True)),
              (f"window ({width}, 0)", 1, long, dict(causal=True, window_size=(width, 0)),

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from mamba_annotated.attention import api, attention
 from mamba_annotated.attention.api import attention_op
-from mamba_annotated.attention.reference import attention_ref, causal_mask, naive_attention
+from mamba_annotated.attention.reference import attention_ref, causal_mask, geometric_alibi_slopes, naive_attention
 from mamba_annotated.attention.scores import tanh
 from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.runtime import DEVICE
@@ -118,8 +118,7 @@ def test_softmax_scale_zero_and_negative_included(softmax_scale, causal, dtype):
 def alibi(*shape):
     """Slopes as in ALiBi's geometric series, shuffled so that heads differ in order too."""
     n = math.prod(shape)
-    slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / n) for i in range(n)], dtype=torch.float32)
-    return slopes[torch.randperm(n)].reshape(shape).to(DEVICE)
+    return geometric_alibi_slopes(n, DEVICE)[torch.randperm(n, device=DEVICE)].reshape(shape)
 
 
 # (seqlen_q, seqlen_k): square, more keys than queries, more queries than keys (rows that see nothing)

@@ -37,6 +37,11 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return window_mask(seqlen_q, seqlen_k, (-1, 0), device)
 
 
+def geometric_alibi_slopes(n: int, device=None) -> torch.Tensor:
+    """ALiBi's slopes for n heads, float32: the geometric series 2^(-8 h / n), h = 1..n, of its paper."""
+    return 2.0 ** (-8.0 * torch.arange(1, n + 1, dtype=torch.float32, device=device) / n)
+
+
 def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
     """softmax(logits) v in q's dtype; returns (out, lse) in flash_attn's layout.
 

@@ -28,7 +28,7 @@ import torch
 from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, selective_scan, sequential_scan
 from mamba_annotated import ssd_chunk_scan
 from mamba_annotated.attention.api import resolve_window
-from mamba_annotated.attention.reference import naive_attention
+from mamba_annotated.attention.reference import geometric_alibi_slopes, naive_attention
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import bidirectional_ref
 from mamba_annotated.runtime import DEVICE, size
@@ -677,8 +677,7 @@ class Attention(Op):
         slopes = None
         if opts["alibi"] is not None:
             shape = (d["heads"],) if opts["alibi"] == "heads" else (d["batch"], d["heads"])
-            slopes = 2.0 ** (-8.0 * torch.arange(1, math.prod(shape) + 1, device=DEVICE) / math.prod(shape))
-            slopes = slopes.reshape(shape)
+            slopes = geometric_alibi_slopes(math.prod(shape), DEVICE).reshape(shape)
 
         def run(q, k, v):
             return fn(q, k, v, opts["causal"], opts["softmax_scale"], window, opts["softcap"], slopes)
