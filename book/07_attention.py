@@ -57,7 +57,9 @@ from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel,
                                                 dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, naive_attention, window_mask
-from mamba_annotated.attention.scores import approximate_tanh, logits2, tanh, visible
+from mamba_annotated.attention.api import resolve_window
+from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes
+from mamba_annotated.attention.scores import approximate_tanh, dropout_keep, key_range, logits2, tanh, visible
 from mamba_annotated.attention.simple import (attention_backward_simple, attention_dkdv_simple_kernel,
                                               attention_dq_simple_kernel, attention_forward_simple,
                                               attention_forward_simple_kernel)
@@ -232,16 +234,22 @@ show_fragment(attention_fwd_kernel, "def attention_fwd_kernel(", "# 64-bit base 
 # The query tile, loaded once, and the three running quantities. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`):
 
 # %%
-show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# Keys [lo, hi) are seen")
+show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# One loop over the key blocks")
 
 # %% [markdown]
-# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. Causal attention is the window that is unbounded on the left and 0 on the right (`WINDOW_RIGHT` with `window_right = 0`), so the causal bounds are the lines under `if WINDOW_RIGHT`:
+# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. (The `if DROPOUT` lines belong to [dropout](attention-dropout), later in the chapter.)
 
 # %%
-show_fragment(attention_fwd_kernel, "# Keys [lo, hi) are seen", "# rows that see no key")
+show_fragment(attention_fwd_kernel, "# One loop over the key blocks", "# rows that see no key")
 
 # %% [markdown]
-# The end: $O = \tilde o / \ell$ and $\mathrm{lse} = m + \log \ell$ (back from base 2). A causal row that saw no key (more queries than keys) gets $O = 0$ and $\mathrm{lse} = +\infty$, as in flash_attn:
+# Which key blocks the sweep visits, `[lo, hi)`, and which of them need the mask, comes from `key_range`, shared with the dQ kernel of the backward pass. Causal attention is the window that is unbounded on the left and 0 on the right (`WINDOW_RIGHT` with `window_right = 0`), so the causal bounds are the lines under `if WINDOW_RIGHT`: the last row of the tile, `start_m + BLOCK_M - 1`, sees keys up to `start_m + BLOCK_M - 1 + causal_offset`, so the sweep stops at `hi`, one past it, and the first row sees keys up to `start_m + causal_offset`, so the blocks that reach past `mask_from`, one past that, are the ones the diagonal crosses. (The left side of a window, `lo` and `mask_until`, is explained in [the section on windows](attention-features).)
+
+# %%
+show_source(key_range)
+
+# %% [markdown]
+# The end: $O = \tilde o / \ell$ and $\mathrm{lse} = m + \log \ell$ (back from base 2; with dropout $O = \tilde o / (\ell (1 - p))$). A causal row that saw no key (more queries than keys) gets $O = 0$ and $\mathrm{lse} = +\infty$, as in flash_attn:
 
 # %%
 show_fragment(attention_fwd_kernel, "# rows that see no key")
@@ -492,11 +500,11 @@ show_source(logits2)
 show_source(visible)
 
 # %% [markdown]
-# **The gradients.** The backward pass needs $\partial z_{ij} / \partial (q_i \cdot k_j)$. Without a cap it is $\tau$, which the kernels apply once per tile of $dQ$ or $dK$. With the cap it is $\tau \left(1 - \tanh^2(\tau\, q_i \cdot k_j / c)\right)$, so each element of $dS$ is multiplied by $1 - t_{ij}^2$ before the products $dS\,K$ and $dS^\top Q$ (the `if SOFTCAP` lines of `dq_key_blocks` and `dkdv_query_blocks` above). Where the cap saturates, $t_{ij} \to \pm 1$ and the gradient through that score vanishes: capping stops large logits from growing further. The ALiBi term does not depend on $q$ or $k$, so it leaves $dS$ as it is, and the slopes get no gradient (in flash_attn neither; `attention` refuses slopes that require one rather than dropping it silently). A masked pair has $P_{ij} = 0$ and so $dS_{ij} = 0$.
+# **The gradients.** The backward pass needs $\partial z_{ij} / \partial (q_i \cdot k_j)$. Without a cap it is $\tau$, which the kernels apply once per tile of $dQ$ or $dK$. With the cap it is $\tau \left(1 - \tanh^2(\tau\, q_i \cdot k_j / c)\right)$, so each element of $dS$ is multiplied by $1 - t_{ij}^2$ before the products $dS\,K$ and $dS^\top Q$ (the `if SOFTCAP` lines of `dq_key_blocks` and `dkdv_query_blocks` above; `logits2` returns that factor as `dcap`). Where $t_{ij}$ is close to $\pm 1$, $1 - t_{ij}^2$ would subtract two numbers near 1 and keep little more than the rounding error of $t_{ij}$, so the exact path computes it as $4u/(1 + u)^2$ with $u = e^{-2|x|}$, which has no subtraction. Where the cap saturates, $t_{ij} \to \pm 1$ and the gradient through that score vanishes: capping stops large logits from growing further. The ALiBi term does not depend on $q$ or $k$, so it leaves $dS$ as it is, and the slopes get no gradient (in flash_attn neither; `attention` refuses slopes that require one rather than dropping it silently). A masked pair has $P_{ij} = 0$ and so $dS_{ij} = 0$.
 #
 # **Two $\tanh$s.** For 16-bit inputs on a GPU the kernels use the hardware's one-instruction `tanh.approx.f32`, as FlashAttention does (CUTLASS's `fast_tanh`). Its relative error, about $2^{-11}$, moves a capped logit $c\,t$ by at most $c \cdot 2^{-11}$. That is the same trade FlashAttention makes, and the checks below, and `test_softcap_saturated` in `tests/test_attention.py`, hold the result to the chapter's rule: within twice PyTorch's own error in the same dtype.
 #
-# For float32 inputs, and in Triton's interpreter (which has neither `libdevice`, NVIDIA's math library, nor inline assembly), `tanh` is written out exactly. The textbook $1 - 2/(e^{2x} + 1)$ would lose the low digits of a small $x$: the result is a small difference of two numbers near 1. Instead, with $u = e^{-2|x|}$, $\tanh |x| = (1 - u)/(1 + u)$, and for $|x| < \tfrac12$ the numerator $1 - u$ is computed as $(1 - u) \cdot 2|x| / (-\log u)$. That is Kahan's trick: the rounding error of $u$ cancels between numerator and denominator. It keeps every $x$ within a few float32 units in the last place; `test_tanh_is_accurate_to_float32_rounding` checks it from $10^{-30}$ to saturation. It costs an exponential, a logarithm and two divisions per score, on the special-function units (the GPU's separate hardware for exponentials, logarithms and the like) that the softmax's one `exp2` per score already keeps busy. That is why 16-bit inputs get the hardware's.
+# For float32 inputs, and in Triton's interpreter (which has neither `libdevice`, NVIDIA's math library, nor inline assembly), `tanh` is written out exactly. The textbook $1 - 2/(e^{2x} + 1)$ would lose the low digits of a small $x$: the result is a small difference of two numbers near 1. Instead, with $u = e^{-2|x|}$, $\tanh |x| = (1 - u)/(1 + u)$, and for $|x| < \tfrac12$ the numerator $1 - u$ is computed as $(1 - u) \cdot 2|x| / (-\log u)$. That is Kahan's trick: the rounding error of $u$ cancels between numerator and denominator. For $|x| \ge \tfrac12$ it is computed as $1 - 2u/(1 + u)$, where near saturation only the last subtraction rounds noticeably; the quotient form cost up to 1.5 units in the last place there, which a cap of 50 multiplies into the logits, and a test with saturated caps caught it. It keeps every $x$ within a few float32 units in the last place; `test_tanh_is_accurate_to_float32_rounding` checks it from $10^{-30}$ to saturation. It costs an exponential, a logarithm and two divisions per score, on the special-function units (the GPU's separate hardware for exponentials, logarithms and the like) that the softmax's one `exp2` per score already keeps busy. That is why 16-bit inputs get the hardware's.
 
 # %%
 show_source(approximate_tanh)
@@ -533,28 +541,40 @@ plt.show()
 # Each feature, alone and together, against the float64 reference, forward and all three gradients, by the chapter's rule. The windows include one narrower than a block, one-sided ones and the diagonal alone ($(0, 0)$: each query sees only its own key). Every line has grouped-query heads, as in the checks above; the last combines causal, a window, a cap, per-batch ALiBi slopes and unequal lengths, where the first rows see no key at all.
 
 # %%
-def check_features(name, q, k, v, causal=False, **features):
-    """Forward and gradients of ``attention`` with ``features`` against float64, bounded by PyTorch."""
-    window = features.pop("window_size", (-1, -1))
-    ref_window = (window[0], 0 if causal else window[1])
+def run_seeded(fn, seed=1):
+    """fn() after torch.manual_seed(seed), leaving the generators' state as it was: with dropout
+    (a later section), every call draws the same mask."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return fn()
+
+
+def check_features(name, q, k, v, causal=False, window_size=(-1, -1), **features):
+    """Forward and gradients of ``attention`` with ``features`` against float64, bounded by PyTorch.
+    The references take the window as ``attention`` resolves it (causal sets right = 0) and, with
+    dropout, the mask the kernels drew, which ``attention`` marks in S_dmask."""
+    def run(q, k, v, **extra):
+        return run_seeded(lambda: attention(q, k, v, causal=causal, window_size=window_size, **features, **extra))
+
+    reference_features = dict(features, window=resolve_window(causal, window_size, k.shape[1]))
+    if features.get("dropout_p", 0.0) > 0:
+        reference_features["dropout_mask"] = run(q, k, v, return_attn_probs=True)[2] >= 0
     inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
-    ours = gradients(lambda q, k, v: attention(q, k, v, causal=causal, window_size=window, **features,
-                                               return_lse=True), inputs, grad_out)
-    out, lse = attention(q, k, v, causal=causal, window_size=window, **features, return_lse=True)
-    same_out, same_lse = naive_attention(q, k, v, causal, window=ref_window, **features)
-    ref_out, ref_lse = attention_ref(q, k, v, causal, window=ref_window, **features)
+    ours = gradients(run, inputs, grad_out)
+    out, lse = run(q, k, v, return_lse=True)
+    same_out, same_lse = naive_attention(q, k, v, causal, **reference_features)
+    ref_out, ref_lse = attention_ref(q, k, v, causal, **reference_features)
     check_within_same_computation(f"{name}, out", out, same_out, ref_out, q.dtype)
     check_within_same_computation(f"{name}, lse", lse, same_lse, ref_lse, q.dtype)
-    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal, window=ref_window, **features),
-                     inputs, grad_out)
-    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal, window=ref_window, **features),
+    same = gradients(lambda q, k, v: naive_attention(q, k, v, causal, **reference_features), inputs, grad_out)
+    ref = gradients(lambda q, k, v: attention_ref(q, k, v, causal, **reference_features),
                     {key: t.detach().double().requires_grad_() for key, t in inputs.items()}, grad_out)
     for key in "qkv":
         check_within_same_computation(f"{name}, d{key}", ours[key], same[key], ref[key], q.dtype)
 
 
-slopes = 2.0 ** (-8.0 * torch.arange(1, dims["heads"] + 1, device=runtime.DEVICE) / dims["heads"])
+slopes = geometric_alibi_slopes(dims["heads"], runtime.DEVICE)
 check_features("window (n/8, n/8)", *make_qkv(n, n), window_size=(n // 8, n // 8))
 check_features("window (5, -1), one side", *make_qkv(n, n + 9), window_size=(5, -1))
 check_features("window (0, 0), the diagonal", *make_qkv(n, n, dtype=torch.float32), window_size=(0, 0))
@@ -602,6 +622,72 @@ print(f"({features_bench['device']})")
 # - **Soft-capping** costs 23–37 % forward and 30–40 % backward, with the hardware $\tanh$. An earlier run of the same benchmark, with the exact $\tanh$ for every dtype, measured 4.5–5.9× the dense forward time; that is why 16-bit inputs now use the hardware's. (The stored file holds only the later run.)
 #
 # Beside FlexAttention (PyTorch's compiled attention with a block mask and a score modification, the same run, head dim 64), ours was faster in every case but one: the windows by 6–12 % forward, soft-capping 2.5× forward and 2.1× backward. FlexAttention's ALiBi forward was 1 % faster. At head dim 128, FlexAttention's cases without a block mask (dense, soft-capping, ALiBi) ran 35–36× slower than ours forward and 17–20× backward; its dense causal case ran normally (1.2× our forward time, 0.88× our backward time: faster than ours there), and its windowed cases did not run. Neither anomaly was investigated, so the plot leaves FlexAttention out.
+
+# %% [markdown]
+# (attention-dropout)=
+# ## Dropout
+#
+# Dropout {cite}`srivastava2014dropout` on the attention probabilities zeroes each $P_{ij}$ with probability $p$ and divides the ones it keeps by $1 - p$, so that on average the output is unchanged:
+#
+# $$
+# O = (P \circ Z)\, V, \qquad Z_{ij} = \frac{M_{ij}}{1 - p}, \qquad M_{ij} = \begin{cases} 1 & \text{with probability } 1 - p \\ 0 & \text{with probability } p \end{cases}
+# $$
+#
+# with every $M_{ij}$ drawn independently. The usual implementation draws $M$ as an $L_q \times L_k$ tensor and keeps it for the backward pass: exactly the matrix this chapter refuses to store. Here the mask is a *function* instead. A counter-based generator (Philox {cite}`salmon2011random`, which Triton provides as `tl.rand`) turns a seed and a counter into a random number with no state in between: the same (seed, counter) gives the same number, on any program, in any order. Give the pair $(i, j)$ of head $h$ in batch row $b$ the counter $((b H + h) L_q + i) L_k + j$, its index in the (batch, heads, $L_q$, $L_k$) matrix of probabilities, and keep it iff its number is at least $p$. Then the forward kernel can draw $M$ tile by tile, and the backward kernels draw the very same bits again in their own tiles (the dK/dV kernel's are transposed) without anything being stored.
+
+# %%
+show_source(dropout_keep)
+
+# %% [markdown]
+# What changes in the kernels (the `if DROPOUT` lines above):
+#
+# - **Forward.** The softmax is normalised before dropout, so the running sum $\ell$ still adds every $p_{ij}$ and the lse is the lse of $P$, not of the dropped probabilities; only the accumulator $\tilde o$ skips the dropped ones. At the end $O = \tilde o / (\ell\,(1 - p))$.
+# - **Backward.** $dV = (P \circ Z)^\top dO$, and the gradient with respect to $P$ is $(dO\, V^\top) \circ Z$. The row sum in $dS = P \circ (dP - \delta)$ is still $\delta_i = \sum_j P_{ij}\, dP_{ij} = dO_i \cdot \sum_j P_{ij} Z_{ij} V_j = dO_i \cdot O_i$, the same `rowsum(dO * O)` as without dropout.
+#
+# The seed is drawn from PyTorch's generator of `q`'s device at every call, as a one-element tensor the kernels read. So `torch.manual_seed` reproduces a mask, the draw does not wait for the GPU (a Python number would have to be copied back from it), and a compiled graph or a replayed CUDA graph draws a new mask at each call instead of freezing one. The mask is not flash_attn's, which uses its own counters; only its distribution is the same.
+#
+# To test this, `attention(..., dropout_p=p, return_attn_probs=True)` returns, as flash_attn does, the probabilities with the dropped entries negated (`S_dmask`). A third kernel, `mamba_annotated/attention/probabilities.py`, rebuilds them the way the backward pass does, so `S_dmask >= 0` is the mask the other two kernels drew, and a float64 reference can apply it. The picture shows one head of a small causal example: the probabilities kept, those dropped, and the pairs the mask hides.
+
+# %%
+dropout_p = 0.3
+qd, kd, vd = make_qkv(48, 48, dtype=torch.float32)
+_, _, s_dmask = run_seeded(lambda: attention(qd, kd, vd, dropout_p, causal=True, return_attn_probs=True))
+probs = s_dmask[0, 0].abs().cpu()
+kept = (s_dmask[0, 0] >= 0).cpu() & (probs > 0)
+fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
+axes[0].imshow(probs, cmap="viridis")
+axes[0].set(title="probabilities P (one head)", xlabel="keys", ylabel="queries")
+axes[1].imshow(torch.where(probs == 0, 0.5, kept.float()), cmap="gray", vmin=0, vmax=1)
+axes[1].set(title=f"kept (white), dropped (black), hidden (grey)\np = {dropout_p}", xlabel="keys")
+plt.tight_layout()
+plt.show()
+visible_pairs = window_mask(48, 48, (-1, 0), device)
+kept_fraction = (s_dmask >= 0)[..., visible_pairs].double().mean().item()
+print(f"kept {kept_fraction:.3f} of {visible_pairs.sum().item() * s_dmask.shape[0] * s_dmask.shape[1]} "
+      f"visible pairs (expected {1 - dropout_p})")
+
+# %% [markdown]
+# The checks: the magnitudes in `S_dmask` against float64 probabilities, then output, lse and the three gradients against float64 with the mask from `S_dmask` (`check_features` above, every call of `attention` seeded alike, so the forward and the backward pass draw that mask), by the chapter's rule. The last line adds every other feature.
+
+# %%
+def check_dropout(name, q, k, v, dropout_p, causal=False, window_size=(-1, -1), **features):
+    """S_dmask's probabilities against float64, then check_features with dropout."""
+    _, _, s_dmask = run_seeded(lambda: attention(q, k, v, dropout_p, causal=causal, window_size=window_size,
+                                                 **features, return_attn_probs=True))
+    window = resolve_window(causal, window_size, k.shape[1])
+    same_probs, ref_probs = (torch.softmax(attention_logits(a, b, causal, None, window, **features), -1).nan_to_num(0.0)
+                             for a, b in ((q, k), (q.double(), k.double())))
+    check_within_same_computation(f"{name}, |S_dmask|", s_dmask.abs(), same_probs, ref_probs, q.dtype)
+    check_features(name, q, k, v, causal, window_size, dropout_p=dropout_p, **features)
+
+
+check_dropout("dropout 0.1", *make_qkv(n, n + 7), 0.1)
+check_dropout("dropout 0.5, causal, float16", *make_qkv(n - 9, n, dtype=torch.float16), 0.5, causal=True)
+check_dropout("dropout 0.2 with causal, window, softcap, ALiBi", *make_qkv(n + 17, n), 0.2, causal=True,
+              window_size=(n // 4, 7), softcap=10.0, alibi_slopes=slopes)
+
+# %% [markdown]
+# The tests (`tests/test_attention.py`, the `test_dropout*` functions) add every dtype, the kept fraction ($1 - p$ within five standard deviations, in every head, for $p$ = 0.1, 0.5 and 0.9), independence between heads, batch rows and query rows, bitwise reproduction under `torch.manual_seed`, a fresh mask at each call of a compiled graph, and `torch.library.opcheck`. The cost of dropout was not measured: each kept-or-dropped decision is one Philox evaluation per pair, a few dozen integer instructions, drawn once in the forward pass and twice more in the backward.
 
 # %% [markdown]
 # ## Memory
@@ -752,7 +838,7 @@ plt.show()
 #
 # ## What we have
 #
-# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping and ALiBi work forward and backward, alone or together; dropout raises `NotImplementedError`.
+# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping, ALiBi and dropout work forward and backward, alone or together; the dropout mask is a function of a seed and each pair's index, drawn again in the backward pass rather than stored.
 #
 # The [last chapter](08_models.ipynb) puts this kernel, the selective scan and the SSD chunk scan into blocks of real models, trains them side by side, and generates text with them.
 #

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from mamba_annotated.attention import api, attention
 from mamba_annotated.attention.api import attention_op
-from mamba_annotated.attention.reference import attention_ref, causal_mask, geometric_alibi_slopes, naive_attention
+from mamba_annotated.attention.reference import (attention_logits, attention_ref, causal_mask, geometric_alibi_slopes,
+                                                 naive_attention, window_mask)
 from mamba_annotated.attention.scores import tanh
 from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.runtime import DEVICE
@@ -39,14 +40,36 @@ def make_qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, dtype):
     return q, k, v
 
 
+DROPOUT_SEED = 20261123
+
+
+def seeded_attention(q, k, v, *args, **kwargs):
+    """attention after torch.manual_seed(DROPOUT_SEED): every call draws the same dropout mask."""
+    torch.manual_seed(DROPOUT_SEED)
+    return attention(q, k, v, *args, **kwargs)
+
+
 def check_all(q, k, v, causal, softmax_scale=None, backward="split", **features):
     """Output, lse and dq, dk, dv of the kernel against float64, bounded by PyTorch in q's dtype.
-    ``features``: window_size, softcap, alibi_slopes (production schedule only)."""
+    ``features``: window_size, softcap, alibi_slopes, dropout_p (production schedule only). With
+    dropout, the references apply the mask the kernel marks in S_dmask, whose probabilities are
+    checked too; every call of the kernel is seeded alike, so forward and backward draw that mask."""
     dtype = q.dtype
     reference_features = dict(features)
     if "window_size" in features:  # the reference takes the window as flash_attn resolves it
         reference_features["window"] = api.resolve_window(causal, reference_features.pop("window_size"), k.shape[1])
-    out, lse = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True, **features)
+    if features.get("dropout_p", 0.0) > 0:
+        out, lse, s_dmask = seeded_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                             return_attn_probs=True, **features)
+        logit_features = {name: value for name, value in reference_features.items() if name != "dropout_p"}
+        ref_probs = torch.softmax(attention_logits(q.double(), k.double(), causal, softmax_scale,
+                                                   **logit_features), -1).nan_to_num(0.0)
+        same_probs = torch.softmax(attention_logits(q, k, causal, softmax_scale, **logit_features), -1).nan_to_num(0.0)
+        assert s_dmask.shape == ref_probs.shape and s_dmask.dtype == dtype
+        assert_within_same_computation("S_dmask", s_dmask.abs(), same_probs, ref_probs, dtype)
+        reference_features["dropout_mask"] = s_dmask >= 0
+    else:
+        out, lse = attention(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True, **features)
     ref_out, ref_lse = attention_ref(q, k, v, causal, softmax_scale, **reference_features)
     same_out, same_lse = naive_attention(q, k, v, causal, softmax_scale, **reference_features)
     assert out.shape == q.shape and out.dtype == dtype
@@ -57,8 +80,8 @@ def check_all(q, k, v, causal, softmax_scale=None, backward="split", **features)
     inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
     if features:
-        ours = gradients(lambda q, k, v: attention(q, k, v, softmax_scale=softmax_scale, causal=causal, **features),
-                         inputs, grad_out)
+        ours = gradients(lambda q, k, v: seeded_attention(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                                          **features), inputs, grad_out)
     else:
         ours = gradients(lambda q, k, v: attention_variant(q, k, v, causal, softmax_scale, backward=backward),
                          inputs, grad_out)
@@ -180,6 +203,81 @@ def test_every_feature_together(seqlen_q, seqlen_k, dtype):
               alibi_slopes=alibi(2, 6))
 
 
+# --- dropout -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout(causal, dtype):
+    """Output, lse and gradients against float64 with the mask the kernel marks in S_dmask."""
+    n = 300 if ON_GPU else 37
+    check_all(*make_qkv(2, n, n + 11, 4, 2, 40, dtype), causal, dropout_p=0.17)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", WINDOW_SHAPES)
+def test_dropout_with_every_other_feature(seqlen_q, seqlen_k, dtype):
+    check_all(*make_qkv(2, seqlen_q, seqlen_k, 6, 2, 24, dtype), True, softcap=6.0, window_size=(13, 5),
+              alibi_slopes=alibi(2, 6), dropout_p=0.4)
+
+
+def marked_probabilities(dropout_p, causal=False, seqlen_q=None, seqlen_k=None, window_size=(-1, -1)):
+    n = 256 if ON_GPU else 64
+    q, k, v = make_qkv(2, seqlen_q or n, seqlen_k or n, 4, 2, 16, torch.float32)
+    return attention(q, k, v, dropout_p, causal=causal, window_size=window_size, return_attn_probs=True)[2]
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5, 0.9])
+def test_dropout_keeps_each_probability_with_probability_one_minus_p(dropout_p):
+    """The fraction kept is 1 - p within 5 standard deviations, overall and in every (batch, head);
+    masks of different heads, batch rows and query rows are not copies of one another (they agree
+    on about p^2 + (1 - p)^2 of the pairs, as independent draws do)."""
+    keep = marked_probabilities(dropout_p) >= 0
+    count = keep[0, 0].numel()
+    sigma = math.sqrt(dropout_p * (1 - dropout_p) / count)
+    kept = keep.double().mean(dim=(-1, -2))
+    assert ((kept - (1 - dropout_p)).abs() < 5 * sigma).all(), kept
+    agree = dropout_p ** 2 + (1 - dropout_p) ** 2
+    sigma_agree = math.sqrt(agree * (1 - agree) / count)
+    for a, b in ((keep[0, 0], keep[0, 1]), (keep[0, 0], keep[1, 0]), (keep[0, 0, :-1], keep[0, 0, 1:])):
+        assert abs((a == b).double().mean().item() - agree) < 5 * sigma_agree
+
+
+def test_dropout_marks_zero_outside_the_window_and_rows_sum_to_one():
+    s_dmask = marked_probabilities(0.3, seqlen_q=77, seqlen_k=50, window_size=(9, 4)).double()
+    hidden = ~window_mask(77, 50, (9, 4), DEVICE)
+    assert (s_dmask[..., hidden] == 0).all()
+    sums = s_dmask.abs().sum(-1)
+    sees_a_key = (~hidden).any(-1)  # the first rows of a window off the keys see none
+    assert_close(sums[..., sees_a_key], torch.ones_like(sums[..., sees_a_key]), 1e-5)
+    assert (sums[..., ~sees_a_key] == 0).all()
+
+
+def test_dropout_is_reproduced_by_the_seed_and_fresh_at_every_call():
+    """torch.manual_seed fixes the mask (outputs and gradients bitwise equal); the next call draws a
+    new one."""
+    n = 512 if ON_GPU else 40
+    q, k, v = make_qkv(1, n, n, 2, 1, 16, torch.bfloat16)
+    inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=q.device)
+    runs = [gradients(lambda q, k, v: seeded_attention(q, k, v, dropout_p=0.2, causal=True), inputs, grad_out)
+            for _ in range(2)]
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[1][name]), f"grad {name} changed with the same seed"
+    torch.manual_seed(DROPOUT_SEED)
+    first, second = (attention(q.detach(), k.detach(), v.detach(), 0.2, causal=True) for _ in range(2))
+    assert not torch.equal(first, second)
+    assert torch.equal(first, seeded_attention(q.detach(), k.detach(), v.detach(), dropout_p=0.2, causal=True))
+
+
+@pytest.mark.parametrize("shape", [dict(seqlen_q=0), dict(seqlen_k=0)])
+def test_dropout_on_empty_inputs(shape):
+    sizes = dict(batch=1, seqlen_q=5, seqlen_k=7, heads=2, kv_heads=1, head_dim=16) | shape
+    q, k, v = make_qkv(*sizes.values(), torch.float32)
+    out, lse, s_dmask = attention(q, k, v, 0.5, return_attn_probs=True)
+    assert out.shape == q.shape and (out == 0).all()
+    assert s_dmask.shape == (1, 2, sizes["seqlen_q"], sizes["seqlen_k"])
+
+
 def test_window_skips_key_blocks_it_does_not_cover():
     """Skipped, not masked: keys far outside every row's window hold NaN, which a masked-out but
     loaded block would still carry into out (0 * NaN) and into the gradients."""
@@ -268,18 +366,12 @@ def test_positional_arguments_follow_flash_attn_func():
     (q, k, v, causal, softmax_scale, return_lse) read 0.1 as causal=True and (0.0, None, True) as
     return_lse=True without the mask."""
     q, k, v = make_qkv(1, 19, 23, 2, 1, 16, torch.float32)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        attention(q, k, v, 0.1)
+    assert torch.equal(seeded_attention(q, k, v, dropout_p=0.1), seeded_attention(q, k, v, 0.1))
+    assert not torch.equal(seeded_attention(q, k, v, 0.1), attention(q, k, v))
     out = attention(q, k, v, 0.0, None, True)
     assert isinstance(out, torch.Tensor)
     assert_close(out, attention_ref(q, k, v, causal=True)[0], 1e-5)
     assert_close(attention(q, k, v, 0.0, 0.3), attention_ref(q, k, v, softmax_scale=0.3)[0], 1e-5)
-
-
-def test_dropout_raises_naming_it():
-    q, k, v = make_qkv(1, 9, 11, 2, 1, 16, torch.float32)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        attention(q, k, v, dropout_p=0.1)
 
 
 def test_arguments_at_what_flash_attn_reads_as_default_are_accepted():
@@ -429,34 +521,48 @@ def test_float32_dots_are_exact_unless_tf32_is_allowed():
 
 # --- torch.library registration and torch.compile ---------------------------------------------------
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi", [
-    (5, 7, 2, 2, (-1, -1), 0.0, False), (7, 5, 4, 2, (-1, 0), 0.0, False), (9, 12, 2, 1, (3, 2), 5.0, True)])
-def test_opcheck(seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi):
+@pytest.mark.parametrize("seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi, dropout_p", [
+    (5, 7, 2, 2, (-1, -1), 0.0, False, 0.0), (7, 5, 4, 2, (-1, 0), 0.0, False, 0.0),
+    (9, 12, 2, 1, (3, 2), 5.0, True, 0.0), (9, 12, 2, 1, (-1, 0), 0.0, False, 0.3)])
+def test_opcheck(seqlen_q, seqlen_k, heads, kv_heads, window, softcap, with_alibi, dropout_p):
     q, k, v = (t.requires_grad_() for t in make_qkv(1, seqlen_q, seqlen_k, heads, kv_heads, 16, torch.float32))
-    options = (0.25, *window, softcap, alibi(heads) if with_alibi else None)
+    options = (0.25, *window, softcap, alibi(heads) if with_alibi else None, dropout_p,
+               api.draw_dropout_seed(dropout_p, q.device))
     torch.library.opcheck(attention_op.op, (q, k, v, *options))
     out, lse = attention_op(q, k, v, *options)
     torch.library.opcheck(attention_op.backward_op, (q.detach(), k.detach(), v.detach(), out.detach(), lse,
                                                      torch.randn_like(out), *options))
+    if dropout_p:
+        torch.library.opcheck(api.attention_probabilities, (q.detach(), k.detach(), lse, *options[:-2], *options[-2:]))
 
 
-@pytest.mark.parametrize("features", ["causal", "window, softcap, alibi"])
+COMPILED_FEATURES = {"causal": dict(causal=True),
+                     "window, softcap, alibi": dict(window_size=(3, 2), softcap=5.0, alibi_slopes="alibi"),
+                     "dropout": dict(dropout_p=0.3, causal=True)}
+
+
+@pytest.mark.parametrize("features", COMPILED_FEATURES)
 def test_torch_compile_fullgraph_matches_eager(features):
+    """The compiled graph gives the eager bits; with dropout, for the same seed, and the compiled
+    graph draws a fresh mask at every call (the seed is not frozen into it)."""
     q, k, v = make_qkv(1, 9, 13, 2, 1, 16, torch.float32)
-    kwargs = dict(causal=True) if features == "causal" else dict(window_size=(3, 2), softcap=5.0, alibi_slopes=alibi(2))
+    kwargs = {name: alibi(2) if value == "alibi" else value for name, value in COMPILED_FEATURES[features].items()}
 
     def loss(q, k, v):
-        out, lse = attention(q, k, v, return_lse=True, **kwargs)
-        return (out * out).sum() + lse.sum()
+        out, lse, s_dmask = attention(q, k, v, return_attn_probs=True, **kwargs)
+        return (out * out).sum() + lse.sum() + s_dmask.abs().sum()
 
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
     results = []
     for fn in (compiled, loss):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        torch.manual_seed(DROPOUT_SEED)
         value = fn(*leaves)
         results.append((value, *torch.autograd.grad(value, leaves)))
     for got, want in zip(*results):
         assert torch.equal(got, want)
+    if "dropout_p" in kwargs:
+        assert compiled(q, k, v) != compiled(q, k, v)
 
 
 # --- the chapter's exercises -------------------------------------------------------------------------

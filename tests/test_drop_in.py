@@ -166,8 +166,10 @@ def test_flash_attn_func_positional_order():
     q, k, v = (randn(1, 13, 2, 16) for _ in range(3))
     assert_close(attention(q, k, v, 0.0, None, True), attention_ref(q, k, v, causal=True)[0], TOL, "causal")
     assert_close(attention(q, k, v, 0.0, 0.3), attention_ref(q, k, v, softmax_scale=0.3)[0], TOL, "scale")
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        attention(q, k, v, 0.1)
+    torch.manual_seed(0)
+    dropped = attention(q, k, v, 0.1)
+    torch.manual_seed(0)
+    assert torch.equal(dropped, attention(q, k, v, dropout_p=0.1))  # the fourth argument is dropout_p
 
 
 def test_packed_qkv_unbound_as_attention_modules_do():
@@ -233,7 +235,7 @@ def non_contiguous_op_args():
                                                None, None, None, True, 0.0, math.inf, None)),
         ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
          (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
-        ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None)),
+        ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None, 0.0, None)),
     ]
 
 

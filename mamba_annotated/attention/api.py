@@ -7,10 +7,11 @@ from typing import Optional
 
 import torch
 
-from ..library import define_op
+from ..library import NAMESPACE, define_op
 from ..validation import check_tensor
 from .backward import attention_backward
 from .forward import attention_forward
+from .probabilities import marked_probabilities
 
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -92,13 +93,21 @@ def check_alibi_slopes(alibi_slopes, q):
                                   "either); pass alibi_slopes.detach() for fixed slopes")
 
 
-def check_dropout(dropout_p):
+def check_dropout(dropout_p) -> float:
     check_real("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(f"dropout_p: attention dropout is not implemented; got dropout_p={dropout_p} "
-                                  f"(pass 0.0, e.g. dropout_p=p if self.training else 0.0 at inference)")
+    return float(dropout_p)
+
+
+def draw_dropout_seed(dropout_p: float, device: torch.device) -> Optional[torch.Tensor]:
+    """The seed of one call's dropout mask, drawn from PyTorch's generator of q's device (so
+    ``torch.manual_seed`` reproduces the mask) as a one-element tensor that the kernels read:
+    no synchronisation with the GPU, a fresh value on every call even inside a compiled graph or
+    a CUDA graph replay, where a Python number would be frozen. None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(2 ** 62, (1,), dtype=torch.int64, device=device)
 
 
 def last_dim_contiguous(t):
@@ -107,8 +116,8 @@ def last_dim_contiguous(t):
 
 
 def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,
-                      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float,
+                      dropout_seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), both contiguous. With no query or no key there is nothing to launch: out is 0
     and a row that sees no key has lse = +inf, as in flash_attn."""
     if q.numel() == 0 or k.numel() == 0:
@@ -117,47 +126,71 @@ def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
         return q.new_zeros(q.shape), lse
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     return attention_forward(q, k, v, softmax_scale=softmax_scale, window=(window_left, window_right),
-                             softcap=softcap, alibi_slopes=alibi_slopes)
+                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
-def fake_attention_outputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes):
+def fake_attention_outputs(q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                           dropout_seed):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
 def attention_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         dout: torch.Tensor, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                        alibi_slopes: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: Optional[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, in the inputs' dtype. With no query or no key the gradients are 0
     (out does not depend on q when no key is seen) and nothing is launched."""
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
     return attention_backward(q, k, v, out, lse, dout, softmax_scale=softmax_scale, window=(window_left, window_right),
-                              softcap=softcap, alibi_slopes=alibi_slopes)
+                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed)
 
 
-def fake_attention_gradients(q, k, v, out, lse, dout, softmax_scale, window_left, window_right, softcap, alibi_slopes):
+def fake_attention_gradients(q, k, v, out, lse, dout, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                             dropout_p, dropout_seed):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def save_attention(ctx, inputs, output):  # torch.library passes ``output`` by keyword
-    q, k, v, *options, alibi_slopes = inputs
+    q, k, v, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-    ctx.options = options  # softmax_scale, window_left, window_right, softcap
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+    ctx.options = softmax_scale, window_left, window_right, softcap, dropout_p
 
 
 def attention_grads(ctx, run_backward, grad_out, _grad_lse):
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+    softmax_scale, window_left, window_right, softcap, dropout_p = ctx.options
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv = run_backward(q, k, v, out, lse, grad_out, *ctx.options, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = run_backward(q, k, v, out, lse, grad_out, softmax_scale, window_left, window_right, softcap,
+                              alibi_slopes, dropout_p, dropout_seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_op = define_op("attention", attention_outputs, fake_attention_outputs, attention_gradients,
                          fake_attention_gradients, save_attention, attention_grads)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::attention_probabilities", mutates_args=())
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, softmax_scale: float,
+                            window_left: int, window_right: int, softcap: float,
+                            alibi_slopes: Optional[torch.Tensor], dropout_p: float,
+                            dropout_seed: torch.Tensor) -> torch.Tensor:
+    """flash_attn's S_dmask (:mod:`.probabilities`), an op of its own so that torch.compile can
+    trace a call that asks for it."""
+    q, k = last_dim_contiguous(q), last_dim_contiguous(k)
+    return marked_probabilities(q, k, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                                dropout_p, dropout_seed)
+
+
+@attention_probabilities.register_fake
+def fake_attention_probabilities(q, k, lse, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                                 dropout_p, dropout_seed):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty((batch, heads, seqlen_q, k.shape[1]))
 
 
 def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -188,27 +221,40 @@ def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
     the gradients are the same, but its lse is larger by slope * (i + seqlen_k - seqlen_q). Here
     the bias is the same formula in every mode and near 0 on the diagonal, where float32 rounds
     finest. The slopes get no gradient (nor in flash_attn); slopes that require one are refused.
-    ``dropout_p > 0`` raises NotImplementedError. ``deterministic`` is accepted and changes
-    nothing: the backward pass is always deterministic (every gradient element has one writer; no
-    atomics), so two runs give bitwise equal gradients.
+    ``dropout_p > 0`` zeroes each probability with probability dropout_p and scales the rest by
+    1 / (1 - dropout_p), in every call (as flash_attn: pass ``dropout_p=p if self.training else
+    0.0``). The mask comes from a counter-based generator (Philox) seeded by a draw from PyTorch's
+    generator of q's device, so ``torch.manual_seed`` reproduces it; the backward pass draws it
+    again from the same seed rather than storing it. The mask differs from flash_attn's (another
+    generator), its distribution does not. ``deterministic`` is accepted and changes nothing: the
+    backward pass is always deterministic (every gradient element has one writer; no atomics), so
+    two runs give bitwise equal gradients, with dropout too.
 
     Returns out like q. With ``return_attn_probs=True``, (out, lse, S_dmask) as flash_attn:
-    lse (batch, heads, seqlen_q) float32, the natural-log sum of exp(logits) per query row, and
-    S_dmask the dropout-encoded probabilities that flash_attn fills only when dropout_p > 0; with
-    the dropout_p = 0 that is implemented here it is, as flash_attn's, an empty tensor of shape
-    (0,) in q's dtype. Keyword-only extra: ``return_lse=True`` returns (out, lse) (ignored when
-    return_attn_probs is set, whose tuple holds lse already). lse is not differentiable.
-    Differentiable in q, k and v.
+    lse (batch, heads, seqlen_q) float32, the natural-log sum of exp(logits) per query row (before
+    dropout), and S_dmask, filled only when dropout_p > 0 (an empty tensor of shape (0,) in q's
+    dtype otherwise, as flash_attn's): the probabilities (batch, heads, seqlen_q, seqlen_k) in q's
+    dtype, negated where dropout zeroed them, 0 outside the window, so that ``S_dmask >= 0`` is
+    the keep mask and ``S_dmask.abs()`` the probabilities. flash_attn pads its last two sizes to
+    multiples of 128 and stores probabilities scaled by a running maximum; this S_dmask is exactly
+    (seqlen_q, seqlen_k), normalised (rows sum to 1), so ``S_dmask[:, :, :seqlen_q, :seqlen_k]``
+    reads both. It is for tests: it writes N x N numbers. Keyword-only extra:
+    ``return_lse=True`` returns (out, lse) (ignored when return_attn_probs is set, whose tuple
+    holds lse already). lse is not differentiable. Differentiable in q, k and v.
     """
     check_attention_inputs(q, k, v)
-    check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     softcap = check_softcap(softcap)
     check_alibi_slopes(alibi_slopes, q)
     if softmax_scale is not None:
         check_real("softmax_scale", softmax_scale)
     window_left, window_right = resolve_window(causal, window_size, k.shape[1])
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = attention_op(q, k, v, scale, window_left, window_right, softcap, alibi_slopes)
+    dropout_seed = draw_dropout_seed(dropout_p, q.device)
+    out, lse = attention_op(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed)
     if return_attn_probs:
-        return out, lse, q.new_empty(0)
+        if dropout_seed is None:
+            return out, lse, q.new_empty(0)
+        return out, lse, attention_probabilities(q.detach(), k.detach(), lse, scale, window_left, window_right,
+                                                 softcap, alibi_slopes, dropout_p, dropout_seed)
     return (out, lse) if return_lse else out

@@ -19,8 +19,11 @@ Kernels
     the window reaches are skipped; each loop tests per block whether an edge of the window
     crosses it, and only then applies the mask (one loop per kernel: Triton gives every loop its
     own pipeline buffers in shared memory). Soft-capping multiplies dS by 1 - tanh^2 of the
-    capped argument; ALiBi's bias does not depend on q or k and leaves dS as it is. Two other schedules of the same loops, one
-    kernel and dQ by atomics, are chapter 7's foils (:mod:`.teaching`).
+    capped argument; ALiBi's bias does not depend on q or k and leaves dS as it is. Dropout
+    regenerates the forward pass's mask from its seed (:func:`.scores.dropout_keep`): with
+    Z = keep / (1 - p), out = (P * Z) V, so dV = (P * Z)^T dO and the gradient of P is
+    (dO V^T) * Z, while delta = rowsum(dO * O) holds as before. Two other schedules of the same
+    loops, one kernel and dQ by atomics, are chapter 7's foils (:mod:`.teaching`).
 
 Shapes: q, dq (batch, seqlen_q, heads, d), k, v, dk, dv (batch, seqlen_k, kv_heads, d), out and
 dout like q; any strides with the last one 1 (each tensor is addressed with its own strides), none
@@ -40,7 +43,8 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
-from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, softcap_mode, visible
+from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
+                     visible)
 
 
 def backward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -98,9 +102,9 @@ def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_
 @triton.jit
 def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
                       offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
-                      window_left, window_right, stride_qm, stride_dom,
+                      window_left, window_right, seed, row_base, dropout_p, stride_qm, stride_dom,
                       WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                      ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     """Add the query blocks [lo, hi) of one head to this key block's dk, dv (transposed tiles:
     keys down, queries across). The blocks that start before mask_until (a row right of the
@@ -123,7 +127,7 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
             delta = tl.load(delta_ptrs, mask=rows < seqlen_q, other=0.0)
         # keys past seqlen_k were loaded as zeros: their dk, dv rows are never stored
         distance = rows[None, :] + causal_offset - offs_n[:, None]
-        s_t, t_t = logits2(mm(k, tl.trans(q), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        s_t, dcap_t = logits2(mm(k, tl.trans(q), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
         p_t = tl.exp2(s_t - lse2[None, :])
         if WINDOW_LEFT or WINDOW_RIGHT:
             needs_mask = start_m < mask_until
@@ -132,11 +136,16 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
             if needs_mask:  # a runtime test per block, the mask only where the window's edges cross it
                 p_t = tl.where(visible(distance, offs_n[:, None], seqlen_k, window_left, window_right,
                                        WINDOW_LEFT, WINDOW_RIGHT), p_t, 0.0)
-        dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
         dp_t = mm(v, tl.trans(do), PRECISION)
+        if DROPOUT:  # out used the kept p / (1 - dropout_p): so do dV and the gradient of P
+            keep_t = dropout_keep(seed, row_base, rows[None, :], offs_n[:, None], seqlen_k, dropout_p)
+            dv += mm(cast(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0), do.dtype, PRECISION), do, PRECISION)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        else:
+            dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
-            ds_t = ds_t * (1.0 - t_t * t_t)
+            ds_t = ds_t * dcap_t
         dk += mm(cast(ds_t, q.dtype, PRECISION), q, PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
@@ -147,14 +156,14 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
 
 @triton.jit
 def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
-                 alibi_ptr,
+                 alibi_ptr, seed_ptr,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
                  seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale,
-                 window_left, window_right,
+                 window_left, window_right, dropout_p,
                  WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                 EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+                 DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk, dv of keys [key_block * BLOCK_N, + BLOCK_N) of one (batch, kv head), summed over its group."""
     start_n = key_block * BLOCK_N
@@ -176,6 +185,9 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
         v = tl.load(v_ptrs, mask=key_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seed = 0  # read only with dropout
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
 
     # Query blocks [lo, hi) see some key of this block (query i sees key j iff
     # j - off - right <= i <= j - off + left, off = seqlen_k - seqlen_q); those that start before
@@ -197,13 +209,14 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
         row_tile = lo + tl.arange(0, BLOCK_M)[:, None].to(tl.int64)
         q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
         do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
-        lse2_ptrs = lse2_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
-        delta_ptrs = delta_ptr + (batch * heads + head).to(tl.int64) * seqlen_q + lo + offs_m
+        row_base = (batch * heads + head).to(tl.int64) * seqlen_q
+        lse2_ptrs = lse2_ptr + row_base + lo + offs_m
+        delta_ptrs = delta_ptr + row_base + lo + offs_m
         dk, dv = dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
             offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
-            window_left, window_right, stride_qm, stride_dom,
-            WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+            window_left, window_right, seed, row_base, dropout_p, stride_qm, stride_dom,
+            WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
             EVEN_M=EVEN_M, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
 
     dk_ptrs = (dk_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh + start_n.to(tl.int64) * stride_dkn
@@ -222,9 +235,9 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
 @triton.jit
 def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d,
                   seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right,
-                  stride_kn, stride_vn,
+                  seed, row_base, dropout_p, stride_kn, stride_vn,
                   WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                  EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+                  DROPOUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add the key blocks [lo, hi) to this query block's dq; the blocks that reach past mask_from
     or start before mask_until are masked, as in the forward pass. Pointers point at block lo."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -237,7 +250,7 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mas
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         distance = offs_m[:, None] + causal_offset - cols[None, :]
-        s, t = logits2(mm(q, tl.trans(k), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        s, dcap = logits2(mm(q, tl.trans(k), PRECISION), distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
         p = tl.exp2(s - lse2[:, None])
         if WINDOW_LEFT or WINDOW_RIGHT or not EVEN_N:
             needs_mask = start_n + BLOCK_N > mask_from
@@ -249,9 +262,12 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mas
                 p = tl.where(visible(distance, cols[None, :], seqlen_k, window_left, window_right,
                                      WINDOW_LEFT, WINDOW_RIGHT), p, 0.0)
         dp = mm(do, tl.trans(v), PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
-            ds = ds * (1.0 - t * t)
+            ds = ds * dcap
         dq += mm(cast(ds, k.dtype, PRECISION), k, PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -260,12 +276,14 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mas
 
 @triton.jit
 def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
+               seed_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
                seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale, window_left, window_right,
+               dropout_p,
                WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+               DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of queries [query_block * BLOCK_M, + BLOCK_M) of one (batch, head)."""
     start_m = query_block * BLOCK_M
@@ -285,28 +303,25 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     else:
         q = tl.load(q_ptrs, mask=row_mask, other=0.0)
         do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-    row_ptrs = (batch * heads + head).to(tl.int64) * seqlen_q + offs_m
+    row_base = (batch * heads + head).to(tl.int64) * seqlen_q
+    row_ptrs = row_base + offs_m
     lse2 = tl.load(lse2_ptr + row_ptrs, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(delta_ptr + row_ptrs, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo = 0  # the same bounds as the forward pass
-    hi = seqlen_k
-    mask_from = seqlen_k
-    mask_until = 0
-    if WINDOW_RIGHT:
-        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset + window_right))
-        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + window_right + 1)
-    if WINDOW_LEFT:
-        lo = tl.maximum(0, start_m + causal_offset - window_left) // BLOCK_N * BLOCK_N
-        mask_until = start_m + BLOCK_M - 1 + causal_offset - window_left
+    seed = 0  # read only with dropout
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+    lo, hi, mask_from, mask_until = key_range(start_m, seqlen_k, causal_offset, window_left, window_right,
+                                              WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)  # as in the forward pass
     key_tile = (lo + offs_n)[:, None]
     k_ptrs = k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh + key_tile * stride_kn + offs_d[None, :]
     v_ptrs = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + key_tile * stride_vn + offs_d[None, :]
     dq = dq_key_blocks(
         dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d, seqlen_k,
-        head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, stride_kn, stride_vn,
-        WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, seed, row_base, dropout_p,
+        stride_kn, stride_vn, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        DROPOUT=DROPOUT,
         EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
 
     dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
@@ -319,48 +334,48 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
 
 @lean_launch
 @triton.jit
-def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
+def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, seed_ptr,
                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                               stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                               stride_ab, stride_ah,
                               seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                              window_left, window_right,
+                              window_left, window_right, dropout_p,
                               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                              ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                               EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (key blocks, batch * kv_heads)."""
     dkdv_program(tl.program_id(0), tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads,
-                 q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr,
+                 q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, seed_ptr,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
                  seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                 window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+                 window_left, window_right, dropout_p, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT,
                  EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @lean_launch
 @triton.jit
-def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
+def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr, seed_ptr,
                             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                             stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                             stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
                             seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                            window_left, window_right,
+                            window_left, window_right, dropout_p,
                             WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                            ALIBI: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                            ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                             EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (query blocks, batch * heads)."""
     dq_program(tl.program_id(0), tl.program_id(1) // heads, tl.program_id(1) % heads,
-               q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr,
+               q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr, seed_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
                seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-               window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI,
+               window_left, window_right, dropout_p, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT,
                EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
@@ -384,7 +399,7 @@ def backward_preprocess(out, dout, lse):
 
 
 def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       config=None):
+                       dropout_p=0.0, dropout_seed=None, config=None):
     """Gradients (dq, dk, dv) of the forward pass that returned (out, lse), each contiguous in its
     input's dtype; bitwise reproducible. Shapes and arguments as :func:`.forward.attention_forward`;
     ``config`` overrides :func:`backward_config`."""
@@ -400,18 +415,19 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window=(-1, -1
     dq = outputs.empty(q.shape, q.dtype, q.device)
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
-    alibi = lse if alibi_slopes is None else alibi_slopes  # a pointer never read without ALiBi
+    alibi = lse if alibi_slopes is None else alibi_slopes  # pointers never read without ALiBi, without dropout
+    seed = lse if dropout_seed is None else dropout_seed
     common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, *logit_scales(softmax_scale, softcap), softmax_scale,
-              *window)
+              *window, float(dropout_p))
     flags = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
-                 ALIBI=alibi_slopes is not None, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
+                 ALIBI=alibi_slopes is not None, DROPOUT=dropout_p > 0, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
                  BLOCK_D=block_d)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, alibi, *batch_row_head_strides(q, k, v, dout, dk, dv),
+        q, k, v, dout, lse2, delta, dk, dv, alibi, seed, *batch_row_head_strides(q, k, v, dout, dk, dv),
         *alibi_strides(alibi_slopes), *common,
         EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
     attention_bwd_dq_kernel[(cdiv(seqlen_q, bm2), batch * heads)](
-        q, k, v, dout, lse2, delta, dq, alibi, *batch_row_head_strides(q, k, v, dout, dq),
+        q, k, v, dout, lse2, delta, dq, alibi, seed, *batch_row_head_strides(q, k, v, dout, dq),
         *alibi_strides(alibi_slopes), *common,
         EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2, **flags, **dq_cfg)
     return dq, dk, dv

@@ -30,6 +30,13 @@ Masking, windows, soft-capping, ALiBi (:mod:`.scores`)
     Soft-capping replaces the logit scale * q.k by c * tanh(scale * q.k / c), and ALiBi subtracts
     slope * |distance|; both form the logits whole before the maximum (SCALE_FIRST).
 
+Dropout
+    Dropout zeroes each probability with probability dropout_p and scales the others by
+    1 / (1 - dropout_p): the running sum l still adds every p (the softmax is normalised before
+    dropout), the accumulator only the kept ones, and out = acc / (l * (1 - dropout_p)). Which
+    pairs are kept is a function of a seed and the pair's index (:func:`.scores.dropout_keep`),
+    so nothing is stored: the backward pass draws the same mask again.
+
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
 strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
 (grouped-query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims
@@ -50,7 +57,8 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, mm
-from .scores import alibi_slope2, alibi_strides, logit_scales, logits2, softcap_mode, visible
+from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
+                     visible)
 
 
 def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
@@ -76,12 +84,13 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 @lean_launch
 @triton.jit
-def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
+def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_ptr,
                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_ab, stride_ah,
                          seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, window_left, window_right,
+                         dropout_p,
                          WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                         ALIBI: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
+                         ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
                          EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if WINDOW_RIGHT:  # causal: the longest rows start first; the short ones fill the tail of the launch
@@ -96,6 +105,9 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
     offs_d = tl.arange(0, BLOCK_D)
     causal_offset = seqlen_k - seqlen_q
     slope2 = alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI)
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
+        row_base = tl.program_id(1).to(tl.int64) * seqlen_q  # this (batch, head)'s first row of probabilities
 
     # 64-bit base offsets; within a tile the offsets are small
     q_ptrs = (q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + start_m.to(tl.int64) * stride_qm
@@ -114,21 +126,10 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
     else:  # plain scores and scale > 0: the scale is fused into the exponent's multiply-add
         exponent_scale = qk_scale
 
-    # Keys [lo, hi) are seen by some row of the tile; blocks outside are never loaded, so a window
-    # costs what it covers, not seqlen_k. A block that reaches past mask_from (right of the
-    # diagonal, or past the end, for the tile's first row) or starts before mask_until (left of
-    # the window for its last row) holds a pair some row does not see, and only those blocks pay
-    # for the mask. One loop, not two: a second loop would get its own pipeline buffers in shared
-    # memory.
-    lo = 0
-    hi = seqlen_k
-    mask_from = seqlen_k
-    if WINDOW_RIGHT:
-        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset + window_right))
-        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + window_right + 1)
-    if WINDOW_LEFT:
-        lo = tl.maximum(0, start_m + causal_offset - window_left) // BLOCK_N * BLOCK_N
-        mask_until = start_m + BLOCK_M - 1 + causal_offset - window_left
+    # One loop over the key blocks some row of the tile sees, with a runtime test per block for
+    # the mask, not two loops: a second loop would get its own pipeline buffers in shared memory.
+    lo, hi, mask_from, mask_until = key_range(start_m, seqlen_k, causal_offset, window_left, window_right,
+                                              WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     k_ptrs = (k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
               + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :])
     v_ptrs = (v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
@@ -160,7 +161,9 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
             m_shift = m_new
         p = tl.exp2(s * exponent_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
         alpha = tl.exp2(m_i - m_shift)                       # rescales what was summed under the old maximum
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator sums every p, dropped or not
+        if DROPOUT:  # the 1 / (1 - dropout_p) of the kept ones is applied to out at the end
+            p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + mm(cast(p, v.dtype, PRECISION), v, PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -168,7 +171,10 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
 
     empty_row = l_i == 0.0  # rows that see no key (causal with seqlen_q > seqlen_k, or a window off the keys)
     l_safe = tl.where(empty_row, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = acc / (l_safe * (1.0 - dropout_p))[:, None]
+    else:
+        out = acc / l_safe[:, None]
     lse = tl.where(empty_row, float("inf"), (m_i + tl.log2(l_safe)) * LN2)  # base 2 -> natural
     out_ptrs = (out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + start_m.to(tl.int64) * stride_om
                 + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
@@ -180,11 +186,15 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr,
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 
-def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, config=None):
+def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                      dropout_seed=None, config=None):
     """q (B, Nq, H, d), k, v (B, Nk, KVH, d), none empty, last strides 1; ``softmax_scale`` any
     finite float; ``window`` (left, right) with -1 for an unbounded side (causal: (-1, 0));
-    ``softcap`` > 0 or 0 for none; ``alibi_slopes`` float32 (H,) or (B, H), or None. Returns out
-    (B, Nq, H, d) contiguous and lse (B, H, Nq) float32.
+    ``softcap`` > 0 or 0 for none; ``alibi_slopes`` float32 (H,) or (B, H), or None;
+    ``dropout_p`` in [0, 1) with ``dropout_seed`` a one-element int64 tensor on q's device when
+    dropout_p > 0 (read by the kernel, so drawing it costs no synchronisation). Returns out
+    (B, Nq, H, d) contiguous and lse (B, H, Nq) float32; lse is that of the probabilities before
+    dropout.
 
     ``config`` overrides :func:`forward_config` (the benchmark's tuning sweep uses it).
     """
@@ -197,11 +207,12 @@ def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, a
     lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
     grid = (cdiv(seqlen_q, block_m), batch * heads)
     attention_fwd_kernel[grid](
-        q, k, v, out, lse, lse if alibi_slopes is None else alibi_slopes,
+        q, k, v, out, lse, lse if alibi_slopes is None else alibi_slopes, lse if dropout_seed is None else dropout_seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *alibi_strides(alibi_slopes),
         seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, *logit_scales(softmax_scale, softcap), *window,
+        float(dropout_p),
         WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
-        ALIBI=alibi_slopes is not None,
+        ALIBI=alibi_slopes is not None, DROPOUT=dropout_p > 0,
         SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None,
         EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d,
         PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,

@@ -42,22 +42,18 @@ def geometric_alibi_slopes(n: int, device=None) -> torch.Tensor:
     return 2.0 ** (-8.0 * torch.arange(1, n + 1, dtype=torch.float32, device=device) / n)
 
 
-def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    """softmax(logits) v in q's dtype; returns (out, lse) in flash_attn's layout.
+def attention_logits(q, k, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """(batch, heads, seqlen_q, seqlen_k) logits in q's dtype, -inf where the window hides a key.
 
-    q (batch, seqlen_q, heads, d); k, v (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads.
+    q (batch, seqlen_q, heads, d); k (batch, seqlen_k, kv_heads, d) with kv_heads dividing heads.
     The logits are scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0, minus
     slope * |distance| with ALiBi slopes ((heads,) or (batch, heads)); keys outside the window
-    (left, right) (causal: right = 0) are masked. out like q; lse (batch, heads, seqlen_q), the
-    natural-log sum of exp(logits) of each query row. A row that sees no key gets out = 0 and, as
-    in flash_attn, lse = +inf: then exp(S - lse) = 0 for every score.
-    """
+    (left, right) (causal: right = 0) are masked."""
     heads, kv_heads = q.shape[2], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # (batch, heads, seqlen, d): each group of heads // kv_heads query heads shares one key/value head
-    q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
-    k_ = k_.repeat_interleave(heads // kv_heads, dim=1)
-    v_ = v_.repeat_interleave(heads // kv_heads, dim=1)
+    q_ = q.transpose(1, 2)
+    k_ = k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     scores = scale * (q_ @ k_.transpose(-1, -2))
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
@@ -69,14 +65,33 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), 
         right = 0
     if left >= 0 or right >= 0:
         scores = scores.masked_fill(~window_mask(q.shape[1], k.shape[1], (left, right), q.device), float("-inf"))
+    return scores
+
+
+def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    dropout_p=0.0, dropout_mask=None):
+    """softmax(logits) v in q's dtype (logits of :func:`attention_logits`); returns (out, lse) in
+    flash_attn's layout: out like q, lse (batch, heads, seqlen_q), the natural-log sum of
+    exp(logits) of each query row. A row that sees no key gets out = 0 and, as in flash_attn,
+    lse = +inf: then exp(S - lse) = 0 for every score. With ``dropout_mask`` (bool, (batch,
+    heads, seqlen_q, seqlen_k), True where a probability is kept) the probabilities are multiplied
+    by dropout_mask / (1 - dropout_p) before v; lse is that of the probabilities before dropout.
+    """
+    heads, kv_heads = q.shape[2], k.shape[2]
+    scores = attention_logits(q, k, causal, softmax_scale, window, softcap, alibi_slopes)
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a row that sees no key
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: 0/0 -> 0
+    if dropout_mask is not None:
+        probs = probs * dropout_mask / (1.0 - dropout_p)
+    v_ = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
     out = (probs @ v_).transpose(1, 2)
     return out, lse
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  dropout_p=0.0, dropout_mask=None):
     """The float64 ground truth: naive_attention on float64 copies; returns (out, lse) in float64."""
     slopes = alibi_slopes.double() if alibi_slopes is not None else None
-    return naive_attention(q.double(), k.double(), v.double(), causal, softmax_scale, window, softcap, slopes)
+    return naive_attention(q.double(), k.double(), v.double(), causal, softmax_scale, window, softcap, slopes,
+                           dropout_p, dropout_mask)

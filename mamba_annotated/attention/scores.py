@@ -9,6 +9,8 @@ past. Then
                            bounded is not tested. Causal attention is right = 0, left unbounded.
     softcap c > 0          the natural logit is c * tanh(scale * q.k / c) instead of scale * q.k
     ALiBi slope m          the logit gets -m * |distance| added
+    dropout p              after the softmax, each probability is kept with probability 1 - p
+                           and scaled by 1 / (1 - p), or zeroed (:func:`dropout_keep`)
 
 The kernels take exponentials base 2, so :func:`logits2` returns the logits times log2(e): the
 host folds log2(e) into ``qk_scale`` (no softcap) or into ``cap2 = c * log2(e)`` (softcap, where
@@ -29,16 +31,26 @@ NO_SOFTCAP, EXACT_TANH, APPROXIMATE_TANH = (tl.constexpr(mode) for mode in range
 @triton.jit
 def tanh(x):
     """tanh to float32 rounding for every x (the interpreter has no libdevice, and 1 - 2 / (e^2x + 1)
-    loses the low digits of small x): t = (1 - e) / (1 + e) with e = exp(-2|x|), where 1 - e is
-    computed as (1 - e) * 2|x| / -log(e) below |x| = 1/2, which cancels the rounding of e (Kahan's
-    expm1)."""
+    loses the low digits of small x). With e = exp(-2|x|): below |x| = 1/2, t = (1 - e) / (1 + e)
+    where 1 - e is computed as (1 - e) * 2|x| / -log(e), which cancels the rounding of e (Kahan's
+    expm1); above, t = 1 - 2e / (1 + e), whose last subtraction is the only rounding of any size
+    near saturation (dividing 1 - e by 1 + e there cost up to 1.5 units in the last place, which
+    a cap of 50 magnifies in the logits)."""
     a = tl.abs(x)
     e = tl.exp(-2.0 * a)
     small = a < 0.5
     log_e = tl.log(tl.where(small & (e != 1.0), e, 0.5))  # 0.5: any number away from 0 and 1
-    one_minus_e = tl.where(small, tl.where(e == 1.0, 2.0 * a, (1.0 - e) * (2.0 * a) / -log_e), 1.0 - e)
-    t = one_minus_e / (2.0 - one_minus_e)
+    one_minus_e = tl.where(e == 1.0, 2.0 * a, (1.0 - e) * (2.0 * a) / -log_e)
+    t = tl.where(small, one_minus_e / (2.0 - one_minus_e), 1.0 - 2.0 * e / (1.0 + e))
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def tanh_derivative(x):
+    """1 - tanh(x)^2, written 4e / (1 + e)^2 with e = exp(-2|x|): where tanh saturates, 1 - t^2 would
+    subtract two numbers near 1 and keep only the rounding error of t."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
 
 
 @triton.jit
@@ -50,22 +62,24 @@ def approximate_tanh(x):
 
 @triton.jit
 def logits2(qk, distance, qk_scale, cap2, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """(s, t) for a tile of products qk: s the base-2 logits, t = tanh(scale * qk / c) when soft-capped
-    (the backward pass needs 1 - t^2) and qk itself otherwise. ``SOFTCAP`` is a :func:`softcap_mode`.
-    ``distance`` is a tile (or a broadcastable pair of vectors) of query-key distances, read only
-    with ALiBi."""
-    if SOFTCAP == APPROXIMATE_TANH:
+    """(s, dcap) for a tile of products qk: s the base-2 logits and, when soft-capped, dcap the
+    derivative of the cap, 1 - tanh^2(scale * qk / c), by which the backward pass multiplies dS
+    (qk itself otherwise, never read; the forward pass reads neither, and the compiler drops it).
+    ``SOFTCAP`` is a :func:`softcap_mode`. ``distance`` is a tile (or a broadcastable pair of
+    vectors) of query-key distances, read only with ALiBi."""
+    if SOFTCAP == APPROXIMATE_TANH:  # the approximation's own error dwarfs the cancellation in 1 - t^2
         t = approximate_tanh(qk * qk_scale)
         s = t * cap2
+        dcap = 1.0 - t * t
     elif SOFTCAP == EXACT_TANH:
-        t = tanh(qk * qk_scale)
-        s = t * cap2
+        s = tanh(qk * qk_scale) * cap2
+        dcap = tanh_derivative(qk * qk_scale)
     else:
-        t = qk
         s = qk * qk_scale
+        dcap = qk
     if ALIBI:
         s = s - slope2 * tl.abs(distance).to(tl.float32)
-    return s, t
+    return s, dcap
 
 
 @triton.jit
@@ -78,6 +92,40 @@ def visible(distance, key, seqlen_k, window_left, window_right,
     if WINDOW_LEFT:
         seen = seen & (distance <= window_left)
     return seen
+
+
+@triton.jit
+def key_range(start_m, seqlen_k, causal_offset, window_left, window_right,
+              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, hi, mask_from, mask_until) for the query tile [start_m, start_m + BLOCK_M): the keys
+    [lo, hi) are seen by some row of the tile, lo a multiple of BLOCK_N, so the blocks outside are
+    never loaded and a window costs what it covers, not seqlen_k. A key block that reaches past
+    mask_from (right of the window, or past the end of the keys, for the tile's first row) or
+    starts before mask_until (left of the window for its last row) holds a pair that some row
+    does not see: only those blocks need the mask."""
+    lo = 0
+    hi = seqlen_k
+    mask_from = seqlen_k
+    mask_until = 0
+    if WINDOW_RIGHT:
+        hi = tl.minimum(seqlen_k, tl.maximum(0, start_m + BLOCK_M + causal_offset + window_right))
+        mask_from = tl.minimum(seqlen_k, start_m + causal_offset + window_right + 1)
+    if WINDOW_LEFT:
+        lo = tl.maximum(0, start_m + causal_offset - window_left) // BLOCK_N * BLOCK_N
+        mask_until = start_m + BLOCK_M - 1 + causal_offset - window_left
+    return lo, hi, mask_from, mask_until
+
+
+@triton.jit
+def dropout_keep(seed, row_base, rows, keys, seqlen_k, dropout_p):
+    """Whether each (query row, key) pair keeps its probability under dropout: a uniform draw of
+    Philox, Triton's counter-based generator, keyed by ``seed`` and the pair's index
+    (row_base + row) * seqlen_k + key in the (batch, heads, seqlen_q, seqlen_k) matrix of
+    probabilities, kept iff the draw is at least ``dropout_p``. The draw depends on nothing but
+    those numbers, so the backward kernels regenerate the very mask the forward pass used,
+    whatever their tiles and in whichever orientation, and nothing of size N x N is stored.
+    ``row_base`` is (batch * heads + head) * seqlen_q in 64 bits: the index outgrows 32 bits."""
+    return tl.rand(seed, (row_base + rows) * seqlen_k + keys) >= dropout_p
 
 
 @triton.jit

@@ -46,22 +46,22 @@ def attention_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_pt
     kv_head = tl.program_id(1) % kv_heads
     group = heads // kv_heads
     if block * BLOCK_N < seqlen_k:
-        # causal is the window (unbounded, 0); no softcap, no ALiBi (lse2_ptr: a pointer never read)
+        # causal is the window (unbounded, 0); no softcap, ALiBi or dropout (lse2_ptr: pointers never read)
         dkdv_program(block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
-                     lse2_ptr, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                     lse2_ptr, lse2_ptr, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                      stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, 0, 0,
-                     seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0,
-                     False, CAUSAL, False, False, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                     seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0, 0.0,
+                     False, CAUSAL, False, False, False, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
     if block * BLOCK_M2 < seqlen_q:
         for g in range(group):
             dq_program(block, batch, kv_head * group + g, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr,
-                       dq_ptr, lse2_ptr,
+                       dq_ptr, lse2_ptr, lse2_ptr,
                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                        stride_dqb, stride_dqm, stride_dqh, 0, 0,
-                       seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0,
-                       False, CAUSAL, False, False, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
+                       seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0, 0.0,
+                       False, CAUSAL, False, False, False, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
 
 
 @triton.jit
@@ -209,7 +209,7 @@ class AttentionVariant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, backward):
-        out, lse = attention_outputs(q, k, v, softmax_scale, -1, 0 if causal else -1, 0.0, None)
+        out, lse = attention_outputs(q, k, v, softmax_scale, -1, 0 if causal else -1, 0.0, None, 0.0, None)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.softmax_scale, ctx.causal, ctx.backward = softmax_scale, causal, backward
         return out
@@ -220,7 +220,7 @@ class AttentionVariant(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if q.numel() == 0 or k.numel() == 0:
             grads = attention_gradients(q, k, v, out, lse, grad_out, ctx.softmax_scale, -1, 0 if ctx.causal else -1,
-                                        0.0, None)
+                                        0.0, None, 0.0, None)
         else:
             q, k, v, grad_out = (last_dim_contiguous(t) for t in (q, k, v, grad_out))
             grads = FOILS[ctx.backward](q, k, v, out, lse, grad_out, causal=ctx.causal,
