@@ -2,7 +2,7 @@
 
     python benchmarks/bench_attention.py --json attention.json   # the table (GPU)
     python benchmarks/bench_attention.py --tune                  # sweep the kernels' tile configs
-    python benchmarks/bench_attention.py --features --json f.json  # windows, softcap, ALiBi (GPU)
+    python benchmarks/bench_attention.py --features --json f.json  # windows, softcap, ALiBi, dropout (GPU)
 
 FLOPs are counted as FlashAttention counts them: 4*B*H*N^2*d forward (two matmuls), halved when
 causal, and 2.5x that backward (five matmuls). Peers, timed in the same run: SDPA's flash backend
@@ -189,9 +189,10 @@ def flex_attention_peer(causal, window_left=-1, softcap=0.0, slopes=None):
 
 
 def feature_cases():
-    """(case, batch, seqlen, our kwargs, flex peer kwargs). The windowed case and the dense causal one
-    at a quarter of its length and four times its batch hold the same tokens, and their queries see
-    about as many keys each (4096); so a window's cost should follow its width, not seqlen^2."""
+    """(case, batch, seqlen, our kwargs, flex peer kwargs or None where FlexAttention has no such
+    feature). The windowed case and the dense causal one at a quarter of its length and four times
+    its batch hold the same tokens, and their queries see about as many keys each (4096); so a
+    window's cost should follow its width, not seqlen^2."""
     slopes = geometric_alibi_slopes(HEADS, DEVICE)
     long, width = size(gpu=32768, cpu=128), size(gpu=4096, cpu=16)
     cases = [("dense causal", 4, long // 4, dict(causal=True), dict(causal=True)),
@@ -203,7 +204,8 @@ def feature_cases():
     n = size(gpu=4096, cpu=64)
     cases += [("dense", 4, n, dict(), dict(causal=False)),
               ("softcap 30", 4, n, dict(softcap=30.0), dict(causal=False, softcap=30.0)),
-              ("alibi", 4, n, dict(alibi_slopes=slopes), dict(causal=False, slopes=slopes))]
+              ("alibi", 4, n, dict(alibi_slopes=slopes), dict(causal=False, slopes=slopes)),
+              ("dropout 0.1", 4, n, dict(dropout_p=0.1), None)]
     return cases
 
 
@@ -217,7 +219,7 @@ def run_features(head_dims):
             q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             grad_out = torch.randn(shape, device=DEVICE, dtype=torch.bfloat16)
             peers = {"ours": lambda q, k, v, kw=ours_kwargs: attention(q, k, v, **kw),
-                     "flex": flex_attention_peer(**flex_kwargs)}
+                     "flex": None if flex_kwargs is None else flex_attention_peer(**flex_kwargs)}
             for name, fn in peers.items():
                 if fn is None:
                     continue
@@ -238,7 +240,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the table here")
     parser.add_argument("--tune", action="store_true", help="sweep tile configs instead")
-    parser.add_argument("--features", action="store_true", help="windows, softcap and ALiBi against FlexAttention")
+    parser.add_argument("--features", action="store_true", help="windows, softcap, ALiBi (against FlexAttention) and dropout")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqlens", type=int, nargs="+", default=size(gpu=[1024, 4096, 16384], cpu=[64]))
     args = parser.parse_args()
