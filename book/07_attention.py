@@ -633,7 +633,7 @@ print(f"({features_bench['device']})")
 # O = (P \circ Z)\, V, \qquad Z_{ij} = \frac{M_{ij}}{1 - p}, \qquad M_{ij} = \begin{cases} 1 & \text{with probability } 1 - p \\ 0 & \text{with probability } p \end{cases}
 # $$
 #
-# with every $M_{ij}$ drawn independently. The usual implementation draws $M$ as an $L_q \times L_k$ tensor and keeps it for the backward pass: exactly the matrix this chapter refuses to store. Here the mask is a *function* instead. A counter-based generator (Philox {cite}`salmon2011random`, which Triton provides as `tl.rand`) turns a seed and a counter into a random number with no state in between: the same (seed, counter) gives the same number, on any program, in any order. Give the pair $(i, j)$ of head $h$ in batch row $b$ the counter $((b H + h) L_q + i) L_k + j$, its index in the (batch, heads, $L_q$, $L_k$) matrix of probabilities, and keep it iff its number is at least $p$. Then the forward kernel can draw $M$ tile by tile, and the backward kernels draw the very same bits again in their own tiles (the dK/dV kernel's are transposed) without anything being stored.
+# with every $M_{ij}$ drawn independently; $p$, without indices, is the dropout rate (`dropout_p`) in this section. The usual implementation draws $M$ as an $L_q \times L_k$ tensor and keeps it for the backward pass: exactly the matrix this chapter refuses to store. Here the mask is a *function* instead. `torch.rand` advances a hidden state with every number it draws, so the numbers depend on the order of the calls. A *counter-based* generator such as Philox {cite}`salmon2011random` (Triton provides it as `tl.philox`) is instead a pure function: it scrambles a seed and a counter into random bits, so the same (seed, counter) gives the same bits in any program, in any order. Give the pair $(i, j)$ of head $h$ in batch row $b$ the counter $((b H + h) L_q + i) L_k + j$, its index in the (batch, heads, $L_q$, $L_k$) matrix of probabilities, turn the bits into a number $u$ in $[0, 1)$, and keep the pair iff $u \ge p$. Then the forward kernel can draw $M$ tile by tile, and the backward kernels draw the very same bits again in their own tiles (the dK/dV kernel's are transposed) without anything being stored.
 
 # %%
 show_source(dropout_keep)
@@ -641,12 +641,12 @@ show_source(dropout_keep)
 # %% [markdown]
 # What changes in the kernels (the `if DROPOUT` lines above):
 #
-# - **Forward.** The softmax is normalised before dropout, so the running sum $\ell$ still adds every $p_{ij}$ and the lse is the lse of $P$, not of the dropped probabilities; only the accumulator $\tilde o$ skips the dropped ones. At the end $O = \tilde o / (\ell\,(1 - p))$.
-# - **Backward.** $dV = (P \circ Z)^\top dO$, and the gradient with respect to $P$ is $(dO\, V^\top) \circ Z$. The row sum in $dS = P \circ (dP - \delta)$ is still $\delta_i = \sum_j P_{ij}\, dP_{ij} = dO_i \cdot \sum_j P_{ij} Z_{ij} V_j = dO_i \cdot O_i$, the same `rowsum(dO * O)` as without dropout.
+# - **Forward.** The softmax is normalised before dropout, so the running sum still adds every key, $\ell_i = \sum_j e^{S_{ij} - m_i}$, and the lse, the log-sum-exp of row $i$ of $S$, is unchanged by dropout. Only the accumulator skips the dropped keys, $\tilde o_i = \sum_j M_{ij}\, e^{S_{ij} - m_i} v_j$. At the end $O_i = \tilde o_i / (\ell_i (1 - p)) = \sum_j P_{ij} Z_{ij} v_j$.
+# - **Backward.** $O = (P \circ Z) V$ is a product like $O = PV$ with $P \circ Z$ in place of $P$, so $dV = (P \circ Z)^\top dO$, and the gradient with respect to $P$ is now $dP_{ij} = Z_{ij}\, (dO_i \cdot v_j)$. $Z$ acts after the softmax, so the softmax's rule is the same, $dS = P \circ (dP - \delta)$ with $\delta_i = \sum_j P_{ij}\, dP_{ij}$, and so are $dQ = \tau\, dS\, K$ and $dK = \tau\, dS^\top Q$. And $\delta$ is still one row sum of what the forward pass stored: $\delta_i = dO_i \cdot \sum_j P_{ij} Z_{ij} v_j = dO_i \cdot O_i$, with $O$ the output after dropout, `rowsum(dO * O)` as before.
 #
-# The seed is drawn from PyTorch's generator of `q`'s device at every call, as a one-element tensor the kernels read. So `torch.manual_seed` reproduces a mask, the draw does not wait for the GPU (a Python number would have to be copied back from it), and a compiled graph or a replayed CUDA graph draws a new mask at each call instead of freezing one. The mask is not flash_attn's, which uses its own counters; only its distribution is the same.
+# The seed is drawn at every call from PyTorch's generator of `q`'s device, by `torch.randint`, into a one-element int64 tensor that the kernels read. So `torch.manual_seed` reproduces a mask; the draw does not wait for the GPU (a Python number would have to be copied back from it with `.item()`, which waits); and a graph compiled by `torch.compile` draws a new mask at each call instead of freezing one. Within one call the backward pass reuses the seed the forward pass drew. The mask is not flash_attn's, which uses its own counters; only its distribution is the same.
 #
-# To test this, `attention(..., dropout_p=p, return_attn_probs=True)` returns, as flash_attn does, the probabilities with the dropped entries negated (`S_dmask`). A third kernel, `mamba_annotated/attention/probabilities.py`, rebuilds them the way the backward pass does, so `S_dmask >= 0` is the mask the other two kernels drew, and a float64 reference can apply it. The picture shows one head of a small causal example: the probabilities kept, those dropped, and the pairs the mask hides.
+# To test this, `attention(..., dropout_p=p, return_attn_probs=True)` returns, in flash_attn's sign convention, `S_dmask` (flash_attn's name): the probabilities $P$ before dropout (no factor $1/(1 - p)$), each entry that dropout zeroed negated. A separate kernel, `mamba_annotated/attention/probabilities.py`, rebuilds them the way the backward pass does, so among the visible pairs, `S_dmask >= 0` is the mask that the forward kernel and both backward kernels drew, and a float64 reference can apply it. (Pairs that the causal mask or a window hides are stored as 0 and so read as kept; they have $P = 0$ and do not matter. Neither does a dropped probability so small that it rounds to $-0$.) The picture shows one head of a small causal example: on the left $P$ before dropout, on the right which entries dropout kept and dropped, and, in grey, the pairs the causal mask hides. The printed fraction counts every visible pair of every (batch, head); its standard deviation is about 0.003.
 
 # %%
 dropout_p = 0.3
@@ -656,9 +656,9 @@ probs = s_dmask[0, 0].abs().cpu()
 kept = (s_dmask[0, 0] >= 0).cpu() & (probs > 0)
 fig, axes = plt.subplots(1, 2, figsize=(9, 4.2))
 axes[0].imshow(probs, cmap="viridis")
-axes[0].set(title="probabilities P (one head)", xlabel="keys", ylabel="queries")
+axes[0].set(title="P before dropout (one head)", xlabel="keys", ylabel="queries")
 axes[1].imshow(torch.where(probs == 0, 0.5, kept.float()), cmap="gray", vmin=0, vmax=1)
-axes[1].set(title=f"kept (white), dropped (black), hidden (grey)\np = {dropout_p}", xlabel="keys")
+axes[1].set(title=f"dropout p = {dropout_p}: kept (white), dropped (black),\nhidden by the causal mask (grey)", xlabel="keys")
 plt.tight_layout()
 plt.show()
 visible_pairs = window_mask(48, 48, (-1, 0), device)
@@ -667,7 +667,7 @@ print(f"kept {kept_fraction:.3f} of {visible_pairs.sum().item() * s_dmask.shape[
       f"visible pairs (expected {1 - dropout_p})")
 
 # %% [markdown]
-# The checks: the magnitudes in `S_dmask` against float64 probabilities, then output, lse and the three gradients against float64 with the mask from `S_dmask` (`check_features` above, every call of `attention` seeded alike, so the forward and the backward pass draw that mask), by the chapter's rule. The last line adds every other feature.
+# The checks: the magnitudes in `S_dmask` against float64 probabilities, then output, lse and the three gradients against float64 with the mask from `S_dmask`, by the chapter's rule (within twice PyTorch's error in the same dtype). `check_features` above seeds every call of `attention` alike, so the call that returns `S_dmask` and the calls being checked draw the same mask. The last line adds every other feature.
 
 # %%
 def check_dropout(name, q, k, v, dropout_p, causal=False, window_size=(-1, -1), **features):
@@ -687,7 +687,9 @@ check_dropout("dropout 0.2 with causal, window, softcap, ALiBi", *make_qkv(n + 1
               window_size=(n // 4, 7), softcap=10.0, alibi_slopes=slopes)
 
 # %% [markdown]
-# The tests (`tests/test_attention.py`, the `test_dropout*` functions) add every dtype, the kept fraction ($1 - p$ within five standard deviations, in every head, for $p$ = 0.1, 0.5 and 0.9), independence between heads, batch rows and query rows, bitwise reproduction under `torch.manual_seed`, a fresh mask at each call of a compiled graph, and `torch.library.opcheck`. **What dropout costs**, measured once on an H100 after the stored features run (`benchmarks/bench_attention.py --features`, which now includes the case; that run's full output is `data/attention_dropout_bench.json`): with $p = 0.1$ at $L = 4096$, batch 4, bfloat16, the forward pass took 7.8× the time of plain attention at head dim 64 and 4.7× at 128, the backward pass 5.8× and 3.6×. That is far too slow. Each kept-or-dropped decision is a full Philox evaluation, ten rounds of 32-bit multiplications, for every pair, once in the forward pass and once in each backward kernel; at head dim 64 there are fewer matrix FLOPs per pair to hide it behind, so it costs more. One Philox evaluation gives four 32-bit words, and an 8-bit threshold needs only a byte, so one evaluation could decide sixteen pairs; that is the next step, not taken yet.
+# The tests (`tests/test_attention.py`, the `test_dropout*` functions) add every dtype; the kept fraction ($1 - p$ within five standard deviations, in every head, for $p$ = 0.1, 0.5 and 0.9); that the masks of different heads, batch rows and adjacent query rows agree about as often as independent draws would; bitwise reproduction under `torch.manual_seed`; a fresh mask at each call of a compiled graph; and `torch.library.opcheck`.
+#
+# **What dropout costs.** DROPOUT_COST_PLACEHOLDER
 
 # %% [markdown]
 # ## Memory

@@ -623,7 +623,9 @@ class BidirectionalChunkScan(ChunkedSSM):
 class Attention(Op):
     name = "attention"
     minimum = {"batch": 1, "Lq": 1, "Lk": 1, "heads": 1, "kv_heads": 1, "head_dim": 16}
-    defaults = {"causal": False, "softmax_scale": None, "window_size": [-1, -1], "softcap": 0.0, "alibi": None}
+    defaults = {"causal": False, "softmax_scale": None, "window_size": [-1, -1], "softcap": 0.0, "alibi": None,
+                "dropout_p": 0.0}
+    dropout_seed = 14  # every call of a case with dropout seeds the generator alike, so draws one mask
 
     def draw(self, rng):
         heads = rng.choice(size(gpu=(1, 2, 3, 4, 6, 8), cpu=(1, 2)))
@@ -641,7 +643,8 @@ class Attention(Op):
                       (1, [rng.randint(0, side), -1]))
         opts = dict(causal=rng.random() < 0.5, softmax_scale=scale, window_size=window,
                     softcap=pick(rng, (3, 0.0), (1, rng.choice([1.5, 5.0, 30.0]))),
-                    alibi=pick(rng, (3, None), (1, rng.choice(["heads", "batch, heads"]))))
+                    alibi=pick(rng, (3, None), (1, rng.choice(["heads", "batch, heads"]))),
+                    dropout_p=pick(rng, (3, 0.0), (1, rng.choice([0.1, 0.5]))))
         return self.fix(dict(dims=dims, dtype=rng.choice(list(DTYPES)), opts=opts,
                              layouts=draw_layouts(rng, ("q", "k", "v"))))
 
@@ -669,9 +672,10 @@ class Attention(Op):
         dtype, s, lay = DTYPES[params["dtype"]], self.shapes(params), params["layouts"]
         return {k: leaf(lambda t: randn(*t, dtype=dtype), s[k], lay[k]) for k in ("q", "k", "v")}
 
-    def call(self, params, fn):
-        """``fn(q, k, v, causal, scale, window, softcap, alibi_slopes)`` with the window as flash_attn
-        resolves it (-1 for an unbounded side, causal: right = 0) and ALiBi's geometric slopes."""
+    def call(self, params, fn, dropout_mask=None):
+        """``fn(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask)`` with
+        the window as flash_attn resolves it (-1 for an unbounded side, causal: right = 0), ALiBi's
+        geometric slopes, and the keep mask the kernels drew (None without dropout)."""
         opts, d = {**self.defaults, **params["opts"]}, params["dims"]
         window = resolve_window(opts["causal"], tuple(opts["window_size"]), d["Lk"])
         slopes = None
@@ -680,12 +684,18 @@ class Attention(Op):
             slopes = geometric_alibi_slopes(math.prod(shape), DEVICE).reshape(shape)
 
         def run(q, k, v):
-            return fn(q, k, v, opts["causal"], opts["softmax_scale"], window, opts["softcap"], slopes)
+            return fn(q, k, v, opts["causal"], opts["softmax_scale"], window, opts["softcap"], slopes,
+                      opts["dropout_p"], dropout_mask)
         return run
 
-    def ours(self, params):
-        return self.call(params, lambda q, k, v, causal, scale, window, softcap, slopes: attention(
-            q, k, v, softmax_scale=scale, window_size=window, softcap=softcap, alibi_slopes=slopes, return_lse=True))
+    def ours(self, params, return_attn_probs=False):
+        """(out, lse), or (out, lse, S_dmask); every call seeded alike, leaving the generators as they were."""
+        def attend(q, k, v, causal, scale, window, softcap, slopes, dropout_p, _mask):
+            with torch.random.fork_rng():
+                torch.manual_seed(self.dropout_seed)
+                return attention(q, k, v, dropout_p, softmax_scale=scale, window_size=window, softcap=softcap,
+                                 alibi_slopes=slopes, return_attn_probs=return_attn_probs, return_lse=True)
+        return self.call(params, attend)
 
     def small(self):
         return [dict(dims=dict(batch=2, Lq=size(gpu=77, cpu=19), Lk=size(gpu=131, cpu=23), heads=4, kv_heads=2,
@@ -700,12 +710,16 @@ class Attention(Op):
     def judge(self, params, leaves, seed):
         verdict, dtype = Verdict(), DTYPES[params["dtype"]]
 
-        def ref(q, k, v, causal, scale, window, softcap, slopes):
+        def ref(q, k, v, causal, scale, window, softcap, slopes, dropout_p, dropout_mask):
             return naive_attention(q.double(), k.double(), v.double(), causal, scale, window, softcap,
-                                   None if slopes is None else slopes.double())
-        fn, same_fn, ref_fn = self.ours(params), self.call(params, naive_attention), self.call(params, ref)
+                                   None if slopes is None else slopes.double(), dropout_p, dropout_mask)
         with torch.no_grad():
             args = self.views(params, leaves)
+            mask = None  # with dropout, the references apply the mask the kernels marked in S_dmask
+            if {**self.defaults, **params["opts"]}["dropout_p"] > 0:
+                mask = self.ours(params, return_attn_probs=True)(**args)[2] >= 0
+        fn, same_fn, ref_fn = self.ours(params), self.call(params, naive_attention, mask), self.call(params, ref, mask)
+        with torch.no_grad():
             outputs = fn(**args)
             for name, out, same, want in zip(("out", "lse"), outputs, same_fn(**args), ref_fn(**args)):
                 self.rule(verdict, name, out, same, want, dtype)
