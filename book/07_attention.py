@@ -630,7 +630,11 @@ print(f"({features_bench['device']})")
 # Dropout {cite}`srivastava2014dropout` on the attention probabilities zeroes each $P_{ij}$ with probability $p$ and divides the ones it keeps by $1 - p$, so that on average the output is unchanged:
 #
 # $$
-# O = (P \circ Z)\, V, \qquad Z_{ij} = \frac{M_{ij}}{1 - p}, \qquad M_{ij} = \begin{cases} 1 & \text{with probability } 1 - p \\ 0 & \text{with probability } p \end{cases}
+# \begin{aligned}
+# O &= (P \circ Z)\, V, \\
+# Z_{ij} &= \frac{M_{ij}}{1 - p}, \\
+# M_{ij} &= \begin{cases} 1 & \text{with probability } 1 - p \\ 0 & \text{with probability } p \end{cases}
+# \end{aligned}
 # $$
 #
 # with every $M_{ij}$ drawn independently; $p$, without indices, is the dropout rate (`dropout_p`) in this section. The usual implementation draws $M$ as an $L_q \times L_k$ tensor and keeps it for the backward pass: exactly the matrix this chapter refuses to store. Here the mask is a *function* instead. `torch.rand` advances a hidden state with every number it draws, so the numbers depend on the order of the calls. A *counter-based* generator such as Philox {cite}`salmon2011random` (Triton provides it as `tl.philox`) is instead a pure function: it scrambles a seed and a counter into random bits, so the same (seed, counter) gives the same bits in any program, in any order. Give the pair $(i, j)$ of head $h$ in batch row $b$ the counter $((b H + h) L_q + i) L_k + j$, its index in the (batch, heads, $L_q$, $L_k$) matrix of probabilities, turn the bits into a number $u$ in $[0, 1)$, and keep the pair iff $u \ge p$. Then the forward kernel can draw $M$ tile by tile, and the backward kernels draw the very same bits again in their own tiles (the dK/dV kernel's are transposed) without anything being stored.
