@@ -355,7 +355,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The verdict: in the stored H200 run `linear_scan` runs at 93–100% of the memory floor in every case, forward and backward, float32 and bfloat16; accelerated-scan's Triton scan is close in float32 (1–7% slower) and falls behind in bfloat16 (9–11% forward, 1.5× forward and backward, where it stays near 62% of the floor); its CUDA warp scan reaches 72–87% in float32; chapter 1's sequential kernel is 6 to 15 times slower. This machine's run above tells the same story wherever a row is long enough for the kernels, not the host, to set the time.
+# The verdict: in the stored H200 run `linear_scan` runs at 93–100% of the memory floor in every case, forward and backward, float32 and bfloat16; accelerated-scan's Triton scan is close in float32 (1–7% slower) and falls behind in bfloat16 (9–11% forward, 1.5× forward and backward, where it stays near 62% of the floor); its CUDA warp scan reaches 72–87% in float32; chapter 1's sequential kernel is 6 to 15 times slower. This machine's run above tells the same story wherever a row is long enough for the kernels, not the host, to set the time, with one exception on the H100 that ran it: bfloat16 forward and backward at $L = 4096$, where `linear_scan` took 0.53 ms (51% of the floor) against accelerated-scan's 0.335 ms. That gap is open and not yet explained.
 
 # %% [markdown]
 # ### Scanning backwards without `reverse=True`
