@@ -377,6 +377,15 @@ for shift in (False, True):
           tolerance(torch.float32))
 
 # %% [markdown]
+# **A NaN stays in its sequence.** One diverged sequence in a packed batch should not spoil the others. A weight of 0 for a position of another sequence is not enough to keep it out, because each product still computes $0 \cdot \text{NaN} = \text{NaN}$. Three places had this leak, and the GPU reliability step found all of them:
+#
+# - the diagonal block's matmul with $x$;
+# - the chunk states, whose weights scaled $x$ and multiplied $B$;
+# - the carry, which cut a sequence off by multiplying its state by $\gamma = 0$.
+#
+# Each now selects instead. The diagonal block uses chapter 5's `drop_hidden_nonfinite`. The chunk states select on both operands of each product, and the carry selects the carried state. `test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it` in `tests/test_bidirectional.py` checks the result. A NaN or $\infty$ at position $t$ makes exactly the outputs that read it non-finite. For $x$ that is its whole sequence. For the forward direction's $\Delta$ and $B$ it is $t$ and the positions after it; for the reverse direction's, $t$ and the positions before it. Every other output keeps its bits. One limit remains. The reverse decays are differences of chunk-local cumulative sums of $\Delta'$, so a bad $\Delta'_t$ also spoils the later positions of its own chunk, though they do not read it.
+
+# %% [markdown]
 # ### The backward pass
 #
 # The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once. What the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, comes from the chunk-state kernel with `grad=True` (one read of $dy$, and of $C$ when the directions share it); the two carries run again, each the other way; one kernel gives $dx$ (through the full diagonal block and both states), one gives $dB$, $dC$ and the reverse direction's $dB'$, $dC'$; a last one turns the decay gradients of both directions into those of $\Delta$, $\Delta'$, $A$ and `dt_bias` by reverse cumulative sums inside each chunk, as in chapter 5. Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$, so their gradients move back one row (`queries_to_rows`).

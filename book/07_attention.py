@@ -237,7 +237,7 @@ show_fragment(attention_fwd_kernel, "def attention_fwd_kernel(", "# 64-bit base 
 show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# One loop over the key blocks")
 
 # %% [markdown]
-# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. (The `if DROPOUT` lines belong to [dropout](attention-dropout), later in the chapter.)
+# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. (The `if DROPOUT` lines belong to [dropout](attention-dropout), later in the chapter.) One more line sits in the masked blocks: `drop_hidden_nonfinite`. Setting $p = 0$ does not keep a NaN or $\infty$ in $V$ away from a row that cannot see that key, because the product $PV$ still computes $0 \cdot \text{NaN} = \text{NaN}$. The helper zeroes such values in the tile and marks the rows that do see one, and the end of the kernel makes those rows NaN. It is chapter 5's helper, and that chapter explains it.
 
 # %%
 show_fragment(attention_fwd_kernel, "# One loop over the key blocks", "# rows that see no key")

@@ -12,6 +12,8 @@
   They are constexpr: in a kernel ``x * LOG2E``, on the host ``x * LOG2E.value``.
 * ``softplus``, accurate to float32 rounding over the whole range (the step sizes of Mamba-1 and
   Mamba-2 go through it).
+* ``drop_hidden_nonfinite``: masked products that keep a NaN or inf out of the rows the mask
+  hides it from.
 * ``block_size``: the power-of-two tile that covers a dimension, within bounds; ``state_rows``: the
   rows of a recurrent state one decoding-step program updates.
 """
@@ -81,6 +83,25 @@ def sigmoid(x):
     """d softplus / dx = 1 / (1 + e^-x), to float32 rounding for every x; e^-|x| never overflows."""
     e = tl.exp(-tl.abs(x))
     return tl.where(x >= 0, 1.0, e) / (1.0 + e)
+
+
+@triton.jit
+def drop_hidden_nonfinite(values, seen, hits):
+    """For a masked product ``weights @ values`` whose weights are 0 where ``seen`` (rows, keys) is
+    False: a select on the weights cannot keep a NaN or inf of the ``values`` tile (keys, cols)
+    out of the rows that do not see its key, since the product computes 0 x NaN = NaN (tensor
+    cores too). So the non-finite entries are zeroed here, and ``hits`` (rows,) counts the keys
+    with a non-finite value each row sees; the caller makes those rows NaN at the end, as the
+    unmasked product would have (in every column, and an inf as NaN: a per-column count would
+    hold a second accumulator tile in registers). A tile with no non-finite value, the usual
+    case, costs one test of each element and a reduction."""
+    wide = values.to(tl.float32)  # (the interpreter holds bfloat16 as integers, where NaN == NaN)
+    bad = (wide != wide) | (tl.abs(wide) == float("inf"))
+    bad_key = tl.max(bad.to(tl.int32), 1)
+    if tl.max(bad_key, 0) > 0:
+        hits += tl.sum((seen & (bad_key[None, :] > 0)).to(tl.int32), 1)
+        values = tl.where(bad, 0.0, values)
+    return values, hits
 
 
 def cdiv(a: int, b: int) -> int:

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Issue 14's reliability run on a CUDA GPU: every public op proven where races and out-of-bounds
 # accesses do not hide (the tests mostly run in Triton's interpreter). Steps (python in
-# scripts/reliability/, each writes $REPORTS/<step>*.json):
+# scripts/reliability/, each writes $REPORTS/<step>_<op>.json):
 #   sweep         random cases per op vs the float64 references, forward and every gradient, autotuner on
 #   sanitize      compute-sanitizer memcheck, racecheck, initcheck, synccheck over each op's forward and backward
 #   reproducible  outputs and gradients bitwise equal across calls
 #   large         linear_scan > 2^31 elements; SSD and bidirectional at 2^20 tokens; attention at N = 131072
 #   nonfinite     a NaN/inf at position t never reaches outputs before t; after t non-finite, never garbage
 #   leaks         10,000 calls leave memory_allocated unchanged; CUDA-graph replay equals eager
-#   summary       the table over every report in $REPORTS, also as JSON ($SUMMARY_JSON)
-#   usage: STEPS="sweep" OPS="ssd_chunk_scan" bash scripts/gpu_reliability.sh
-# A device call is capped at 10 minutes: run one step (and, for the sweep, one or two ops) per call;
-# the reports accumulate in $REPORTS, and STEPS=summary prints the table at the end.
-# Environment: STEPS (default: all, in the order above), OPS (default: all six), CASES (sweep cases
-# per op, default 1000), TIME_BUDGET (sweep seconds per op, default 540), SEED (default 0),
+#   summary       the table over every report in $REPORTS, also as JSON ($SUMMARY_JSON); runs last
+#   usage: STEPS="sweep" OPS="ssd_chunk_scan" JOBS=6 bash scripts/gpu_reliability.sh
+# Every (step, op) pair is one process (large: one per check), its output in $REPORTS/logs/. JOBS of
+# them run at once: they check values, not speed, and most of their time is Triton compiling kernels
+# on the CPU (every new shape key tunes every configuration), so a 16-core GPU box runs several
+# side by side. The large step runs alone after the others (it needs most of the GPU's memory).
+# A device call is capped at 10 minutes: run a few steps per call; the reports accumulate in
+# $REPORTS, and STEPS=summary prints the table at the end.
+# Environment: STEPS (default: all, in the order above), OPS (default: all six), JOBS (default 1),
+# CASES (sweep cases per op, default 1000), TIME_BUDGET (seconds per sweep or reproducible process,
+# default 540), SANITIZE_TIMEOUT (seconds per sanitized run, default 900), SEED (default 0),
 # REPORTS (default /tmp/reliability), SUMMARY_JSON (default book/data/reliability.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,33 +27,56 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu
 steps=${STEPS:-sweep sanitize reproducible large nonfinite leaks summary}
 ops=${OPS:-linear_scan sequential_scan selective_scan ssd_chunk_scan bidirectional_chunk_scan attention}
 reports=${REPORTS:-/tmp/reliability}
-mkdir -p "$reports"
-ops_csv=$(echo $ops | tr ' ' ',')
-tag=$(echo $ops | tr ' ' '+')
-status=0
-run() { echo "--- $*"; "$@" || status=1; }
+budget=${TIME_BUDGET:-540}
+mkdir -p "$reports/logs"
+here=scripts/reliability
+
+# one line per process: "<name> <command...>"
+parallel=() serial=()
 for step in $steps; do
-  case $step in
-    sweep)
-      for op in $ops; do
-        run python3 scripts/reliability/sweep.py --ops "$op" --cases "${CASES:-1000}" --seed "${SEED:-0}" \
-          --time-budget "${TIME_BUDGET:-540}" --json "$reports/sweep_${op}_seed${SEED:-0}.json"
-      done ;;
-    sanitize)
-      run python3 scripts/reliability/sanitize.py --ops "$ops_csv" --log-dir "$reports/sanitizer_logs" \
-        --json "$reports/sanitize_$tag.json" ;;
-    reproducible)
-      run python3 scripts/reliability/reproducible.py --ops "$ops_csv" --json "$reports/reproducible_$tag.json" ;;
-    large)
-      run python3 scripts/reliability/large.py --checks "$(echo $ops | tr ' ' '\n' | grep -v sequential_scan \
-        | grep -v selective_scan | paste -sd,)" --json "$reports/large_$tag.json" ;;
-    nonfinite)
-      run python3 scripts/reliability/nonfinite.py --ops "$ops_csv" --json "$reports/nonfinite_$tag.json" ;;
-    leaks)
-      run python3 scripts/reliability/leaks.py --ops "$ops_csv" --json "$reports/leaks_$tag.json" ;;
-    summary)
-      run python3 scripts/reliability/summary.py "$reports"/*.json --json "${SUMMARY_JSON:-book/data/reliability.json}" ;;
-    *) echo "gpu_reliability: unknown step $step"; exit 2 ;;
-  esac
+  for op in $ops; do
+    case $step in
+      sweep) parallel+=("sweep_${op}_seed${SEED:-0} python3 $here/sweep.py --ops $op --cases ${CASES:-1000} \
+--seed ${SEED:-0} --time-budget $budget --json $reports/sweep_${op}_seed${SEED:-0}.json") ;;
+      sanitize) parallel+=("sanitize_$op python3 $here/sanitize.py --ops $op --log-dir $reports/sanitizer_logs \
+--timeout ${SANITIZE_TIMEOUT:-900} --json $reports/sanitize_$op.json") ;;
+      reproducible) parallel+=("reproducible_$op python3 $here/reproducible.py --ops $op --time-budget $budget \
+--json $reports/reproducible_$op.json") ;;
+      nonfinite) parallel+=("nonfinite_$op python3 $here/nonfinite.py --ops $op --json $reports/nonfinite_$op.json") ;;
+      leaks) parallel+=("leaks_$op python3 $here/leaks.py --ops $op --json $reports/leaks_$op.json") ;;
+      large) case $op in sequential_scan|selective_scan) ;;  # no large check of their own
+               *) serial+=("large_$op python3 $here/large.py --checks $op --json $reports/large_$op.json") ;; esac ;;
+      summary) ;;
+      *) echo "gpu_reliability: unknown step $step"; exit 2 ;;
+    esac
+  done
 done
+
+status=0
+launch() {  # name command...: run in the background, output and exit code in $reports/logs/
+  local name=$1; shift
+  echo "--- $(date +%T) start $name: $*"
+  ( "$@" > "$reports/logs/$name.log" 2>&1; echo $? > "$reports/logs/$name.rc" ) &
+}
+finish() {  # name: its log, then its exit code into $status
+  local name=$1 rc
+  rc=$(cat "$reports/logs/$name.rc" 2>/dev/null || echo missing)
+  echo "--- $(date +%T) done $name (exit $rc)"; cat "$reports/logs/$name.log"
+  [ "$rc" = 0 ] || status=1
+}
+run_all() {  # entries..., at most $1 at once
+  local jobs=$1 entry names=(); shift
+  for entry in "$@"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    # shellcheck disable=SC2086
+    launch $entry; names+=("${entry%% *}")
+  done
+  wait
+  for name in "${names[@]}"; do finish "$name"; done
+}
+run_all "${JOBS:-1}" "${parallel[@]}"
+run_all 1 "${serial[@]}"
+if [[ " $steps " == *" summary "* ]]; then
+  python3 $here/summary.py "$reports"/*.json --json "${SUMMARY_JSON:-book/data/reliability.json}" || status=1
+fi
 exit $status

@@ -305,6 +305,22 @@ def test_window_skips_key_blocks_it_does_not_cover():
     assert not dk[:, :poisoned].nan_to_num(1.0).any() and not dv[:, :poisoned].nan_to_num(1.0).any()
 
 
+@pytest.mark.parametrize("window, value", [((-1, 0), math.nan), ((3, 0), math.inf), ((4, 2), math.nan)])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(window, value):
+    """A NaN or inf in v at key t: the rows whose window holds t become NaN; every other row keeps
+    its bits. In the masked blocks p = 0 for the hidden keys, but 0 x NaN = NaN in p @ v, which
+    poisoned the earlier rows of the diagonal block (found on the H100 by the reliability step)."""
+    t, length = 10, 19 if not ON_GPU else 200
+    q, k, v = make_qkv(1, length, length, 2, 1, 32, torch.float16)
+    clean = attention(q, k, v, window_size=window)
+    v = v.clone()
+    v[:, t] = value
+    out = attention(q, k, v, window_size=window)
+    seen = window_mask(length, length, window)[:, t]
+    assert (~torch.isfinite(out[:, seen])).all(-1).all(), "a row that sees the value should be NaN"
+    assert torch.equal(out[:, ~seen], clean[:, ~seen]), "a row that does not see the value changed"
+
+
 def test_rows_outside_every_key_see_nothing():
     """A window that leaves a row no key (here the keys end before the window of the last rows
     begins) gives that row out = 0, lse = +inf and zero gradients, as causal rows that see nothing."""

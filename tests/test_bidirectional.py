@@ -20,8 +20,9 @@ from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_s
                                                      reverse_within_sequences, shift_within_sequences)
 from mamba_annotated.runtime import DEVICE, INTERPRETED
 from mamba_annotated.ssd.reference import process_dt
-from mamba_annotated.testing import (assert_close, assert_gradients_close, assert_within_same_computation, gradients,
-                                     randn, tolerance, uniform)
+from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_close, assert_gradients_close,
+                                     assert_within_same_computation, gradients, randn, same_computation_error,
+                                     tolerance, uniform)
 
 REVERSE = ("dt_rev", "B_rev", "C_rev")
 TIME_ARGS = ("x", "dt", "B", "C", "z") + REVERSE  # the arguments indexed by position (dim 1)
@@ -345,26 +346,36 @@ def test_fused_one_reverse_parameter_of_its_own(name):
 @pytest.mark.parametrize("dtype, shift", [(torch.float16, False), (torch.bfloat16, True)])
 def test_fused_half_precision(dtype, shift):
     """Forward and every gradient within the 16-bit bounds; and the step gradients within 3x the
-    error of chapter 5's SSD called twice. Defect: the column sums of the decay gradients came from
-    the dx kernel's 16-bit tiles and the row sums from float32, so the two signs of each term did
-    not cancel in the reverse cumsum: bfloat16 dA had 30-100x the two calls' error (3x, not 2x:
-    the ratio of two independent rounding errors reached 2.0 over seeds)."""
-    inputs = make_inputs(batch=1, heads=4, groups=2, dtype=dtype, separate=shift)
-    inputs = {k: v.requires_grad_() for k, v in inputs.items() if v is not None}
+    error of chapter 5's SSD called twice, summed over three draws. Defect: the column sums of the
+    decay gradients came from the dx kernel's 16-bit tiles and the row sums from float32, so the
+    two signs of each term did not cancel in the reverse cumsum: bfloat16 dA had 30-100x the two
+    calls' error. Summed, not per draw: dA is one number per head, a sum over every position with
+    cancellation, and the ratio of two independent roundings of it ranged from 0.24 to 9.7 over
+    16 bfloat16 draws (seeds 1380-1387, both shifts), while the sums over 8 draws agreed within
+    1.2x."""
     kw = dict(dt_softplus=True, seq_idx=packed_ids(1, 37), shift=shift)
-    out = bidirectional_chunk_scan(**inputs, chunk_size=16, **kw)
-    assert out.dtype == dtype
-    assert_close(out, bidirectional_ref(**inputs, **kw), tolerance(dtype), "out")
-    grad_out = randn(*inputs["x"].shape, dtype=dtype)
-    ours = gradients(lambda **a: bidirectional_chunk_scan(**a, chunk_size=16, **kw), inputs, grad_out)
-    foil = gradients(lambda **a: bidirectional_two_calls(**a, chunk_size=16, **kw), inputs, grad_out)
-    as64 = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
-    want = gradients(lambda **a: bidirectional_ref(**a, **kw), as64, grad_out.double())
-    assert set(ours) == set(want) == {k for k in inputs if k in ALL_GRADS}
-    for name in ours:
-        assert_close(ours[name], want[name], fused_grad_tol(name, dtype), f"grad {name}")
-    for name in ("dt", "A", "dt_bias") + (("dt_rev",) if shift else ()):
-        assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype, factor=3.0)
+    steps = ("dt", "A", "dt_bias") + (("dt_rev",) if shift else ())
+    errors = {name: [0.0, 0.0] for name in steps}
+    for _ in range(3):
+        inputs = make_inputs(batch=1, heads=4, groups=2, dtype=dtype, separate=shift)
+        inputs = {k: v.requires_grad_() for k, v in inputs.items() if v is not None}
+        out = bidirectional_chunk_scan(**inputs, chunk_size=16, **kw)
+        assert out.dtype == dtype
+        assert_close(out, bidirectional_ref(**inputs, **kw), tolerance(dtype), "out")
+        grad_out = randn(*inputs["x"].shape, dtype=dtype)
+        ours = gradients(lambda **a: bidirectional_chunk_scan(**a, chunk_size=16, **kw), inputs, grad_out)
+        foil = gradients(lambda **a: bidirectional_two_calls(**a, chunk_size=16, **kw), inputs, grad_out)
+        as64 = {k: v.detach().double().requires_grad_() for k, v in inputs.items()}
+        want = gradients(lambda **a: bidirectional_ref(**a, **kw), as64, grad_out.double())
+        assert set(ours) == set(want) == {k for k in inputs if k in ALL_GRADS}
+        for name in ours:
+            assert_close(ours[name], want[name], fused_grad_tol(name, dtype), f"grad {name}")
+        for name in steps:
+            error, foil_error = same_computation_error(ours[name], foil[name], want[name], SAME_COMPUTATION_FLOOR[dtype])
+            errors[name][0] += error
+            errors[name][1] += foil_error
+    for name, (error, foil_error) in errors.items():
+        assert error <= 3.0 * foil_error, f"grad {name}: error {error:.3e} above 3 x the two calls' {foil_error:.3e}"
 
 
 @pytest.mark.parametrize("length", [1, 2, 15, 16, 17])
@@ -387,6 +398,39 @@ def test_fused_sizes_that_are_not_blocks(chunk_size, headdim, dstate):
     kw = dict(dt_softplus=True, shift=chunk_size == 32)
     assert_close(bidirectional_chunk_scan(**inputs, chunk_size=chunk_size, **kw), bidirectional_ref(**inputs, **kw),
                  tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("argument, t", [("x", 2), ("x", 10), ("x", 30), ("B", 2), ("dt", 10), ("B_rev", 20),
+                                         ("dt_rev", 33), ("C", 7)])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it(argument, t, value):
+    """Packed sequences (row 0: [0, 5), [5, 6), [6, 16), [16, 37); chunks of 16): a NaN or inf at
+    position t makes exactly the outputs that read it non-finite (x: its whole sequence; the
+    forward direction's dt and B: t and the positions after it in the sequence; the reverse
+    direction's: t and those before; C: t) and leaves the other outputs the same bits. A weight
+    of 0 for another sequence's position did not keep its NaN out: 0 x NaN in the diagonal
+    block's product, in the chunk states and in the carried state (found on the H100 by the
+    reliability step). (The dense float64 reference is no judge here: its matrix product has the
+    same 0 x NaN.)"""
+    inputs = make_inputs(batch=1, heads=2, groups=1)
+    seq_idx = packed_ids(1, 37)
+    kw = dict(chunk_size=16, dt_softplus=True, seq_idx=seq_idx)
+    clean = bidirectional_chunk_scan(**inputs, **kw)
+    inputs[argument] = inputs[argument].clone()
+    inputs[argument][0, t] = value
+    out = bidirectional_chunk_scan(**inputs, **kw)
+    pos = torch.arange(37)
+    reads = {"x": pos >= 0, "B": pos >= t, "dt": pos >= t, "B_rev": pos <= t, "dt_rev": pos <= t, "C": pos == t}
+    same_sequence = (seq_idx[0] == seq_idx[0, t]).cpu()
+    reached = reads[argument] & same_sequence
+    assert not out[:, reached].isfinite().any(), "an output that reads the value is finite"
+    may_change = reached.clone()
+    if argument == "dt_rev":
+        # the reverse decays are differences of chunk-local cumulative sums of dt_rev: a bad
+        # step also spoils the later positions of its own chunk, which do not read it (a known
+        # limit, named in the chapter's note on non-finite inputs)
+        may_change |= same_sequence & (pos // 16 == t // 16)
+    assert torch.equal(out[:, ~may_change], clean[:, ~may_change]), "an output that does not read the value changed"
 
 
 @pytest.mark.parametrize("shift", [False, True])

@@ -111,6 +111,10 @@ def test_sanitizer_command_and_log_parsing():
            "/x/chunk_scan.py:120\n========= ERROR SUMMARY: 3 errors\n")
     errors, kernels = sanitize.count_errors(log)
     assert errors == 3 and kernels == ["chunk_scan_kernel"]
+    # racecheck's own summary line (its absence read as a failed run, seen on the H100)
+    assert sanitize.count_errors("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")[0] == 0
+    assert sanitize.count_errors("========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n")[0] == 1
+    assert sanitize.count_errors("no summary at all")[0] is None
 
 
 def test_sanitizer_driver_runs_each_op_forward_and_backward(capsys):

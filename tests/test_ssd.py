@@ -553,23 +553,47 @@ def test_bad_inputs_raise_clear_errors(build, error, message):
         ssd_chunk_scan(**build(inputs))
 
 
-@pytest.mark.parametrize("argument", ["dt", "B", "C"])
-def test_a_non_finite_value_never_reaches_earlier_outputs(argument):
-    """A NaN in dt, B or C at position t (mid-chunk) leaves every output before t finite (dt went
+@pytest.mark.parametrize("argument, value", [("dt", math.nan), ("B", math.nan), ("C", math.nan), ("x", math.nan),
+                                             ("x", math.inf)])
+def test_a_non_finite_value_never_reaches_earlier_outputs(argument, value):
+    """A NaN in dt, B, C or x at position t (mid-chunk) leaves every output before t finite (dt went
     through the clamp as a number: Triton's min and max drop NaN by default; a later B or dt
     reached earlier rows through 0 * NaN in the within-chunk weights: the causal select now comes
-    after the products). The output at t is NaN, and so are all later ones for dt and B (C_t is
-    read by row t alone)."""
+    after the products; a later x did through the product itself, seen on the H100 by the
+    reliability step: drop_hidden_nonfinite). The output at t is NaN, and so are all later ones
+    for dt, B and x (C_t is read by row t alone)."""
     t = 25
     inputs = make_inputs(batch=1, length=40, heads=2, groups=1)
+    clean = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
     inputs[argument] = inputs[argument].clone()
-    inputs[argument][0, t] = float("nan")
+    inputs[argument][0, t] = value
     y = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
-    assert torch.isfinite(y[:, :t]).all(), "a NaN reached an output before its position"
+    assert torch.equal(y[:, :t], clean[:, :t]), "a non-finite value reached an output before its position"
     later = y[:, t:] if argument != "C" else y[:, t:t + 1]
-    assert torch.isnan(later).flatten(2).any(-1).all(), "the outputs that read the NaN should be NaN"
+    assert (~torch.isfinite(later)).flatten(2).any(-1).all(), "the outputs that read the value should not be finite"
     if argument == "C":
         assert torch.isfinite(y[:, t + 1:]).all()
+
+
+@pytest.mark.parametrize("argument, t", [("x", 2), ("B", 2), ("x", 20), ("C", 20)])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_value_stays_in_its_packed_sequence(argument, t, value):
+    """Packed sequences (row 0: [0, 5), [5, 16), [16, 37); chunks of 16): a NaN or inf in x, B or C
+    of one sequence leaves the other sequences' outputs the same bits. Weights of 0 did not keep it
+    out: 0 x NaN in the diagonal block's product with x, in the chunk state (w = 0 times x and B)
+    and in the carry (the state times gamma = 0). (A bad step dt still crosses a boundary inside a
+    chunk: the chunk-local cumulative sums of dt A run across it; chapter 5 names that limit.)"""
+    inputs = make_inputs(batch=1, length=37, heads=2, groups=1, seq_idx=True)
+    del inputs["initial_states"]
+    clean = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
+    inputs[argument] = inputs[argument].clone()
+    inputs[argument][0, t] = value
+    y = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
+    ids = inputs["seq_idx"][0]
+    other = (ids != ids[t]).cpu()
+    assert torch.equal(y[:, other], clean[:, other]), "a non-finite value reached another sequence"
+    reads = torch.arange(37) == t if argument == "C" else (torch.arange(37) >= t) & ~other
+    assert not y[:, reads].isfinite().all(-1).all(-1).any(), "an output that reads the value is finite"
 
 
 # ---------------------------------------------------------------- GPU: real sizes and the peer

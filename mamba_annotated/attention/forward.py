@@ -37,6 +37,12 @@ Dropout
     pairs are kept is a function of a seed and the pair's index (:func:`.scores.dropout_keep`),
     so nothing is stored: the backward pass draws the same mask again.
 
+Non-finite inputs
+    A NaN or inf in q, k or v reaches exactly the rows that see it. The mask's select keeps a bad
+    score out of the rows that do not, but a bad value in v would still reach them through the
+    product, as 0 x NaN: the blocks that pay for the mask drop non-finite values of v and make the
+    rows that see one NaN (:func:`..triton_ops.drop_hidden_nonfinite`).
+
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
 strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
 (grouped-query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims
@@ -56,7 +62,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, mm
+from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, drop_hidden_nonfinite, mm
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -121,6 +127,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)  # see drop_hidden_nonfinite
     if SCALE_FIRST:  # the logits are formed whole (scale <= 0, softcap or ALiBi); the exponent takes them as they are
         exponent_scale = 1.0
     else:  # plain scores and scale > 0: the scale is fused into the exponent's multiply-add
@@ -154,6 +161,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
             if needs_mask:  # a runtime test per block, the mask only where needed
                 seen = visible(distance, cols[None, :], seqlen_k, window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT)
                 s = tl.where(seen, s, float("-inf"))
+                if WINDOW_LEFT or WINDOW_RIGHT:  # p = 0 cannot hide a NaN or inf in v from a row: 0 x NaN
+                    v, hidden_nonfinite = drop_hidden_nonfinite(v, seen, hidden_nonfinite)
         m_new = tl.maximum(m_i, tl.max(s, 1) * exponent_scale)
         if WINDOW_LEFT or WINDOW_RIGHT:  # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -175,6 +184,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
         out = acc / (l_safe * (1.0 - dropout_p))[:, None]
     else:
         out = acc / l_safe[:, None]
+    out = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), out)
     lse = tl.where(empty_row, float("inf"), (m_i + tl.log2(l_safe)) * LN2)  # base 2 -> natural
     out_ptrs = (out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + start_m.to(tl.int64) * stride_om
                 + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])

@@ -81,7 +81,9 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), 
     scores = attention_logits(q, k, causal, softmax_scale, window, softcap, alibi_slopes)
     lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # a row that sees no key
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row: 0/0 -> 0
+    # an all-masked row: 0/0 -> 0 (a select on those rows alone: a NaN the inputs hold stays NaN)
+    sees_no_key = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    probs = torch.softmax(scores, dim=-1).masked_fill(sees_no_key, 0.0)
     if dropout_mask is not None:
         probs = probs * dropout_mask / (1.0 - dropout_p)
     v_ = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)

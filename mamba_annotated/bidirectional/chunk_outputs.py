@@ -30,7 +30,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..ssd.tuning import autotune, config
-from ..triton_ops import LOG2E, cdiv, dot_precision, mm, sigmoid
+from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, mm, sigmoid
 from .decays import pair_weight, row_decays
 
 CONFIGS = [config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=3),
@@ -45,10 +45,11 @@ assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in CONFIGS + [CP
 
 
 @triton.jit
-def diagonal_step(acc, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
+def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
                   stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """acc + (G * w) x over the columns s (chunk positions k) of one step: the weights w of rows m,
-    zeroed past the chunk's end and, with seq_idx, across sequences."""
+    zeroed past the chunk's end and, with seq_idx, across sequences; and hidden_nonfinite
+    (:func:`..triton_ops.drop_hidden_nonfinite`) updated."""
     s_ok = s < chunk_end
     keep = s_ok[None, :]
     if HAS_SEQ_IDX:
@@ -57,7 +58,9 @@ def diagonal_step(acc, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, 
     G = tl.load(G_base + m[:, None] * CHUNK + k[None, :])
     xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                  mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-    return acc + mm(tl.where(keep, G * w, 0.0).to(xs.dtype), xs, PRECISION)
+    if HAS_SEQ_IDX:  # a NaN or inf of x in another sequence would still enter through the product
+        xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
+    return acc + mm(tl.where(keep, G * w, 0.0).to(xs.dtype), xs, PRECISION), hidden_nonfinite
 
 
 @lean_launch
@@ -124,12 +127,13 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         HrT = tl.load(Hr_ptr + state_base + state, mask=state_mask, other=0.0)
         acc += mm(q, HT.to(q.dtype), PRECISION)
         acc_r += mm(q_r, HrT.to(q_r.dtype), PRECISION)
-    from_left = tl.exp(r_t)
-    from_right = tl.exp(b_last - rho_t)
-    if HAS_SEQ_IDX:
-        from_left = tl.where(seq_t == seq_before, from_left, 0.0)
-        from_right = tl.where(seq_t == seq_last, from_right, 0.0)
-    acc = acc * from_left[:, None] + acc_r * from_right[:, None]
+    acc = acc * tl.exp(r_t)[:, None]
+    acc_r = acc_r * tl.exp(b_last - rho_t)[:, None]
+    if HAS_SEQ_IDX:  # selects, not multiplies by 0: a state may hold a NaN of another sequence
+        acc = tl.where((seq_t == seq_before)[:, None], acc, 0.0)
+        acc_r = tl.where((seq_t == seq_last)[:, None], acc_r, 0.0)
+    acc += acc_r
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
 
     # the diagonal block, in three runs of columns s: those before the row block are all forward,
     # those after it all reverse, and only the band of the row block itself mixes the triangles
@@ -148,7 +152,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         k = k0 + tl.arange(0, BLOCK_K)
         from_columns = tl.exp2((a_ref - tl.load(a_ptr + chunk_base + k)) * LOG2E) * tl.load(dt_ptr + chunk_base + k)
         w = to_rows[:, None] * from_columns[None, :]
-        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
                             stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -157,7 +161,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w, _ = pair_weight(m[:, None], k[None, :], r_t[:, None], rho_t[:, None],
                            tl.load(a_ptr + chunk_base + k)[None, :], e_s[None, :],
                            tl.load(dt_ptr + chunk_base + k)[None, :], dtr_s[None, :], True, SHIFT)
-        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
                             stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
     after = tl.minimum(m_first + BLOCK_M, CHUNK - 1)  # (unused when the row block ends the chunk)
     e_ref = tl.load(b_ptr + chunk_base + after) - A * tl.load(dtr_ptr + chunk_base + after)
@@ -167,9 +171,10 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
         from_columns = tl.exp2((tl.load(b_ptr + chunk_base + k) - A * dtr_s - e_ref) * LOG2E) * dtr_s
         w = to_rows[:, None] * from_columns[None, :]
-        acc = diagonal_step(acc, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
                             stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
 
+    acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
     mask = row_ok[:, None] & p_ok[None, :]
     rows = t[:, None].to(tl.int64)
     xt = tl.load(x_base + rows * stride_x_l + p[None, :] * stride_x_p, mask=mask, other=0.0).to(tl.float32)

@@ -89,14 +89,6 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
         else:
             w = tl.exp(a_last - a) * dt
             w_r = tl.exp(bb - A * dtr) * dtr
-        if HAS_SEQ_IDX:
-            seq = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_chunk, other=-1)
-            if GRAD:
-                w = tl.where(seq == seq_before, w, 0.0)
-                w_r = tl.where(seq == seq_last, w_r, 0.0)
-            else:
-                w = tl.where(seq == seq_last, w, 0.0)
-                w_r = tl.where(seq == seq_before, w_r, 0.0)
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
                      mask=in_chunk[None, :] & (p[:, None] < headdim), other=0.0)
         row = t - OFFSET
@@ -109,8 +101,22 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
             v_r = tl.load(vr_base + row_r[:, None].to(tl.int64) * stride_vr_l + n[None, :] * stride_vr_n,
                           mask=(in_chunk & (row_r < length))[:, None] & (n[None, :] < dstate), other=0.0)
         # the weights scale u, the dots' first operand, read from registers (as chapter 5's chunk_state)
-        acc += mm((uT.to(tl.float32) * w[None, :]).to(uT.dtype), v, PRECISION)
-        acc_r += mm((uT.to(tl.float32) * w_r[None, :]).to(uT.dtype), v_r, PRECISION)
+        uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
+        uw_r = (uT.to(tl.float32) * w_r[None, :]).to(uT.dtype)
+        if HAS_SEQ_IDX:
+            # selects on both operands of each dot, not w = 0: 0 x NaN would let a NaN or inf of
+            # another sequence (in u, v or a step) into the state
+            seq = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_chunk, other=-1)
+            if GRAD:
+                keep, keep_r = seq == seq_before, seq == seq_last
+            else:
+                keep, keep_r = seq == seq_last, seq == seq_before
+            uw = tl.where(keep[None, :], uw, 0.0)
+            uw_r = tl.where(keep_r[None, :], uw_r, 0.0)
+            v_r = tl.where(keep_r[:, None], v_r, 0.0)
+            v = tl.where(keep[:, None], v, 0.0)
+        acc += mm(uw, v, PRECISION)
+        acc_r += mm(uw_r, v_r, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
     mask = (p[:, None] < headdim) & (n[None, :] < dstate)
     tl.store(out_ptr + out, acc, mask=mask)

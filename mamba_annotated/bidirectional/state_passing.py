@@ -50,8 +50,11 @@ def state_passing_kernel(states_ptr, a_ptr, b_ptr, seq_idx_ptr, emitted_ptr, len
         if HAS_SEQ_IDX:
             seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
             seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-            gamma = tl.where(seq_end == seq_before, gamma, 0.0)
-        H = gamma * H + tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
+            # a select, not gamma = 0: the state carried out of another sequence may hold a NaN
+            H = tl.where(seq_end == seq_before, gamma * H, 0.0)
+        else:
+            H = gamma * H
+        H += tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
 
 
 def state_passing(states, a, b, *, length, seq_idx=None, grad=False, out_dtype=torch.float32):

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import LOG2E, cdiv, dot_precision, mm, sigmoid
+from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, mm, sigmoid
 from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
@@ -99,10 +99,10 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
         HT = tl.load(H_base + p[None, :] * dstate + n[:, None],
                      mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
         acc += mm(Ct, HT.to(Ct.dtype), PRECISION)
-    from_start = tl.exp(a_t)
-    if HAS_SEQ_IDX:
-        from_start = tl.where(seq_t == seq_carry, from_start, 0.0)
-    acc *= from_start[:, None]
+    if HAS_SEQ_IDX:  # a select, not a multiply by 0: the carried state may hold a NaN of another sequence
+        acc = tl.where((seq_t == seq_carry)[:, None], acc * tl.exp(a_t)[:, None], 0.0)
+    else:
+        acc *= tl.exp(a_t)[:, None]
 
     # diagonal block: sum over s <= t, stopping at the diagonal. The loop body runs Q^2/2 times per
     # chunk and head, so it is kept to a few instructions per weight: the decay as exp2 of
@@ -112,7 +112,11 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     # it comes after the products, so whatever the decay or CB is there (an overflowed exp2, a NaN
     # of a later position) never reaches row t. Those CB entries are still read, so they are
     # written: chunk_cb writes all of each diagonal block of SCAN_ROWS rows, and BLOCK_M divides
-    # SCAN_ROWS.
+    # SCAN_ROWS. The select cannot do the same for x, which enters through the product: a NaN in
+    # x at a later step (or, with seq_idx, in another sequence) would give 0 x NaN in row t, so
+    # the blocks that hide some x from some row drop non-finite x (drop_hidden_nonfinite) and the
+    # rows that do see one become NaN at the end.
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     a2_t = a_t * LOG2E
     for k0 in range(0, (pid_m + 1) * BLOCK_M, BLOCK_K):
@@ -129,7 +133,10 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
         weight = tl.where(keep, CB * tl.exp2(a2_t[:, None] - a2_s[None, :]) * dt_s[None, :], 0.0)
         xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                      mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
+        if HAS_SEQ_IDX or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
+            xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
         acc += mm(weight.to(xs.dtype), xs, PRECISION)
+    acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = t[:, None].to(tl.int64)

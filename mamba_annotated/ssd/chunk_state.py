@@ -127,7 +127,6 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
             keep = seq == seq_owner
             if TO_END:
                 keep &= seq_owner >= 0  # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm
-            w = tl.where(keep, w, 0.0)
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
                      mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
         vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
@@ -135,6 +134,9 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
         # the weight scales u, the dot's first operand, which it reads from registers; scaled v
         # would go back to shared memory first
         uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
+        if HAS_SEQ_IDX:  # selects on both operands: w = 0 alone lets a NaN of another sequence in (0 x NaN)
+            uw = tl.where(keep[None, :], uw, 0.0)
+            vt = tl.where(keep[:, None], vt, 0.0)
         acc += mm(uw, vt, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
     tl.store(out_ptr + out + p[:, None] * dstate + n[None, :], acc,

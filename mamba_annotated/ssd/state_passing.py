@@ -59,8 +59,11 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
         if HAS_SEQ_IDX:
             seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
             seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-            gamma = tl.where(seq_end == seq_carry, gamma, 0.0)
-        H = gamma * H + tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
+            # a select, not gamma = 0: the state carried out of another sequence may hold a NaN
+            H = tl.where(seq_end == seq_carry, gamma * H, 0.0)
+        else:
+            H = gamma * H
+        H += tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
     tl.store(final_ptr + bh + e, H.to(final_ptr.dtype.element_ty), mask=mask)
 
 

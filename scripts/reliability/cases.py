@@ -689,8 +689,13 @@ class Attention(Op):
         return run
 
     def ours(self, params, return_attn_probs=False):
-        """(out, lse), or (out, lse, S_dmask); every call seeded alike, leaving the generators as they were."""
+        """(out, lse), or (out, lse, S_dmask); with dropout every call seeded alike, leaving the
+        generators as they were (without, the generators are not touched: a CUDA graph capture
+        refuses a reseeding)."""
         def attend(q, k, v, causal, scale, window, softcap, slopes, dropout_p, _mask):
+            if dropout_p == 0:
+                return attention(q, k, v, softmax_scale=scale, window_size=window, softcap=softcap,
+                                 alibi_slopes=slopes, return_attn_probs=return_attn_probs, return_lse=True)
             with torch.random.fork_rng():
                 torch.manual_seed(self.dropout_seed)
                 return attention(q, k, v, dropout_p, softmax_scale=scale, window_size=window, softcap=softcap,

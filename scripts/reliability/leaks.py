@@ -3,7 +3,8 @@
 Per op, on its first small case (:meth:`cases.Op.small`): ``--calls`` calls forward and backward
 leave ``torch.cuda.memory_allocated()`` where it was after a warm-up; then the op captured in a
 CUDA graph, forward alone and forward with backward (``torch.autograd.grad`` inside the capture),
-replays to the same bits as an eager call. Needs CUDA; on CPU it says so and exits 0.
+replays to the same bits as an eager call; attention with dropout, captured, draws a fresh mask
+on each replay. Needs CUDA; on CPU it says so and exits 0.
 
     python scripts/reliability/leaks.py --calls 10000 --json out.json
 """
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, flat, forward_backward, same_bits, upstream  # noqa: E402
 from cli import comma_list  # noqa: E402
+from mamba_annotated import attention  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -39,7 +41,22 @@ def leaked_bytes(op, params, leaves, calls):
     for _ in range(calls):
         forward_backward(op, params, leaves, seed=0)
     torch.cuda.synchronize()
-    return torch.cuda.memory_allocated() - before
+    return torch.cuda.memory_allocated() - before  # < 0: something the warm-up held was let go, no leak
+
+
+def capture(step):
+    """(a CUDA graph of ``step()``, the tensors it returns), after three warm-up calls off the
+    capture stream, as torch.cuda.graphs asks; raises what the capture raises."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
 
 
 def graph_differences(op, params, leaves, backward):
@@ -56,21 +73,33 @@ def graph_differences(op, params, leaves, backward):
             return list(op.ours(params)(**op.views(params, leaves)))
 
     eager = [t.clone() for t in step()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture(step)
     except Exception as e:
         return [f"capture raised {type(e).__name__}: {str(e).splitlines()[0]}"]
     graph.replay()
     torch.cuda.synchronize()
     return [f"output {i}" for i, (a, b) in enumerate(zip(eager, captured)) if not same_bits(a, b)]
+
+
+def graph_dropout_fresh(op, params, leaves):
+    """Attention with dropout 0.5 captured in a CUDA graph: two replays must draw two masks (the
+    seed is a tensor drawn inside the graph, not a number frozen at capture). Empty: they did."""
+    params = {**params, "opts": {**params["opts"], "dropout_p": 0.5}}
+    args = op.views(params, leaves)
+
+    def step():
+        with torch.no_grad():
+            return attention(*(args[k] for k in ("q", "k", "v")), 0.5)
+    try:
+        graph, out = capture(step)
+    except Exception as e:
+        return [f"capture raised {type(e).__name__}: {str(e).splitlines()[0]}"]
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    return ["two replays drew the same dropout mask"] if same_bits(first, out) else []
 
 
 def main(argv=None):
@@ -88,11 +117,14 @@ def main(argv=None):
         r = report[name] = dict(calls=args.calls, leaked_bytes=leaked_bytes(op, params, leaves, args.calls))
         r["graph_forward"] = graph_differences(op, params, leaves, backward=False)
         r["graph_forward_backward"] = graph_differences(op, params, leaves, backward=True)
+        if name == "attention":
+            r["graph_dropout"] = graph_dropout_fresh(op, params, leaves)
         r["seconds"] = round(time.monotonic() - start, 1)
-        bad = r["leaked_bytes"] != 0 or r["graph_forward"] or r["graph_forward_backward"]
+        bad = r["leaked_bytes"] > 0 or r["graph_forward"] or r["graph_forward_backward"] or r.get("graph_dropout")
         failed |= bool(bad)
         print(f"leaks {name}: {args.calls} calls leaked {r['leaked_bytes']} bytes; CUDA graph forward "
-              f"{r['graph_forward'] or 'equal'}, forward+backward {r['graph_forward_backward'] or 'equal'}", flush=True)
+              f"{r['graph_forward'] or 'equal'}, forward+backward {r['graph_forward_backward'] or 'equal'}"
+              + (f"; dropout replays {r['graph_dropout'] or 'fresh'}" if "graph_dropout" in r else ""), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(dict(item="leaks", ops=report), indent=1))

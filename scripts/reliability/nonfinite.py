@@ -6,7 +6,11 @@ on the same inputs is non-finite (never a finite garbage value, never a NaN the 
 Forward, then a backward pass that must not crash. Ops are not fixed here: failures are reported.
 
 The reference is not used before t: there its own 0 x NaN (a masked score times a NaN value)
-would be NaN too; the unpoisoned call is the yardstick there.
+would be NaN too; the unpoisoned call is the yardstick there. For the same reason it is no judge
+of attention's and the bidirectional op's reached outputs, whose dense products spread a NaN of
+v (x) to every row: a row of attention that sees the value must be non-finite in full, and the
+exact reach inside a bidirectional sequence (forward inputs read by t and after, reverse ones by
+t and before) is a unit test (tests/test_bidirectional.py).
 
     python scripts/reliability/nonfinite.py --json out.json
 """
@@ -21,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, as64, forward_backward  # noqa: E402
 from cli import comma_list  # noqa: E402
+from mamba_annotated.attention.api import resolve_window  # noqa: E402
+from mamba_annotated.attention.reference import window_mask  # noqa: E402
 from mamba_annotated.bidirectional.reference import bidirectional_ref, packed_seq_idx  # noqa: E402
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
@@ -77,10 +83,17 @@ def reference(op, params):
     return lambda **a: bidirectional_ref(**a, **kw, shift=opts["shift"])
 
 
-def reached(op, args, t, length):
-    """(batch-independent) positions of the output the poison may reach: from t on (causal), or
-    t's packed sequence (bidirectional)."""
+def reached(op, params, args, name, t, length):
+    """(batch-independent) positions of the output the poison may reach: from t on (causal); for
+    attention, the rows whose window holds key t (k, v) or row t (q); for the bidirectional op,
+    t's packed sequence."""
     positions = torch.arange(length)
+    if op.name == "attention":
+        if name == "q":
+            return positions == t
+        opts, d = params["opts"], params["dims"]
+        window = resolve_window(opts["causal"], tuple(opts["window_size"]), d["Lk"])
+        return window_mask(d["Lq"], d["Lk"], window)[:, t]
     if op.name != "bidirectional_chunk_scan":
         return positions >= t
     ids = packed_seq_idx(args.get("seq_idx"), args.get("cu_seqlens"), length)[0].cpu()
@@ -101,7 +114,7 @@ def probe(op, params, leaves, name, t, value):
         ref = reference(op, params)(**{k: v for k, v in args64.items() if k in ("a", "b", "h0") or
                                        op.name not in ("linear_scan", "sequential_scan")})
     length = out.shape[out_dim]
-    reach = reached(op, args, t, length).to(out.device)
+    reach = reached(op, params, args, name, t, length).to(out.device)
     shape = [1] * out.dim()
     shape[out_dim] = length
     reach = reach.view(shape).expand(out.shape)
@@ -111,7 +124,12 @@ def probe(op, params, leaves, name, t, value):
     if changed.any():
         where = before.nonzero()[changed.nonzero()[:, 0]][:, out_dim].unique().tolist()
         problems.append(f"{int(changed.sum())} outputs it cannot reach changed (positions {where[:8]})")
-    mismatch = out[reach].isfinite() != ref.to(out.device)[reach].isfinite()
+    if op.name == "attention":  # every row that sees the value: the whole row
+        mismatch = out[reach].isfinite()
+    elif op.name == "bidirectional_chunk_scan":  # which of t's sequence read it: tests/test_bidirectional.py
+        mismatch = torch.zeros(1, dtype=torch.bool)
+    else:
+        mismatch = out[reach].isfinite() != ref.to(out.device)[reach].isfinite()
     if mismatch.any():
         problems.append(f"{int(mismatch.sum())} of {int(reach.sum())} reached outputs finite where the reference "
                         f"is not, or the reverse")

@@ -83,8 +83,10 @@ def sanitizer_command(tool, op):
 
 def count_errors(log):
     """(errors, the kernels they were found in) from a sanitizer log."""
-    found = re.findall(r"ERROR SUMMARY: (\d+) error", log)
-    errors = int(found[-1]) if found else None
+    # racecheck ends with "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)", the
+    # other tools with "ERROR SUMMARY: E errors"
+    found = re.findall(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", log)
+    errors = int(next(filter(None, found[-1]))) if found else None
     kernels = sorted(set(re.findall(r"=+\s+(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)[+(\s]", log)))
     return errors, kernels[:10]
 

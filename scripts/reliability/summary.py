@@ -54,8 +54,8 @@ def cell(item, r):
         return "pass" if not r["failures"] else f"{len(r['failures'])} failed"
     if item == "nonfinite":
         return f"{r['cases']} probes, {r['failures']} failed"
-    bad = r["leaked_bytes"] or r["graph_forward"] or r["graph_forward_backward"]
-    return f"{r['calls']} calls, " + ("FAIL" if bad else "leaked 0 B, graphs equal")
+    bad = r["leaked_bytes"] > 0 or r["graph_forward"] or r["graph_forward_backward"] or r.get("graph_dropout")
+    return f"{r['calls']} calls, " + ("FAIL" if bad else f"grew {max(r['leaked_bytes'], 0)} B, graphs equal")
 
 
 def failed(item, r):
@@ -64,7 +64,7 @@ def failed(item, r):
     if item == "sanitize":
         return any(v["errors"] != 0 or v["exit"] != 0 for v in r.values())
     if item == "leaks":
-        return bool(r["leaked_bytes"] or r["graph_forward"] or r["graph_forward_backward"])
+        return bool(r["leaked_bytes"] > 0 or r["graph_forward"] or r["graph_forward_backward"] or r.get("graph_dropout"))
     return bool(r["failures"])
 
 
