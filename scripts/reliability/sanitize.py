@@ -77,7 +77,10 @@ def sanitizer_command(tool, op):
     """The command line of one sanitized run."""
     extra = {"racecheck": ["--racecheck-report", "all"], "initcheck": [], "synccheck": [],
              "memcheck": ["--leak-check", "no"]}[tool]
-    return [SANITIZER, "--tool", tool, "--target-processes", "application-only", "--print-limit", "20", *extra,
+    # --launch-timeout: the sanitizer waits this long for the process's first CUDA call; its
+    # default, 10 s, ran out while Python imported torch beside a dozen other processes (H100)
+    return [SANITIZER, "--tool", tool, "--target-processes", "application-only", "--print-limit", "20",
+            "--launch-timeout", "600", *extra,
             sys.executable, str(HERE / "sanitize.py"), "--driver", "--ops", op]
 
 
