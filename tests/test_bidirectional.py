@@ -375,7 +375,8 @@ def test_fused_half_precision(dtype, shift):
         for name in ours:
             assert_close(ours[name], want[name], fused_grad_tol(name, dtype), f"grad {name}")
         for name in steps:
-            error, foil_error = same_computation_error(ours[name], foil[name], want[name], SAME_COMPUTATION_FLOOR[dtype])
+            error, foil_error = same_computation_error(ours[name], foil[name], want[name],
+                                                       SAME_COMPUTATION_FLOOR[dtype])
             errors[name][0] += error
             errors[name][1] += foil_error
     for name, (error, foil_error) in errors.items():

@@ -170,9 +170,13 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     paths.append(tmp_path / "san.json")
     paths[-1].write_text(json.dumps(dict(item="sanitize", ops={"attention": {
         "memcheck": dict(errors=0, exit=0, kernels=[]), "racecheck": dict(errors=2, exit=0, kernels=["k"])}})))
+    paths.append(tmp_path / "leaks.json")  # memory that shrank is no leak; leaks.py gives the verdict
+    paths[-1].write_text(json.dumps(dict(item="leaks", ops={"linear_scan": dict(
+        calls=10, leaked_bytes=-512, graph_forward=[], graph_forward_backward=[], failed=False)})))
     out = tmp_path / "summary.json"
     assert summary.main([*map(str, paths), "--json", str(out)]) == 1
     table = {row["op"]: row for row in json.loads(out.read_text())["table"]}
     assert table["attention"]["sweep"] == "20 cases, 1 failed"
     assert "racecheck" in table["attention"]["sanitize"] and table["linear_scan"]["sweep"] == "not run"
+    assert table["linear_scan"]["leaks"] == "10 calls, grew 0 B, graphs equal"
     assert "| attention |" in capsys.readouterr().out

@@ -120,8 +120,9 @@ def main(argv=None):
         if name == "attention":
             r["graph_dropout"] = graph_dropout_fresh(op, params, leaves)
         r["seconds"] = round(time.monotonic() - start, 1)
-        bad = r["leaked_bytes"] > 0 or r["graph_forward"] or r["graph_forward_backward"] or r.get("graph_dropout")
-        failed |= bool(bad)
+        r["failed"] = bool(r["leaked_bytes"] > 0 or r["graph_forward"] or r["graph_forward_backward"]
+                           or r.get("graph_dropout"))
+        failed |= r["failed"]
         print(f"leaks {name}: {args.calls} calls leaked {r['leaked_bytes']} bytes; CUDA graph forward "
               f"{r['graph_forward'] or 'equal'}, forward+backward {r['graph_forward_backward'] or 'equal'}"
               + (f"; dropout replays {r['graph_dropout'] or 'fresh'}" if "graph_dropout" in r else ""), flush=True)
