@@ -13,7 +13,8 @@
 * ``softplus``, accurate to float32 rounding over the whole range (the step sizes of Mamba-1 and
   Mamba-2 go through it).
 * ``drop_hidden_nonfinite``: masked products that keep a NaN or inf out of the rows the mask
-  hides it from.
+  hides it from; ``is_nonfinite`` and ``any_nonfinite``, the tests that decide whether a tile needs
+  that checked pass.
 * ``block_size``: the power-of-two tile that covers a dimension, within bounds; ``state_rows``: the
   rows of a recurrent state one decoding-step program updates.
 """
@@ -86,6 +87,21 @@ def sigmoid(x):
 
 
 @triton.jit
+def is_nonfinite(x):
+    """NaN or +-inf, elementwise (bfloat16 is widened first: the interpreter holds it as integers,
+    where NaN == NaN)."""
+    wide = x.to(tl.float32)
+    return (wide != wide) | (tl.abs(wide) == float("inf"))
+
+
+@triton.jit
+def any_nonfinite(tile):
+    """Whether a 2-D tile holds a NaN or inf (one reduction: the cheap test that decides whether a
+    kernel's checked pass, :func:`drop_hidden_nonfinite`, must run)."""
+    return tl.max(tl.max(is_nonfinite(tile).to(tl.int32), 1), 0) > 0
+
+
+@triton.jit
 def drop_hidden_nonfinite(values, seen, hits):
     """For a masked product ``weights @ values`` whose weights are 0 where ``seen`` (rows, keys) is
     False: a select on the weights cannot keep a NaN or inf of the ``values`` tile (keys, cols)
@@ -95,8 +111,7 @@ def drop_hidden_nonfinite(values, seen, hits):
     unmasked product would have (in every column, and an inf as NaN: a per-column count would
     hold a second accumulator tile in registers). A tile with no non-finite value, the usual
     case, costs one test of each element and a reduction."""
-    wide = values.to(tl.float32)  # (the interpreter holds bfloat16 as integers, where NaN == NaN)
-    bad = (wide != wide) | (tl.abs(wide) == float("inf"))
+    bad = is_nonfinite(values)
     bad_key = tl.max(bad.to(tl.int32), 1)
     if tl.max(bad_key, 0) > 0:
         hits += tl.sum((seen & (bad_key[None, :] > 0)).to(tl.int32), 1)

@@ -40,8 +40,13 @@ Dropout
 Non-finite inputs
     A NaN or inf in q, k or v reaches exactly the rows that see it. The mask's select keeps a bad
     score out of the rows that do not, but a bad value in v would still reach them through the
-    product, as 0 x NaN: the blocks that pay for the mask drop non-finite values of v and make the
-    rows that see one NaN (:func:`..triton_ops.drop_hidden_nonfinite`).
+    product, as 0 x NaN. Testing v inside the sweep slowed causal attention by a third (the v tile
+    stops being the matmul's operand alone and leaves the pipeline), so the sweep
+    (:func:`attend_key_blocks`) first runs as if v were finite, and a masked tile that ends with a
+    non-finite value is swept again, checked and unpipelined: the blocks that pay for the mask
+    drop non-finite values of v and make the rows that see one NaN
+    (:func:`..triton_ops.drop_hidden_nonfinite`). The usual inputs pay one reduction per tile
+    (``book/data/nonfinite_check_cost.json`` has the measurements).
 
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
 strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
@@ -62,7 +67,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, block_size, cast, cdiv, dot_precision, drop_hidden_nonfinite, mm
+from ..triton_ops import LN2, any_nonfinite, block_size, cast, cdiv, dot_precision, drop_hidden_nonfinite, mm
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -88,6 +93,64 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
+@triton.jit
+def attend_key_blocks(q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, lo, hi, mask_from, mask_until,
+                      seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right,
+                      exponent_scale, seed, row_base, dropout_p,
+                      WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                      ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_N: tl.constexpr,
+                      EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, DROP_HIDDEN_NONFINITE: tl.constexpr, STAGES: tl.constexpr):
+    """The sweep over the key blocks [lo, hi): returns (acc, m, l) of the online softmax and, with
+    DROP_HIDDEN_NONFINITE, the count of non-finite values of v that each row sees
+    (:func:`..triton_ops.drop_hidden_nonfinite`); STAGES None pipelines as the launch asks."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    # One loop over the key blocks some row of the tile sees, with a runtime test per block for
+    # the mask, not two loops: a second loop would get its own pipeline buffers in shared memory.
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
+        cols = start_n + offs_n
+        if EVEN_N and EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        s = mm(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
+        distance = offs_m[:, None] + causal_offset - cols[None, :]
+        if SCALE_FIRST:  # -inf * scale is NaN or +inf for a scale <= 0: scale before masking
+            s, _ = logits2(s, distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
+        if WINDOW_LEFT or WINDOW_RIGHT or not EVEN_N:
+            needs_mask = start_n + BLOCK_N > mask_from
+            if WINDOW_LEFT:
+                needs_mask = needs_mask | (start_n < mask_until)
+            if needs_mask:  # a runtime test per block, the mask only where needed
+                seen = visible(distance, cols[None, :], seqlen_k, window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT)
+                s = tl.where(seen, s, float("-inf"))
+                if DROP_HIDDEN_NONFINITE:
+                    v, hidden_nonfinite = drop_hidden_nonfinite(v, seen, hidden_nonfinite)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * exponent_scale)
+        # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
+        if WINDOW_LEFT or WINDOW_RIGHT:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        p = tl.exp2(s * exponent_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
+        alpha = tl.exp2(m_i - m_shift)                       # rescales what was summed under the old maximum
+        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator sums every p, dropped or not
+        if DROPOUT:  # the 1 / (1 - dropout_p) of the kept ones is applied to out at the end
+            p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p), p, 0.0)
+        acc = acc * alpha[:, None] + mm(cast(p, v.dtype, PRECISION), v, PRECISION)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, m_i, l_i, hidden_nonfinite
+
+
 @lean_launch
 @triton.jit
 def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_ptr,
@@ -111,6 +174,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
     offs_d = tl.arange(0, BLOCK_D)
     causal_offset = seqlen_k - seqlen_q
     slope2 = alibi_slope2(alibi_ptr, batch, head, stride_ab, stride_ah, ALIBI)
+    seed = 0
+    row_base = 0
     if DROPOUT:
         seed = tl.load(seed_ptr)
         row_base = tl.program_id(1).to(tl.int64) * seqlen_q  # this (batch, head)'s first row of probabilities
@@ -123,60 +188,30 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
         q = tl.load(q_ptrs)
     else:
         q = tl.load(q_ptrs, mask=row_mask, other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)  # see drop_hidden_nonfinite
     if SCALE_FIRST:  # the logits are formed whole (scale <= 0, softcap or ALiBi); the exponent takes them as they are
         exponent_scale = 1.0
     else:  # plain scores and scale > 0: the scale is fused into the exponent's multiply-add
         exponent_scale = qk_scale
 
-    # One loop over the key blocks some row of the tile sees, with a runtime test per block for
-    # the mask, not two loops: a second loop would get its own pipeline buffers in shared memory.
     lo, hi, mask_from, mask_until = key_range(start_m, seqlen_k, causal_offset, window_left, window_right,
                                               WINDOW_LEFT, WINDOW_RIGHT, BLOCK_M, BLOCK_N)
     k_ptrs = (k_ptr + batch.to(tl.int64) * stride_kb + kv_head * stride_kh
               + (lo + offs_n)[:, None] * stride_kn + offs_d[None, :])
     v_ptrs = (v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh
               + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :])
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        if EVEN_N and EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            kv_mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < head_dim)
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        s = mm(q, tl.trans(k), PRECISION)  # raw scores q.k, float32
-        distance = offs_m[:, None] + causal_offset - cols[None, :]
-        if SCALE_FIRST:  # -inf * scale is NaN or +inf for a scale <= 0: scale before masking
-            s, _ = logits2(s, distance, qk_scale, cap2, slope2, SOFTCAP, ALIBI)
-        if WINDOW_LEFT or WINDOW_RIGHT or not EVEN_N:
-            needs_mask = start_n + BLOCK_N > mask_from
-            if WINDOW_LEFT:
-                needs_mask = needs_mask | (start_n < mask_until)
-            if needs_mask:  # a runtime test per block, the mask only where needed
-                seen = visible(distance, cols[None, :], seqlen_k, window_left, window_right, WINDOW_LEFT, WINDOW_RIGHT)
-                s = tl.where(seen, s, float("-inf"))
-                if WINDOW_LEFT or WINDOW_RIGHT:  # p = 0 cannot hide a NaN or inf in v from a row: 0 x NaN
-                    v, hidden_nonfinite = drop_hidden_nonfinite(v, seen, hidden_nonfinite)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * exponent_scale)
-        if WINDOW_LEFT or WINDOW_RIGHT:  # a row that has seen no key yet has m = -inf: shift by 0 so that all its p are 0
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_shift = m_new
-        p = tl.exp2(s * exponent_scale - m_shift[:, None])  # base-2 probabilities, unnormalised
-        alpha = tl.exp2(m_i - m_shift)                       # rescales what was summed under the old maximum
-        l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator sums every p, dropped or not
-        if DROPOUT:  # the 1 / (1 - dropout_p) of the kept ones is applied to out at the end
-            p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p), p, 0.0)
-        acc = acc * alpha[:, None] + mm(cast(p, v.dtype, PRECISION), v, PRECISION)
-        m_i = m_new
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+    sweep_args = (q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, lo, hi, mask_from, mask_until, seqlen_k,
+                  head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, exponent_scale, seed,
+                  row_base, dropout_p)  # (a tuple holds no constexpr strings in Triton 3.6: those are spelled out)
+    acc, m_i, l_i, hidden_nonfinite = attend_key_blocks(
+        *sweep_args, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT, SCALE_FIRST, EVEN_N, EVEN_D, PRECISION,
+        BLOCK_M, BLOCK_N, BLOCK_D, DROP_HIDDEN_NONFINITE=False, STAGES=None)
+    if WINDOW_LEFT or WINDOW_RIGHT:
+        # a tile that ends non-finite (a NaN of its own, or one the masked blocks' 0 x NaN carried
+        # into rows that do not see it) is swept again, checked (see "Non-finite inputs" above)
+        if any_nonfinite(acc):
+            acc, m_i, l_i, hidden_nonfinite = attend_key_blocks(
+                *sweep_args, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT, SCALE_FIRST, EVEN_N, EVEN_D, PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_D, DROP_HIDDEN_NONFINITE=True, STAGES=1)
 
     empty_row = l_i == 0.0  # rows that see no key (causal with seqlen_q > seqlen_k, or a window off the keys)
     l_safe = tl.where(empty_row, 1.0, l_i)

@@ -45,8 +45,9 @@ assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in CONFIGS + [CP
 
 
 @triton.jit
-def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                  stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t,
+                  stride_x_l, stride_x_p, stride_seq_l,
+                  HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """acc + (G * w) x over the columns s (chunk positions k) of one step: the weights w of rows m,
     zeroed past the chunk's end and, with seq_idx, across sequences; and hidden_nonfinite
     (:func:`..triton_ops.drop_hidden_nonfinite`) updated."""
@@ -152,8 +153,9 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         k = k0 + tl.arange(0, BLOCK_K)
         from_columns = tl.exp2((a_ref - tl.load(a_ptr + chunk_base + k)) * LOG2E) * tl.load(dt_ptr + chunk_base + k)
         w = to_rows[:, None] * from_columns[None, :]
-        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
-                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
+                                              chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
+                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
@@ -161,8 +163,9 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w, _ = pair_weight(m[:, None], k[None, :], r_t[:, None], rho_t[:, None],
                            tl.load(a_ptr + chunk_base + k)[None, :], e_s[None, :],
                            tl.load(dt_ptr + chunk_base + k)[None, :], dtr_s[None, :], True, SHIFT)
-        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
-                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
+                                              chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
+                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
     after = tl.minimum(m_first + BLOCK_M, CHUNK - 1)  # (unused when the row block ends the chunk)
     e_ref = tl.load(b_ptr + chunk_base + after) - A * tl.load(dtr_ptr + chunk_base + after)
     to_rows = tl.exp2((e_ref - rho_t) * LOG2E)
@@ -171,8 +174,9 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
         from_columns = tl.exp2((tl.load(b_ptr + chunk_base + k) - A * dtr_s - e_ref) * LOG2E) * dtr_s
         w = to_rows[:, None] * from_columns[None, :]
-        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_t,
-                            stride_x_l, stride_x_p, stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+        acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
+                                              chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
+                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
 
     acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
     mask = row_ok[:, None] & p_ok[None, :]

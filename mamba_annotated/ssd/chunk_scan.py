@@ -25,12 +25,14 @@ headdim, dstate) in the state dtype; dA_cumsum, dt_out (batch, heads, chunks, Q)
 Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
 average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
 """
+import torch
 import triton
 import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, mm, sigmoid
+from ..runtime import INTERPRETED
+from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, sigmoid
 from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
@@ -51,44 +53,21 @@ CPU_CONFIG = config(BLOCK_M=16, BLOCK_P=16, BLOCK_N=16, BLOCK_K=16)
 check_row_blocks(CONFIGS + [CPU_CONFIG], "chunk_scan")
 
 
-@lean_launch
-@autotune(CONFIGS, CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "HAS_Z"])
 @triton.jit
-def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
-                      out_ptr, y_ptr,
-                      length, heads, groups, n_chunks, headdim, dstate,
-                      stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-                      stride_z_b, stride_z_l, stride_z_h, stride_z_p,
-                      stride_out_b, stride_out_l, stride_out_h, stride_out_p,
-                      stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-                      stride_seq_b, stride_seq_l,
-                      HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
-                      HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # the row blocks of one (chunk, head) run side by side, so the x blocks they share hit in L2
-    n_m = CHUNK // BLOCK_M
-    pid_m = tl.program_id(0) % n_m
-    pid = tl.program_id(0) // n_m
-    h = pid % heads
-    c = (pid // heads) % n_chunks
-    b = pid // (heads * n_chunks)
-    g = h // (heads // groups)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    t = c * CHUNK + m
-    chunk_end = tl.minimum((c + 1) * CHUNK, length)
-    row_ok = t < chunk_end
-    p_ok = p < headdim
-    x_base = x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h
-    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
-    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b, c, h, g,
+                pid_m, m, p, t, chunk_base, chunk_end, row_ok, p_ok, heads, groups, n_chunks, headdim, dstate,
+                stride_x_l, stride_x_p, stride_c_l, stride_c_n, stride_seq_l,
+                HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                DROP_HIDDEN_NONFINITE: tl.constexpr, STAGES: tl.constexpr):
+    """y before D and the gate for the (BLOCK_M, BLOCK_P) tile, float32. With DROP_HIDDEN_NONFINITE
+    the diagonal loop keeps a NaN or inf of x out of the rows that do not see it; STAGES None
+    pipelines that loop as the launch asks. (The per-row loads are here, not in the kernel: held
+    there for a second pass, they would stay live through the first one, which spilled registers.)"""
     a_t = tl.load(dA_cumsum_ptr + chunk_base + m)
     if HAS_SEQ_IDX:
-        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-
     # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
     acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     H_base = H_ptr + ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
@@ -114,12 +93,12 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     # written: chunk_cb writes all of each diagonal block of SCAN_ROWS rows, and BLOCK_M divides
     # SCAN_ROWS. The select cannot do the same for x, which enters through the product: a NaN in
     # x at a later step (or, with seq_idx, in another sequence) would give 0 x NaN in row t, so
-    # the blocks that hide some x from some row drop non-finite x (drop_hidden_nonfinite) and the
-    # rows that do see one become NaN at the end.
+    # in the checked pass (see chunk_scan_kernel) the blocks that hide some x from some row drop
+    # non-finite x (drop_hidden_nonfinite) and the rows that do see one become NaN at the end.
     hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     a2_t = a_t * LOG2E
-    for k0 in range(0, (pid_m + 1) * BLOCK_M, BLOCK_K):
+    for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         s = c * CHUNK + k
         CB = tl.load(CB_base + m[:, None] * CHUNK + k[None, :])
@@ -133,10 +112,55 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
         weight = tl.where(keep, CB * tl.exp2(a2_t[:, None] - a2_s[None, :]) * dt_s[None, :], 0.0)
         xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                      mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        if HAS_SEQ_IDX or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
-            xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
+        if DROP_HIDDEN_NONFINITE:
+            if HAS_SEQ_IDX or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
+                xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
         acc += mm(weight.to(xs.dtype), xs, PRECISION)
-    acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
+    return tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
+
+
+@triton.jit
+def tile_coordinates(tile, heads, n_chunks, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(row block, batch, chunk, head) of row tile ``tile``, numbered with the row blocks of one
+    (chunk, head) side by side, so that programs that share x blocks run together and hit in L2."""
+    n_m = CHUNK // BLOCK_M
+    pid = tile // n_m
+    return tile % n_m, pid // (heads * n_chunks), (pid // heads) % n_chunks, pid % heads
+
+
+@triton.jit
+def write_tile(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr, y_ptr,
+               flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+               stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+               stride_out_b, stride_out_l, stride_out_h, stride_out_p,
+               stride_c_b, stride_c_l, stride_c_g, stride_c_n, stride_seq_b, stride_seq_l,
+               HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+               HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               tile, p_block, CHECKED: tl.constexpr):
+    """Computes and stores one (BLOCK_M, BLOCK_P) tile of out (and of y before the gate). Unchecked,
+    as if x were finite, it marks in ``flags`` (batch, heads, L) the rows that come out non-finite;
+    checked, it keeps each NaN or inf of x to the rows that see it."""
+    pid_m, b, c, h = tile_coordinates(tile, heads, n_chunks, CHUNK, BLOCK_M)
+    g = h // (heads // groups)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = p_block * BLOCK_P + tl.arange(0, BLOCK_P)
+    t = c * CHUNK + m
+    chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    row_ok = t < chunk_end
+    p_ok = p < headdim
+    x_base = x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h
+    c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
+    chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
+    seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+    acc = output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b, c, h, g,
+                      pid_m, m, p, t, chunk_base, chunk_end, row_ok, p_ok, heads, groups, n_chunks, headdim, dstate,
+                      stride_x_l, stride_x_p, stride_c_l, stride_c_n, stride_seq_l,
+                      HAS_SEQ_IDX, CHUNK, BLOCK_M, BLOCK_P, BLOCK_N, BLOCK_K, PRECISION,
+                      DROP_HIDDEN_NONFINITE=CHECKED, STAGES=1 if CHECKED else None)
+    if not CHECKED:  # a reduction along the row, within a warp; every writer writes 1 (flags start at 0)
+        row_nonfinite = tl.max(is_nonfinite(acc).to(tl.int32), 1) > 0
+        tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + t, 1, mask=row_ok & row_nonfinite)
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = t[:, None].to(tl.int64)
@@ -156,26 +180,102 @@ def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr,
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@lean_launch
+@autotune(CONFIGS, CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "HAS_Z"])
+@triton.jit
+def chunk_scan_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr, y_ptr,
+                      flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                      stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+                      stride_out_b, stride_out_l, stride_out_h, stride_out_p,
+                      stride_c_b, stride_c_l, stride_c_g, stride_c_n, stride_seq_b, stride_seq_l,
+                      HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+                      HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    write_tile(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr, y_ptr,
+               flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+               stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+               stride_out_b, stride_out_l, stride_out_h, stride_out_p,
+               stride_c_b, stride_c_l, stride_c_g, stride_c_n, stride_seq_b, stride_seq_l,
+               HAS_D, D_PER_CHANNEL, HAS_Z, HAS_SEQ_IDX, CHUNK, BLOCK_M, BLOCK_P, BLOCK_N, BLOCK_K, PRECISION,
+               tl.program_id(0), tl.program_id(1), CHECKED=False)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_checked_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
+                              out_ptr, y_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                              stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+                              stride_out_b, stride_out_l, stride_out_h, stride_out_p,
+                              stride_c_b, stride_c_l, stride_c_g, stride_c_n, stride_seq_b, stride_seq_l,
+                              HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
+                              HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PRECISION: tl.constexpr, n_tiles, TILES: tl.constexpr):
+    """chunk_scan_kernel's tiles again, checked, where some row came out non-finite. A program
+    looks after TILES row tiles (all of headdim each) and reads their flags in one load, so that
+    the usual launch, with no flag set, is a few hundred programs that read and leave."""
+    first = tl.program_id(0) * TILES
+    tiles = first + tl.arange(0, TILES)
+    pid_m, b, c, h = tile_coordinates(tiles, heads, n_chunks, CHUNK, BLOCK_M)
+    t = (c * CHUNK + pid_m * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    flagged = tl.load(flags_ptr + (b * heads + h).to(tl.int64)[:, None] * length + t,
+                      mask=(tiles < n_tiles)[:, None] & (t < length), other=0)
+    tile_flagged = tl.max(flagged, 1)
+    if tl.max(tile_flagged, 0) > 0:
+        for i in range(TILES):
+            if tl.max(tl.where(tl.arange(0, TILES) == i, tile_flagged, 0), 0) > 0:
+                for p_block in range(0, tl.cdiv(headdim, BLOCK_P)):
+                    write_tile(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr,
+                               y_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                               stride_z_b, stride_z_l, stride_z_h, stride_z_p,
+                               stride_out_b, stride_out_l, stride_out_h, stride_out_p,
+                               stride_c_b, stride_c_l, stride_c_g, stride_c_n, stride_seq_b, stride_seq_l,
+                               HAS_D, D_PER_CHANNEL, HAS_Z, HAS_SEQ_IDX, CHUNK, BLOCK_M, BLOCK_P, BLOCK_N, BLOCK_K,
+                               PRECISION, first + i, p_block, CHECKED=True)
+
+
 def chunk_scan(CB, x, C, H_in, dA_cumsum, dt_out, *, z=None, D=None, seq_idx=None):
     """Returns (out, y): out like x (contiguous); y (before the gate) like out when z is given, else None.
 
     x, z, C and seq_idx are addressed by their own strides; D must be contiguous.
+
+    Two launches (and a zeroed flag per row). The select on the weights cannot keep a NaN or inf
+    of x out of the rows that do not see it: x enters through the product, and 0 x NaN = NaN.
+    Testing x inside the diagonal loop, or compiling a checked second pass into the same kernel
+    (its registers spill), cost several times more than this: chunk_scan_kernel computes every
+    tile as if x were finite and flags the rows that come out non-finite (a NaN of their own, or
+    one hidden from them), and chunk_scan_checked_kernel computes again, checked, the tiles with a
+    flagged row. ``book/data/nonfinite_check_cost.json`` has the measurements.
     """
     batch, length, heads, headdim = x.shape
     groups, dstate = C.shape[2], C.shape[3]
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
     out = outputs.empty(x.shape, x.dtype, x.device)
     y = outputs.empty(x.shape, x.dtype, x.device) if z is not None else None
+    flags = torch.zeros((batch, heads, length), dtype=torch.int8, device=x.device)
+    args = (CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
+            D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,
+            y if y is not None else out, flags,
+            length, heads, groups, n_chunks, headdim, dstate, *x.stride(),
+            *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *C.stride(),
+            *(seq_idx.stride() if seq_idx is not None else (0, 0)))
+    options = dict(HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
+                   HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, PRECISION=dot_precision(x.dtype))
     grid = lambda META: (batch * n_chunks * heads * (chunk_size // META["BLOCK_M"]),  # noqa: E731
                          cdiv(headdim, META["BLOCK_P"]))
-    chunk_scan_kernel[grid](
-        CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
-        D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,
-        y if y is not None else out,
-        length, heads, groups, n_chunks, headdim, dstate, *x.stride(),
-        *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *C.stride(),
-        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
-        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, PRECISION=dot_precision(x.dtype),
-    )
+    chunk_scan_kernel[grid](*args, **options)
+    checked = checked_config(chunk_size)
+    n_tiles = batch * heads * n_chunks * (chunk_size // checked["BLOCK_M"])
+    chunk_scan_checked_kernel[(cdiv(n_tiles, checked["TILES"]),)](*args, **options, n_tiles=n_tiles, **checked)
     return out, y
+
+
+def checked_config(chunk_size: int) -> dict:
+    """Blocks of the checked pass: unpipelined, since it runs only for rare inputs; TILES row tiles'
+    flags per program."""
+    if INTERPRETED:
+        return dict(CPU_CONFIG.kwargs, TILES=4, num_warps=4, num_stages=1)
+    block_m = min(64, chunk_size)
+    return dict(BLOCK_M=block_m, BLOCK_P=64, BLOCK_N=64, BLOCK_K=min(32, block_m), TILES=64, num_warps=4, num_stages=1)

@@ -1,0 +1,118 @@
+"""An A/B run of a kernel change: times the same calls of two or more copies of the package on one GPU.
+
+    python benchmarks/bench_package_ab.py OLD_DIR NEW_DIR [...] [--rounds 2] [--json out.json]
+
+Each DIR holds a ``mamba_annotated/`` (``git archive <commit> mamba_annotated | tar x -C DIR`` makes
+one). Every copy runs in its own process, started from a neutral working folder with DIR first on
+``sys.path``: run from the repository, a script's own folder would otherwise put the repository's
+copy ahead of the one under test. The processes take turns, ``--rounds`` times, so that a drift of
+the GPU's clocks shows up as a spread between rounds rather than as a difference between copies;
+the first round also compiles and tunes. Times are ``triton.testing.do_bench`` medians (ms).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# (name, code building `fn`, a zero-argument call); the code runs with torch and the package imported
+CASES = {
+    "attention fwd causal d128 L1024": "attention_case(1024, 128, True)",
+    "attention fwd causal d128 L4096": "attention_case(4096, 128, True)",
+    "attention fwd causal d128 L8192": "attention_case(8192, 128, True)",
+    "attention fwd causal d64 L4096": "attention_case(4096, 64, True)",
+    "attention fwd full d128 L4096": "attention_case(4096, 128, False)",
+    "ssd fwd (4, 4096, 80, 64, 128)": "ssd_case(False)",
+    "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(True)",
+    "ssd chunk_scan kernel": "chunk_scan_case(False)",
+    "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
+    "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case()",
+}
+
+WORKER = r'''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch, triton.testing
+import mamba_annotated as ma
+assert ma.__file__.startswith(sys.argv[1]), ma.__file__
+torch.manual_seed(0)
+dev = "cuda"
+
+def attention_case(seqlen, head_dim, causal, batch=4, heads=16):
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    return lambda: ma.attention(q, k, v, causal=causal)
+
+def ssd_inputs(batch=4, length=4096, heads=80, headdim=64, dstate=128):
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    return (torch.randn(batch, length, heads, headdim, **bf), torch.randn(batch, length, heads, device=dev) - 1,
+            -torch.rand(heads, device=dev) - 0.5, 0.3 * torch.randn(batch, length, 1, dstate, **bf),
+            0.3 * torch.randn(batch, length, 1, dstate, **bf))
+
+def packed_ids(x, packed):
+    return (torch.arange(x.shape[1], device=dev) // 1000).int().expand(x.shape[0], -1).contiguous() if packed else None
+
+def ssd_case(packed):
+    x, dt, A, B, C = ssd_inputs()
+    seq_idx = packed_ids(x, packed)
+    return lambda: ma.ssd_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
+
+def chunk_scan_case(packed):  # the output kernel alone, on the forward pass's own intermediates
+    from mamba_annotated.ssd.forward import ssd_forward
+    from mamba_annotated.ssd.chunk_scan import chunk_scan
+    x, dt, A, B, C = ssd_inputs()
+    seq_idx = packed_ids(x, packed)
+    dA, dt_out, CB, H = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
+    return lambda: chunk_scan(CB, x, C, H, dA, dt_out, seq_idx=seq_idx)
+
+def bidirectional_case():
+    x, dt, A, B, C = ssd_inputs()
+    return lambda: ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True)
+
+times = {}
+for name, make in json.loads(sys.argv[2]).items():
+    with torch.no_grad():
+        fn = eval(make)
+        times[name] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+print(json.dumps(times))
+'''
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", help="folders that each hold a mamba_annotated package")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
+    parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here")
+    args = parser.parse_args()
+    cases = {k: v for k, v in CASES.items() if not args.cases or any(c in k for c in args.cases.split(","))}
+    dirs = [os.path.abspath(d) for d in args.dirs]
+    results = {d: {name: [] for name in cases} for d in dirs}
+    with tempfile.TemporaryDirectory() as neutral:
+        for _ in range(args.rounds):
+            for d in dirs:
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+                    "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                  if p and os.path.abspath(p) != os.getcwd())}
+                run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases)], cwd=neutral, env=env,
+                                     capture_output=True, text=True)
+                if run.returncode:
+                    sys.exit(f"{d} failed:\n{run.stderr[-3000:]}")
+                for name, ms in json.loads(run.stdout.strip().splitlines()[-1]).items():
+                    results[d][name].append(ms)
+    width = max(len(n) for n in cases)
+    labels = [os.path.basename(d) for d in dirs]
+    print(f"{'case (ms, median of rounds; min-max)':<{width}}  " + "  ".join(f"{lab:>22}" for lab in labels))
+    for name in cases:
+        cells = []
+        for d in dirs:
+            runs = sorted(results[d][name])
+            cells.append(f"{runs[len(runs) // 2]:8.4f} ({runs[0]:.4f}-{runs[-1]:.4f})")
+        print(f"{name:<{width}}  " + "  ".join(f"{c:>22}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
