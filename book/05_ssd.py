@@ -52,7 +52,7 @@ from mamba_annotated.figures import COLORS, show_fragment, show_source
 from mamba_annotated.ssd import ssd_chunk_scan
 from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, chunk_cumsum_kernel, dt_backward, dt_backward_kernel
-from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_kernel
+from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_checked_kernel, output_rows, write_tile
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel
 from mamba_annotated.ssd.forward import ssd_forward
@@ -334,33 +334,39 @@ check("chunk_scan_simple = the whole forward pass (no D, z)", simple_y,
 #
 # **Why the select comes after the products.** Above the diagonal every factor belongs to a later position $s > t$. There $\ell_t - \ell_s > 0$, so `exp2` may overflow to $\infty$, and a NaN or $\infty$ in a later step $\Delta_s$ or a later $B_s$ (and so in $CB_{ts}$) makes the product NaN. Selecting the finished product replaces whatever it is with 0, so a non-finite value at position $s$ never reaches an earlier output $t < s$ (`test_a_non_finite_value_never_reaches_earlier_outputs` in `tests/test_ssd.py` checks it). A select on the exponent alone, $-\infty$ above the diagonal so that the decay is 0, would leave $CB_{ts} \cdot 0 \cdot \Delta_s$, which is NaN whenever $CB_{ts}$ or $\Delta_s$ is not finite.
 #
-# **A non-finite $x_s$ needs more than a select.** $x$ enters through the matmul itself, which multiplies the zero weight by it, and $0 \cdot \text{NaN}$ is NaN. So the blocks where the mask hides some column from some row (the block on the diagonal, and every block when there is `seq_idx`) test their $x$ tile first, with `drop_hidden_nonfinite` from `triton_ops.py`. The usual tile holds only finite numbers, and then the test costs one comparison per element and a reduction. Otherwise the helper zeroes the bad entries and counts, for each row, the bad values that row does see. At the end, rows with a nonzero count are set to NaN, as the plain product would have made them. Two simplifications: an $\infty$ comes out as NaN, and the whole row is set, not just the affected column. A count per column would need a second accumulator tile in registers. The state kernels use plain selects on both operands instead, since a position outside the state's sequence should add nothing at all. The GPU reliability step found the leak: a NaN in $x$ at $t = 25$ had changed $y_{16}, \dots, y_{24}$. One gap remains with packed sequences. The cumulative sums $\ell$ run over the whole chunk, across sequence boundaries, so a non-finite step $\Delta_s$ spoils the decays of the later sequences that share its chunk. Closing it would mean restarting the sums at every boundary, in the forward pass and in the backward pass.
+# **A non-finite $x_s$ needs more than a select.** $x$ enters through the matmul itself, which multiplies the zero weight by it, and $0 \cdot \text{NaN}$ is NaN. So the blocks where the mask hides some column from some row (the block on the diagonal, and every block when there is `seq_idx`) must test their $x$ tile, with `drop_hidden_nonfinite` from `triton_ops.py`: the helper zeroes the bad entries and counts, for each row, the bad values that row does see; at the end, rows with a nonzero count are set to NaN, as the plain product would have made them. (Two simplifications: an $\infty$ comes out as NaN, and the whole row is set, not just the affected column. A count per column would need a second accumulator tile in registers.) Testing every such tile costs more than it seems. On an H100 the forward pass went from 0.570 to 0.660 ms with the test inside the loop (from 0.73 to 1.06 ms with `seq_idx`): with 64-row blocks and 32-wide steps at chunk 256, two steps in five are diagonal ones, and the test sits between the load and the matmul. A second, checked copy of the loop compiled into the same kernel, used only when a tile comes out non-finite, was hardly better (0.64 ms): the kernel already uses 255 registers, and the copy made it spill. So the work is split across two launches. The kernel below computes every tile as if $x$ were finite and, for each row that comes out non-finite (a NaN of its own, or one hidden from it), sets a flag. A second, light kernel reads the flags, a few hundred programs of 64 tiles each, and computes again, checked, only the tiles with a flagged row. Usual inputs pay a reduction along each row, a zeroed flag per row and that launch: the forward pass takes 0.599 ms. `book/data/nonfinite_check_cost.json` holds the measurements, taken in one run by `benchmarks/bench_package_ab.py`. The state kernels use plain selects on both operands instead, since a position outside the state's sequence should add nothing at all. The GPU reliability step found the leak: a NaN in $x$ at $t = 25$ had changed $y_{16}, \dots, y_{24}$. One gap remains with packed sequences. The cumulative sums $\ell$ run over the whole chunk, across sequence boundaries, so a non-finite step $\Delta_s$ spoils the decays of the later sequences that share its chunk. Closing it would mean restarting the sums at every boundary, in the forward pass and in the backward pass.
 #
 # The backward pass's $dx$ kernel runs the same loop transposed, and it still selects on the exponent: its decay is `tl.exp2(tl.where(keep, ..., float("-inf")))`, and the product `CBT * decay` is zero above the diagonal only where $CB_{ts}$ is a finite number. So every $CB$ entry that kernel reads must be finite, the ones above the diagonal included. That is why `chunk_cb` writes the diagonal squares whole (the figure of step 2), and why the row blocks of both kernels are no taller than `SCAN_ROWS`, so that they read only entries `chunk_cb` wrote (`check_row_blocks` in `chunk_state.py` enforces it for every tuned configuration). The Performance notes of the backward pass give the times of these choices.
 
 # %% [markdown]
-# The kernel in four pieces. Its arguments carry what the teaching kernel left out: strides for any layout, groups, the optional $D$, $z$ and `seq_idx`, and tiles. A program owns `BLOCK_M` rows and `BLOCK_P` columns of headdim of one (chunk, head), and the row blocks of one chunk and head get neighbouring program ids, so the $x$ tiles they share are still in {term}`L2`:
+# The kernel in five pieces. Its arguments carry what the teaching kernel left out: strides for any layout, groups, the optional $D$, $z$ and `seq_idx`, tiles, and the row flags of the checked pass. `write_tile` computes and stores one tile; the kernel of the first launch is one call of it, and the checked kernel calls it again for flagged tiles. A tile is `BLOCK_M` rows and `BLOCK_P` columns of headdim of one (chunk, head), and `tile_coordinates` numbers the row blocks of one chunk and head next to each other, so the programs that share $x$ tiles run together and find them still in {term}`L2`:
 
 # %%
-show_fragment(chunk_scan_kernel, "def chunk_scan_kernel(", "# off-diagonal blocks: C_t . H_c")
+show_fragment(write_tile, "def write_tile(", "acc = output_rows(")
 
 # %% [markdown]
-# The state entering the chunk, read out: $e^{\ell_t} H_c C_t$, a matmul over dstate in blocks of `BLOCK_N`. With `seq_idx`, a row of another sequence than the carried state's gets none of it:
+# `output_rows` computes the tile before $D$ and the gate. First the state entering the chunk, read out: $e^{\ell_t} H_c C_t$, a matmul over dstate in blocks of `BLOCK_N`. With `seq_idx`, a row of another sequence than the carried state's gets none of it:
 
 # %%
-show_fragment(chunk_scan_kernel, "# off-diagonal blocks: C_t . H_c", "# diagonal block: sum over s <= t")
+show_fragment(output_rows, "# off-diagonal blocks: C_t . H_c", "# diagonal block: sum over s <= t")
 
 # %% [markdown]
-# The diagonal block, with the loop body described above: column blocks of `BLOCK_K` up to the diagonal, the weights formed in registers, one select after the products, one matmul with the $x$ tile. Then the skip $D x_t$:
+# The diagonal block, with the loop body described above: column blocks of `BLOCK_K` up to the diagonal, the weights formed in registers, one select after the products, one matmul with the $x$ tile. The `DROP_HIDDEN_NONFINITE` lines are compiled only into the checked pass, whose loop is not pipelined (`STAGES=1`):
 
 # %%
-show_fragment(chunk_scan_kernel, "# diagonal block: sum over s <= t", "# out and y are allocated alike")
+show_fragment(output_rows, "# diagonal block: sum over s <= t")
 
 # %% [markdown]
-# Last the gate. With $z$ the kernel stores the ungated $y$ too (the backward pass needs it) before it multiplies by $\mathrm{silu}(z)$:
+# Back in `write_tile`: the unchecked pass flags the rows that came out non-finite (a reduction along the row, within one warp; the flags start at zero and every writer writes 1, so no two writes disagree), then the skip $D x_t$ and the gate. With $z$ the kernel stores the ungated $y$ too (the backward pass needs it) before it multiplies by $\mathrm{silu}(z)$:
 
 # %%
-show_fragment(chunk_scan_kernel, "# out and y are allocated alike")
+show_fragment(write_tile, "acc = output_rows(")
+
+# %% [markdown]
+# The checked kernel. One program reads the flags of 64 tiles in one load; only when one is set does it walk those tiles and recompute the flagged ones, every column block of each. The usual launch is therefore a few hundred programs that read and leave:
+
+# %%
+show_source(chunk_scan_checked_kernel)
 
 # %%
 out, _ = chunk_scan(CB, inputs["x"], inputs["C"], states_in, dA_cumsum, dt_out, z=inputs["z"], D=inputs["D"])

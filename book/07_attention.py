@@ -55,7 +55,7 @@ from mamba_annotated import runtime
 from mamba_annotated.attention import attention
 from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel, backward_config, dkdv_program,
                                                 dkdv_query_blocks, dq_key_blocks)
-from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
+from mamba_annotated.attention.forward import attend_key_blocks, attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, naive_attention, window_mask
 from mamba_annotated.attention.api import resolve_window
 from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes
@@ -231,16 +231,22 @@ for causal in (False, True):
 show_fragment(attention_fwd_kernel, "def attention_fwd_kernel(", "# 64-bit base offsets")
 
 # %% [markdown]
-# The query tile, loaded once, and the three running quantities. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`):
+# The query tile, loaded once. The bounds masks (a length that is not a multiple of the block, a head dim padded to the next power of two, e.g. 80 to 128) are compiled in only when the shape needs them (`EVEN_*`):
 
 # %%
-show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "# One loop over the key blocks")
+show_fragment(attention_fwd_kernel, "# 64-bit base offsets", "lo, hi, mask_from, mask_until = key_range(")
 
 # %% [markdown]
-# The sweep over the key blocks: the teaching kernel's loop, with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. (The `if DROPOUT` lines belong to [dropout](attention-dropout), later in the chapter.) One more line sits in the masked blocks: `drop_hidden_nonfinite`. Setting $p = 0$ does not keep a NaN or $\infty$ in $V$ away from a row that cannot see that key, because the product $PV$ still computes $0 \cdot \text{NaN} = \text{NaN}$. The helper zeroes such values in the tile and marks the rows that do see one, and the end of the kernel makes those rows NaN. It is chapter 5's helper, and that chapter explains it.
+# The sweep over the key blocks, a function of its own: the three running quantities, then the teaching kernel's loop with the scale fused into the exponent, the runtime test that confines the mask to the blocks the diagonal (or a window's edge) crosses, and a row that has seen no key yet shifted by 0 so that its probabilities stay 0. (The `if DROPOUT` lines belong to [dropout](attention-dropout), later in the chapter.) Its last two arguments choose between two compilations, explained next.
 
 # %%
-show_fragment(attention_fwd_kernel, "# One loop over the key blocks", "# rows that see no key")
+show_source(attend_key_blocks)
+
+# %% [markdown]
+# The kernel runs the sweep, and sometimes runs it twice. Setting $p = 0$ does not keep a NaN or $\infty$ in $V$ away from a row that cannot see that key, because the product $PV$ still computes $0 \cdot \text{NaN} = \text{NaN}$. Chapter 5's helper `drop_hidden_nonfinite` fixes that: it zeroes such values in a masked block's $V$ tile and counts, per row, the ones the row does see; the rows with a count are made NaN at the end. But testing $V$ in every masked block made causal attention a third slower on an H100 (0.647 to 0.905 ms at $L = 4096$, head dim 128): the $V$ tile, which otherwise goes from the pipeline's shared-memory buffer straight into the matmul, is then also read into registers and rewritten. So the first sweep runs as if $V$ were finite (`DROP_HIDDEN_NONFINITE=False`, pipelined as the launch asks), and only a tile that ends with a non-finite value (a NaN of its own, or one a masked block carried into rows that do not see it) is swept again with the test, unpipelined. Usual inputs pay one reduction over the tile: 0.662 ms. `book/data/nonfinite_check_cost.json` holds the measurements.
+
+# %%
+show_fragment(attention_fwd_kernel, "lo, hi, mask_from, mask_until = key_range(", "# rows that see no key")
 
 # %% [markdown]
 # Which key blocks the sweep visits, `[lo, hi)`, and which of them need the mask, comes from `key_range`, shared with the dQ kernel of the backward pass. Causal attention is the window that is unbounded on the left and 0 on the right (`WINDOW_RIGHT` with `window_right = 0`), so the causal bounds are the lines under `if WINDOW_RIGHT`: the last row of the tile, `start_m + BLOCK_M - 1`, sees keys up to `start_m + BLOCK_M - 1 + causal_offset`, so the sweep stops at `hi`, one past it, and the first row sees keys up to `start_m + causal_offset`, so the blocks that reach past `mask_from`, one past that, are the ones the diagonal crosses. (The left side of a window, `lo` and `mask_until`, is explained in [the section on windows](attention-features).)
