@@ -180,3 +180,18 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert "racecheck" in table["attention"]["sanitize"] and table["linear_scan"]["sweep"] == "not run"
     assert table["linear_scan"]["leaks"] == "10 calls, grew 0 B, graphs equal"
     assert "| attention |" in capsys.readouterr().out
+
+
+
+@pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan"])
+def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
+    """The sanitizer's driver runs each op whose kernels have a checked pass once more, with a NaN
+    in the input that wakes that pass, so that compute-sanitizer watches it too."""
+    seen = []
+    monkeypatch.setattr(cases, "forward_backward", lambda op, params, leaves, seed: seen.append(leaves))
+    sanitize.drive([op_name])
+    name = sanitize.CHECKED_PATH_INPUT[op_name]
+    small, poisoned = seen[:-1], seen[-1]
+    assert len(small) == len(cases.OPS[op_name].small())
+    assert all(torch.isfinite(leaves[name]).all() for leaves in small)
+    assert torch.isnan(poisoned[name]).any(), "the last run should hold a NaN in " + name

@@ -4,7 +4,10 @@ Each (tool, op) pair runs in its own process under ``compute-sanitizer --tool TO
 racecheck, initcheck, synccheck), so every error is charged to one op; the process is this file
 with ``--driver``, which runs the op's small odd cases (:meth:`cases.Op.small`: lengths off the
 blocks, odd head dims, permuted, strided, offset and stride-0 views, every option) once forward and
-once backward. The environment of each run:
+once backward, then, for the ops whose kernels have a checked pass that only a non-finite input
+wakes (SSD's checked chunk_scan launch, attention's second sweep, the bidirectional op's dropped
+non-finite x), once more with a NaN in that input (:func:`poisoned_run`). The environment of each
+run:
 
 * ``TRITON_DISABLE_LINE_INFO=0`` (Triton's default, set to be explicit): kernels keep their line
   tables, so the sanitizer names the source line of a bad access;
@@ -57,6 +60,10 @@ def parse_args(argv=None):
     return args
 
 
+# op -> the input whose NaN makes its forward kernels take their checked path
+CHECKED_PATH_INPUT = {"ssd_chunk_scan": "x", "attention": "v", "bidirectional_chunk_scan": "x"}
+
+
 def drive(ops):
     """Each op's small cases once forward and once backward, then a device synchronisation."""
     import torch
@@ -68,9 +75,30 @@ def drive(ops):
         for i, params in enumerate(op.small()):
             seed_everything(i)
             forward_backward(op, params, op.inputs(params), seed=i)
+        if name in CHECKED_PATH_INPUT:
+            poisoned_run(op, CHECKED_PATH_INPUT[name])
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        print(f"driver: {name} ran {len(op.small())} cases forward and backward", flush=True)
+        print(f"driver: {name} ran {len(op.small())} cases forward and backward"
+              f"{', and one with a NaN in ' + CHECKED_PATH_INPUT[name] if name in CHECKED_PATH_INPUT else ''}",
+              flush=True)
+
+
+def poisoned_run(op, input_name):
+    """The op's causal (attention) or packed (bidirectional) plain case, forward and backward, with
+    a NaN in the middle of ``input_name``: the checked paths run only on such inputs."""
+    from cases import forward_backward
+    from nonfinite import PROBES, plain_case
+    from mamba_annotated.testing import seed_everything
+
+    params = plain_case(op)
+    seed_everything(0)
+    leaves = op.inputs(params)
+    time_dim = PROBES[op.name][1]
+    poisoned = leaves[input_name].detach().clone()
+    poisoned.select(time_dim, poisoned.shape[time_dim] // 2).fill_(float("nan"))
+    leaves[input_name] = poisoned.requires_grad_(leaves[input_name].requires_grad)
+    forward_backward(op, params, leaves, seed=0)
 
 
 def sanitizer_command(tool, op):
