@@ -1,7 +1,9 @@
 """The shared pieces every chapter relies on: the CPU switch, the checkers, the timing helpers."""
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,3 +104,20 @@ def test_rates_and_table():
     assert table.splitlines()[0].split() == ["name", "ms"]
     assert "0.123" in table and "12" in table
     assert median_ms(lambda: torch.ones(10).sum()) > 0
+
+
+def test_compile_offline_reports_the_gpu_build_of_a_kernel(tmp_path):
+    """scripts/compile_offline.py compiles a kernel for sm_90 without a GPU (Triton's front end and
+    ptxas) and reads its registers and spill stack from the cubin."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton ships no NVIDIA tools")
+    report = tmp_path / "report.json"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compile_offline.py"
+    subprocess.run([sys.executable, str(script), "ssd", "--first", "--json", str(report)], capture_output=True,
+                   text=True, check=True, timeout=600)
+    kernels = json.loads(report.read_text())["kernels"]
+    (name, usage), = kernels.items()
+    assert name.startswith("chunk_scan_kernel plain")
+    assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0 and usage["triton_shared"] > 0

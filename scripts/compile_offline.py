@@ -1,0 +1,128 @@
+"""Compile the hot kernels for an H100/H200 (sm_90) on a machine without a GPU, and report what each
+compiled kernel uses: registers, spill stack, shared memory.
+
+Device time is scarce and a kernel that fails to compile on the GPU's Triton, or that spills, wastes
+a call. Triton's compiler and its ptxas run without a GPU, so both can be checked here first:
+
+    pip download triton==3.6.0 --no-deps -d /tmp/wheels        # the GPU's Triton version
+    unzip -q -o /tmp/wheels/triton-3.6.0-*.whl -d /tmp/triton36
+    PYTHONPATH=/tmp/triton36 python scripts/compile_offline.py attention ssd
+
+Without the PYTHONPATH it compiles with the installed Triton. Each kernel is compiled at the
+configurations its launcher uses on the GPU (attention: ``forward_config``; SSD ``chunk_scan``: every
+autotuned configuration, and its checked kernel). STACK > 0 means ptxas spilled registers to local
+memory; compare it before and after a change (``--json`` keeps the report). The numbers are the
+compiler's, not measurements: speed still needs the GPU.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before the package is imported: real JIT functions, not interpreted
+import torch  # noqa: E402
+
+torch.cuda.is_available = lambda: True  # the package then plans for a GPU (nothing is launched)
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def jit_function(kernel):
+    """The JITFunction under a LeanLaunch and/or an Autotuner."""
+    while not isinstance(kernel, triton.JITFunction):
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return kernel
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """REG, STACK and SHARED of a cubin, from the cuobjdump that ships with Triton."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in text.splitlines() if "REG:" in line)
+    return {k: int(v) for k, v in (field.split(":") for field in line.split() if field.split(":")[0] in
+                                   ("REG", "STACK", "SHARED"))}
+
+
+def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """Compile ``kernel`` for sm_90: parameters named in ``constexprs`` take those values, the others
+    the type in ``types`` (default i32). Returns its resource usage and Triton's shared memory."""
+    fn = jit_function(kernel)
+    signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
+    source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return dict(resource_usage(compiled.asm["cubin"]), triton_shared=compiled.metadata.shared)
+
+
+def attention_cases():
+    from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
+
+    types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
+        "lse_ptr": "*fp32", "alibi_ptr": "*fp32", "seed_ptr": "*i64", "qk_scale": "fp32", "cap2": "fp32",
+        "dropout_p": "fp32"}
+    for head_dim in (64, 128):
+        cfg = forward_config(head_dim, torch.bfloat16)
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        for causal in (False, True):
+            constexprs = dict(WINDOW_LEFT=False, WINDOW_RIGHT=causal, SOFTCAP=0, ALIBI=False, DROPOUT=False,
+                              SCALE_FIRST=False, EVEN_M=True, EVEN_N=True, EVEN_D=True, PRECISION="tf32",
+                              BLOCK_D=head_dim, **cfg)
+            yield (f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}", attention_fwd_kernel, types,
+                   constexprs, warps, stages)
+
+
+def ssd_cases():
+    from mamba_annotated.ssd import chunk_scan as module
+
+    types = {n: "*bf16" for n in ("x_ptr", "z_ptr", "C_ptr", "out_ptr", "y_ptr", "H_ptr")} | {
+        n: "*fp32" for n in ("CB_ptr", "dA_cumsum_ptr", "dt_ptr", "D_ptr")} | {
+        "seq_idx_ptr": "*i32", "flags_ptr": "*i8"}
+    for packed in (False, True):
+        options = dict(HAS_D=True, D_PER_CHANNEL=False, HAS_Z=False, HAS_SEQ_IDX=packed, CHUNK=256, PRECISION="tf32")
+        tag = "seq_idx" if packed else "plain"
+        for cfg in module.CONFIGS:
+            name = f"chunk_scan_kernel {tag} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
+            yield (f"{name} w{cfg.num_warps} s{cfg.num_stages}", module.chunk_scan_kernel, types,
+                   options | cfg.kwargs, cfg.num_warps, cfg.num_stages)
+        checked = module.checked_config(256)
+        warps, stages = checked.pop("num_warps"), checked.pop("num_stages")
+        yield f"chunk_scan_checked_kernel {tag}", module.chunk_scan_checked_kernel, types, options | checked, warps, stages
+
+
+FAMILIES = {"attention": attention_cases, "ssd": ssd_cases}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", default=list(FAMILIES), help=f"of {', '.join(FAMILIES)}")
+    parser.add_argument("--first", action="store_true", help="only the first configuration of each family")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    unknown = set(args.families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; choose from {sorted(FAMILIES)}")
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
+    report = {}
+    for family in args.families:
+        for i, (name, kernel, types, constexprs, warps, stages) in enumerate(FAMILIES[family]()):
+            if args.first and i:
+                break
+            report[name] = usage = compile_kernel(kernel, types, constexprs, warps, stages)
+            print(f"{name:<80} REG {usage['REG']:>3}  STACK {usage['STACK']:>5}  shared {usage['triton_shared']:>6}",
+                  flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(triton=triton.__version__, kernels=report), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
