@@ -40,7 +40,7 @@ Dropout
 Non-finite inputs
     A NaN or inf in q, k or v reaches exactly the rows that see it. The mask's select keeps a bad
     score out of the rows that do not, but a bad value in v would still reach them through the
-    product, as 0 x NaN. Testing v inside the sweep slowed causal attention by a third (the v tile
+    product, as 0 x NaN. Testing v inside the sweep slowed causal attention by 40 % (the v tile
     stops being the matmul's operand alone and leaves the pipeline), so the sweep
     (:func:`attend_key_blocks`) first runs as if v were finite, and a masked tile that ends with a
     non-finite value is swept again, checked and unpipelined: the blocks that pay for the mask
