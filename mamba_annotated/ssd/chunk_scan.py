@@ -62,8 +62,7 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
                 DROP_HIDDEN_NONFINITE: tl.constexpr, STAGES: tl.constexpr):
     """y before D and the gate for the (BLOCK_M, BLOCK_P) tile, float32. With DROP_HIDDEN_NONFINITE
     the diagonal loop keeps a NaN or inf of x out of the rows that do not see it; STAGES None
-    pipelines that loop as the launch asks. (The per-row loads are here, not in the kernel: held
-    there for a second pass, they would stay live through the first one, which spilled registers.)"""
+    pipelines that loop as the launch asks."""
     a_t = tl.load(dA_cumsum_ptr + chunk_base + m)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
@@ -254,7 +253,7 @@ def chunk_scan(CB, x, C, H_in, dA_cumsum, dt_out, *, z=None, D=None, seq_idx=Non
     n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
     out = outputs.empty(x.shape, x.dtype, x.device)
     y = outputs.empty(x.shape, x.dtype, x.device) if z is not None else None
-    flags = torch.zeros((batch, heads, length), dtype=torch.int8, device=x.device)
+    flags = torch.zeros((batch, heads, length), dtype=torch.int8, device=x.device)  # the first launch writes only 1s
     args = (CB, x, z if z is not None else x, C, H_in, dA_cumsum, dt_out,
             D if D is not None else dt_out, seq_idx if seq_idx is not None else dt_out, out,
             y if y is not None else out, flags,
