@@ -17,8 +17,9 @@
 # A device call is capped at 10 minutes: run a few steps per call; the reports accumulate in
 # $REPORTS, and STEPS=summary prints the table at the end.
 # Environment: STEPS (default: all, in the order above), OPS (default: all six), JOBS (default 1),
-# CASES (sweep cases per op, default 1000), TIME_BUDGET (seconds per sweep or reproducible process,
-# default 540), SANITIZE_TIMEOUT (seconds per sanitized run, default 900), SEED (default 0),
+# CASES (sweep cases per op, default 1000), SHARDS (sweep processes per op, splitting CASES;
+# default 1), TIME_BUDGET (seconds per sweep or reproducible process, default 540),
+# SANITIZE_TIMEOUT (seconds per sanitized run, default 900), SEED (default 0),
 # REPORTS (default /tmp/reliability), SUMMARY_JSON (default book/data/reliability.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,7 @@ steps=${STEPS:-sweep sanitize reproducible large nonfinite leaks summary}
 ops=${OPS:-linear_scan sequential_scan selective_scan ssd_chunk_scan bidirectional_chunk_scan attention}
 reports=${REPORTS:-/tmp/reliability}
 budget=${TIME_BUDGET:-540}
+shards=${SHARDS:-1}
 mkdir -p "$reports/logs"
 here=scripts/reliability
 
@@ -36,8 +38,13 @@ parallel=() serial=()
 for step in $steps; do
   for op in $ops; do
     case $step in
-      sweep) parallel+=("sweep_${op}_seed${SEED:-0} python3 $here/sweep.py --ops $op --cases ${CASES:-1000} \
---seed ${SEED:-0} --time-budget $budget --json $reports/sweep_${op}_seed${SEED:-0}.json") ;;
+      sweep)  # SHARDS processes per op, each its own run of consecutive seeds
+        per_shard=$(( (${CASES:-1000} + shards - 1) / shards ))
+        for (( k = 0; k < shards; k++ )); do
+          seed=$(( ${SEED:-0} + k * per_shard ))
+          parallel+=("sweep_${op}_seed$seed python3 $here/sweep.py --ops $op --cases $per_shard --seed $seed \
+--time-budget $budget --json $reports/sweep_${op}_seed$seed.json")
+        done ;;
       sanitize) parallel+=("sanitize_$op python3 $here/sanitize.py --ops $op --log-dir $reports/sanitizer_logs \
 --timeout ${SANITIZE_TIMEOUT:-900} --json $reports/sanitize_$op.json") ;;
       reproducible) parallel+=("reproducible_$op python3 $here/reproducible.py --ops $op --time-budget $budget \

@@ -47,6 +47,11 @@ from test_ssd import grad_tol as ssd_grad_tol, mamba_ssm_combined  # noqa: E402
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYOUTS = ("contiguous", "transposed", "reversed", "strided", "offset", "expanded")
 PRIMES = (2, 3, 5, 7, 13, 31, 61, 97, 127, 257, 509, 1021, 2039, 4093, 8191, 65537, 131071)
+# (headdim, dstate) of the chunked SSMs' cases: the usual sizes and odd ones (1, primes, past a
+# power of two). A short list because the SSD kernels tune every configuration for each new
+# (headdim, dstate, chunk) and compile each for every new specialization: drawn freely, a case
+# took half a minute of tuning and compiling on the GPU, and a sweep ran a dozen cases, not 1,000.
+SSM_SHAPE_KEYS = ((64, 128), (128, 64), (32, 16), (16, 256), (80, 48), (37, 100), (7, 3), (1, 1))
 # the largest dense reference: elements of its (batch, heads, L, L) matrix
 DENSE_CAP = size(gpu=1 << 24, cpu=1 << 14)
 
@@ -406,13 +411,9 @@ class ChunkedSSM(Op):
     def draw_dims(self, rng):
         chunk = rng.choice(size(gpu=CHUNK_SIZES, cpu=(16, 32)))
         heads = log_uniform(rng, 1, size(gpu=8, cpu=2))
+        headdim, dstate = rng.choice(size(gpu=SSM_SHAPE_KEYS, cpu=((16, 16), (5, 7), (17, 3), (1, 1))))
         return dict(batch=rng.randint(1, 2), L=draw_length(rng, (chunk, 2 * chunk), size(gpu=2 * 1024 + 37, cpu=40)),
-                    heads=heads, groups=rng.choice(divisors(heads)),
-                    headdim=pick(rng, (2, rng.choice(size(gpu=(16, 32, 64, 128), cpu=(16,)))),
-                                 (1, log_uniform(rng, 1, size(gpu=MAX_HEADDIM, cpu=17)))),
-                    dstate=pick(rng, (2, rng.choice(size(gpu=(16, 64, 128), cpu=(16,)))),
-                                (1, log_uniform(rng, 1, size(gpu=256, cpu=17)))),
-                    chunk=chunk)
+                    heads=heads, groups=rng.choice(divisors(heads)), headdim=headdim, dstate=dstate, chunk=chunk)
 
     def fix(self, params):
         d = params["dims"]
