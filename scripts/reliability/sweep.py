@@ -2,8 +2,11 @@
 gradient, with the autotuner on (scripts/gpu_reliability.sh, step ``sweep``).
 
 Case i of an op has the seed ``--seed + i``: it draws the case's sizes, options and views and
-seeds its tensors, and is printed with it. A failing case is shrunk (smaller sizes, plain options,
-contiguous inputs, while it still fails) and printed as a one-line reproducer:
+seeds its tensors, and is printed with it. Runs of ``--cases-per-variant`` seeds share their
+options, views and compiled sizes and differ in lengths, batch and heads: each variant is
+compiled and tuned once, which on a GPU is most of a case's time. A failing case is shrunk
+(smaller sizes, plain options, contiguous inputs, while it still fails) and printed as a one-line
+reproducer:
 
     python scripts/reliability/sweep.py --ops ssd_chunk_scan --cases 1000 --time-budget 540
     python scripts/reliability/sweep.py --ops attention --seed 17 --params '{"dims": ...}'   (one case)
@@ -27,6 +30,8 @@ def parse_args(argv=None):
     parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
     parser.add_argument("--cases", type=int, default=1000, help="cases per op")
     parser.add_argument("--seed", type=int, default=0, help="seed of the first case")
+    parser.add_argument("--cases-per-variant", type=int, default=50,
+                        help="consecutive seeds that share a kernel variant (see cases.draw_case)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for all ops together")
     parser.add_argument("--params", default=None, help="run this one case (JSON, as a reproducer prints it)")
     parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
@@ -50,7 +55,7 @@ def sweep_op(op, args, deadline):
             report["stopped_early"] = True
             break
         seed = args.seed + i
-        params = json.loads(args.params) if args.params else draw_case(op, seed)
+        params = json.loads(args.params) if args.params else draw_case(op, seed, args.cases_per_variant)
         verdict = run_case(op, params, seed)
         report["cases"] += 1
         report["unjudged"] += bool(verdict.unjudged)
