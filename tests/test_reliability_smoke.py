@@ -21,6 +21,7 @@ import summary  # noqa: E402
 import sweep  # noqa: E402
 
 from mamba_annotated import linear_scan  # noqa: E402
+from mamba_annotated.attention.reference import attention_ref  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU box only)")
 
@@ -99,8 +100,9 @@ def test_sweep_catches_a_wrong_op_and_prints_a_shrunk_reproducer(capsys):
 
 def test_the_gpu_sweeps_first_false_failures_stay_fixed():
     """The first GPU sweep (H100) failed 17 selective-scan cases whose delta_bias, drawn without
-    softplus, made steps negative and states overflow; and two attention cases with one key and
-    dropout, whose exactly-zero dq and dk no relative error can bound (judged: unjudged)."""
+    softplus, made steps negative and states overflow; and attention cases with one or two keys
+    (with dropout, or a large scale), whose gradients are the stored output's rounding: judged now
+    against the kernels' formula on that output."""
     op = cases.OPS["selective_scan"]
     params = dict(dims=dict(L=29, batch=1, dim=4, dstate=1, groups=0), dtype="float16",
                   layouts={k: "contiguous" for k in ("u", "delta", "A", "B", "C", "z")},
@@ -109,11 +111,28 @@ def test_the_gpu_sweeps_first_false_failures_stay_fixed():
     assert ((leaves["delta"].float() + leaves["delta_bias"][:, None]) > 0).all()
     assert not cases.run_case(op, params, 130).failures
     op = cases.OPS["attention"]
-    params = dict(dims=dict(Lk=1, Lq=3, batch=1, head_dim=16, heads=1, kv_heads=1), dtype="float16",
-                  layouts=dict(q="contiguous", k="contiguous", v="contiguous"), opts=dict(op.defaults, dropout_p=0.1))
-    verdict = cases.run_case(op, params, 515)
-    assert not verdict.failures and verdict.unjudged == ["grad q (exactly 0 in float64, with dropout)",
-                                                        "grad k (exactly 0 in float64, with dropout)"]
+    for dims, dtype, opts, seed in ((dict(Lk=1, Lq=3, head_dim=16, heads=1), "float16", dict(dropout_p=0.1), 515),
+                                    (dict(Lk=2, Lq=1, head_dim=16, heads=2), "bfloat16", dict(softmax_scale=-0.7), 272)):
+        params = dict(dims=dict(dims, batch=1, kv_heads=dims["heads"]), dtype=dtype,
+                      layouts=dict(q="contiguous", k="contiguous", v="contiguous"), opts=dict(op.defaults, **opts))
+        verdict = cases.run_case(op, params, seed)
+        assert not verdict.failures and not verdict.unjudged
+
+
+def test_the_formula_on_the_stored_output_is_the_exact_gradient_when_the_output_is_exact():
+    op = cases.OPS["attention"]
+    params = dict(dims=dict(Lk=5, Lq=4, head_dim=16, heads=2, batch=1, kv_heads=1), dtype="float32",
+                  layouts=dict(q="contiguous", k="contiguous", v="contiguous"), opts=dict(op.defaults, causal=True))
+    leaves = cases.as64(op.inputs(params))
+    ref = op.call(params, attention_ref)
+    out = ref(**op.views(params, leaves))[0].detach()
+    grad_out = cases.upstream(out.numel(), torch.float64, 3)
+    exact = cases.gradients_of_arguments(lambda **kw: ref(**kw)[:1], op.views(params, leaves), grad_out)
+    formula = op.from_stored_output(params, ref, leaves, out, grad_out)
+    for name in exact:
+        torch.testing.assert_close(formula[name], exact[name], rtol=1e-12, atol=1e-12)
+    rounded = op.from_stored_output(params, ref, leaves, out.half(), grad_out)
+    assert not torch.allclose(rounded["q"], exact["q"], rtol=1e-6, atol=0)
 
 
 def test_time_budget_stops_early_and_says_so(tmp_path):
