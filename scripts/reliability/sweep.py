@@ -47,10 +47,12 @@ def grow(largest, measured):
         largest[key] = max(largest.get(key, value), value)
 
 
-def sweep_op(op, args, deadline):
-    """Run the cases of one op until done or the deadline; returns its report."""
+def sweep_op(op, args, deadline, save=lambda report: None):
+    """Run the cases of one op until done or the deadline; returns its report, and hands it to
+    ``save`` after every case (a process killed by the device's time limit keeps what it ran)."""
     report = dict(cases=0, failures=0, unjudged=0, largest={}, reproducers=[], stopped_early=False)
     for i in range(1 if args.params else args.cases):
+        save(report)
         if deadline is not None and time.monotonic() > deadline:
             report["stopped_early"] = True
             break
@@ -66,7 +68,7 @@ def sweep_op(op, args, deadline):
             grow(report["largest"], op.measure(params))
             continue
         report["failures"] += 1
-        if not args.no_shrink:
+        if not args.no_shrink and (deadline is None or time.monotonic() < deadline):  # shrinking reruns it
             params = shrink(op, params, seed, lambda p, s: bool(run_case(op, p, s).failures))
             verdict = run_case(op, params, seed)
         line = reproducer(op, params, seed)
@@ -77,6 +79,7 @@ def sweep_op(op, args, deadline):
             print(f"{op.name}: the CUDA context is lost; stopping this op", flush=True)
             report["stopped_early"] = True
             break
+    save(report)
     return report
 
 
@@ -85,17 +88,23 @@ def main(argv=None):
     start = time.monotonic()
     deadline = start + args.time_budget if args.time_budget is not None else None
     reports = {}
+
+    def save(report, name=None):
+        if name is not None:
+            reports[name] = report
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(dict(item="sweep", seed=args.seed, ops=reports), indent=1))
+
     for name in args.ops:
         op_start = time.monotonic()
-        reports[name] = sweep_op(OPS[name], args, deadline)
+        reports[name] = sweep_op(OPS[name], args, deadline, lambda report: save(report, name))
         reports[name]["seconds"] = round(time.monotonic() - op_start, 1)
         r = reports[name]
         print(f"sweep {name}: {r['cases']} cases, {r['failures']} failed, {r['unjudged']} with an unjudged output, "
               f"{r['seconds']} s{' (stopped by the time budget)' if r['stopped_early'] else ''}; "
               f"largest passed {r['largest']}", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="sweep", seed=args.seed, ops=reports), indent=1))
+    save(None)
     return 1 if any(r["failures"] for r in reports.values()) else 0
 
 
