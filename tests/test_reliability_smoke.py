@@ -79,6 +79,14 @@ def test_sweep_runs_every_op_and_writes_its_report(tmp_path):
     assert code == 0, [r["reproducers"] for r in report["ops"].values()]
 
 
+def test_sweep_hands_its_report_over_after_every_case():
+    """A process killed by the device call's limit once lost every case it had run."""
+    args = sweep.parse_args(["--ops", "linear_scan", "--cases", "3"])
+    seen = []
+    sweep.sweep_op(cases.OPS["linear_scan"], args, deadline=None, save=lambda report: seen.append(report["cases"]))
+    assert seen == [0, 1, 2, 3]
+
+
 class WrongScan(cases.FirstOrderScan):
     """linear_scan with its last step dropped: the sweep must catch and shrink it."""
 

@@ -2,9 +2,9 @@
 outputs and gradients are the same bits when a call is repeated on the same inputs.
 
 Per op: its small cases (:meth:`cases.Op.small`) and ``--cases`` cases drawn as the sweep draws
-them, each run forward and backward ``--runs`` times on the same tensors and upstream gradient,
-with the autotuner on (the first call of a shape also runs the tuner's trials). Exit 1 on any
-difference.
+them (in variants of ``--cases-per-variant`` seeds), each run forward and backward ``--runs``
+times on the same tensors and upstream gradient, with the autotuner on (the first call of a shape
+also runs the tuner's trials). Exit 1 on any difference.
 
     python scripts/reliability/reproducible.py --ops ssd_chunk_scan --cases 50 --json out.json
 """
@@ -27,6 +27,8 @@ def parse_args(argv=None):
     parser.add_argument("--cases", type=int, default=50, help="drawn cases per op, besides the small ones")
     parser.add_argument("--runs", type=int, default=3, help="calls compared per case")
     parser.add_argument("--seed", type=int, default=10_000)
+    parser.add_argument("--cases-per-variant", type=int, default=10,
+                        help="consecutive seeds that share a kernel variant (see cases.draw_case)")
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -54,9 +56,10 @@ def main(argv=None):
     for name in args.ops:
         op = OPS[name]
         cases = [(i, p) for i, p in enumerate(op.small())]
-        cases += [(args.seed + i, draw_case(op, args.seed + i)) for i in range(args.cases)]
+        cases += [(args.seed + i, draw_case(op, args.seed + i, args.cases_per_variant)) for i in range(args.cases)]
         r = report[name] = dict(cases=0, failures=0, reproducers=[])
         for seed, params in cases:
+            write(args.json, report)  # after every case: a process killed by the device's limit keeps its cases
             if deadline is not None and time.monotonic() > deadline:
                 r["stopped_early"] = True
                 break
@@ -73,10 +76,14 @@ def main(argv=None):
         failed |= bool(r["failures"])
         print(f"reproducible {name}: {r['cases']} cases x {args.runs} calls, {r['failures']} not bitwise equal",
               flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="reproducible", ops=report), indent=1))
+    write(args.json, report)
     return 1 if failed else 0
+
+
+def write(path, report):
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(dict(item="reproducible", ops=report), indent=1))
 
 
 if __name__ == "__main__":
