@@ -106,11 +106,11 @@ def test_sweep_catches_a_wrong_op_and_prints_a_shrunk_reproducer(capsys):
     assert params["dims"] == {"rows": 1, "L": 1} and all(v == "contiguous" for v in params["layouts"].values())
 
 
-def test_the_gpu_sweeps_first_false_failures_stay_fixed():
-    """The first GPU sweep (H100) failed 17 selective-scan cases whose delta_bias, drawn without
-    softplus, made steps negative and states overflow; and attention cases with one or two keys and
-    dropout, whose gradients are mostly the stored output's rounding: judged now against the
-    kernels' formula on that output."""
+def test_the_gpu_sweeps_false_failures_stay_fixed():
+    """The GPU sweeps (H100) failed 17 selective-scan cases whose delta_bias, drawn without softplus,
+    made steps negative and states overflow; and attention cases with one or two keys and dropout,
+    whose gradients are mostly the stored output's rounding: judged now against the kernels'
+    formula on that output."""
     op = cases.OPS["selective_scan"]
     params = dict(dims=dict(L=29, batch=1, dim=4, dstate=1, groups=0), dtype="float16",
                   layouts={k: "contiguous" for k in ("u", "delta", "A", "B", "C", "z")},
@@ -270,7 +270,6 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert "racecheck" in table["attention"]["sanitize"] and table["linear_scan"]["sweep"] == "not run"
     assert table["linear_scan"]["leaks"] == "10 calls, grew 0 B, graphs equal"
     assert "| attention |" in capsys.readouterr().out
-
 
 
 @pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan"])

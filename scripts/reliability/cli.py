@@ -1,5 +1,8 @@
-"""The one command-line rule every reliability step shares: a comma-separated list of names, each
-one it knows (a light module: sanitize.py's parent process imports it without the package)."""
+"""What every reliability step shares on its command line and in its output: a comma-separated
+list of names, each one it knows, and the JSON report that summary.py reads (a light module:
+sanitize.py's parent process imports it without the package)."""
+import json
+from pathlib import Path
 
 
 def comma_list(parser, value, allowed, option):
@@ -9,3 +12,10 @@ def comma_list(parser, value, allowed, option):
     if unknown:
         parser.error(f"{option}: unknown {unknown}; known: {', '.join(allowed)}")
     return items
+
+
+def write_report(path, item, ops, **fields):
+    """A step's report ``{"item": item, **fields, "ops": ops}`` as JSON at ``path`` (None: nowhere)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(dict(item=item, **fields, ops=ops), indent=1))

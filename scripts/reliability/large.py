@@ -22,7 +22,6 @@ sampled positions, never a dense reference:
     python scripts/reliability/large.py --checks linear_scan,ssd_chunk_scan --json out.json
 """
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import blocked_reference  # noqa: E402  (tests/test_linear_scan.py's float64 scan of long rows)
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, ssd_chunk_scan  # noqa: E402
 from mamba_annotated.runtime import DEVICE  # noqa: E402
 from mamba_annotated.ssd.reference import per_head, process_dt, ssd_quadratic_ref  # noqa: E402
@@ -237,9 +236,7 @@ def main(argv=None):
         print(f"large {name}: {r.get('size', '')}: {'; '.join(r['failures']) or 'pass'} ({r['seconds']} s)", flush=True)
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="large", smoke=args.smoke, ops=report), indent=1))
+    write_report(args.json, "large", report, smoke=args.smoke)
     return 1 if failed else 0
 
 

@@ -9,7 +9,6 @@ on each replay. Needs CUDA; on CPU it says so and exits 0.
     python scripts/reliability/leaks.py --calls 10000 --json out.json
 """
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, flat, forward_backward, same_bits, upstream  # noqa: E402
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated import attention  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
@@ -126,9 +125,7 @@ def main(argv=None):
         print(f"leaks {name}: {args.calls} calls leaked {r['leaked_bytes']} bytes; CUDA graph forward "
               f"{r['graph_forward'] or 'equal'}, forward+backward {r['graph_forward_backward'] or 'equal'}"
               + (f"; dropout replays {r['graph_dropout'] or 'fresh'}" if "graph_dropout" in r else ""), flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="leaks", ops=report), indent=1))
+    write_report(args.json, "leaks", report)
     return 1 if failed else 0
 
 

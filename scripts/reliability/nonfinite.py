@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, as64, forward_backward  # noqa: E402
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated.attention.api import resolve_window  # noqa: E402
 from mamba_annotated.attention.reference import window_mask  # noqa: E402
 from mamba_annotated.bidirectional.reference import bidirectional_ref, packed_seq_idx  # noqa: E402
@@ -167,9 +167,7 @@ def main(argv=None):
         failed |= bool(r["failures"])
         print(f"nonfinite {name}: {r['cases']} probes, {r['failures']} failed "
               f"(case {json.dumps(params['dims'], sort_keys=True)})", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="nonfinite", ops=report), indent=1))
+    write_report(args.json, "nonfinite", report)
     return 1 if failed else 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, draw_case, forward_backward, same_bits  # noqa: E402
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -59,7 +59,8 @@ def main(argv=None):
         cases += [(args.seed + i, draw_case(op, args.seed + i, args.cases_per_variant)) for i in range(args.cases)]
         r = report[name] = dict(cases=0, failures=0, reproducers=[])
         for seed, params in cases:
-            write(args.json, report)  # after every case: a process killed by the device's limit keeps its cases
+            # written after every case: a process killed by the device call's limit keeps its cases
+            write_report(args.json, "reproducible", report)
             if deadline is not None and time.monotonic() > deadline:
                 r["stopped_early"] = True
                 break
@@ -76,14 +77,8 @@ def main(argv=None):
         failed |= bool(r["failures"])
         print(f"reproducible {name}: {r['cases']} cases x {args.runs} calls, {r['failures']} not bitwise equal",
               flush=True)
-    write(args.json, report)
+    write_report(args.json, "reproducible", report)
     return 1 if failed else 0
-
-
-def write(path, report):
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(dict(item="reproducible", ops=report), indent=1))
 
 
 if __name__ == "__main__":

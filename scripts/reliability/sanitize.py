@@ -27,7 +27,6 @@ processes) is cached and the sanitized run only loads kernels.
     python scripts/reliability/sanitize.py --driver --ops attention      (what runs under the tool)
 """
 import argparse
-import json
 import os
 import re
 import shutil
@@ -38,7 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-sanitizer")
 ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
@@ -154,9 +153,7 @@ def main(argv=None):
             failed |= not ok
             report[op][tool] = dict(errors=errors, exit=code, kernels=kernels, seconds=round(time.monotonic() - start))
             print(f"sanitize {tool:9s} {op:25s} errors={errors} exit={code} {'' if ok else kernels}", flush=True)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(item="sanitize", env=ENV, ops=report), indent=1))
+    write_report(args.json, "sanitize", report, env=ENV)
     return 1 if failed else 0
 
 

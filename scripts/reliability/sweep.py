@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, draw_case, reproducer, run_case, shrink  # noqa: E402
-from cli import comma_list  # noqa: E402
+from cli import comma_list, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -89,22 +89,19 @@ def main(argv=None):
     deadline = start + args.time_budget if args.time_budget is not None else None
     reports = {}
 
-    def save(report, name=None):
-        if name is not None:
-            reports[name] = report
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(dict(item="sweep", seed=args.seed, ops=reports), indent=1))
+    def save(name, report):
+        reports[name] = report
+        write_report(args.json, "sweep", reports, seed=args.seed)
 
     for name in args.ops:
         op_start = time.monotonic()
-        reports[name] = sweep_op(OPS[name], args, deadline, lambda report: save(report, name))
+        reports[name] = sweep_op(OPS[name], args, deadline, lambda report: save(name, report))
         reports[name]["seconds"] = round(time.monotonic() - op_start, 1)
         r = reports[name]
         print(f"sweep {name}: {r['cases']} cases, {r['failures']} failed, {r['unjudged']} with an unjudged output, "
               f"{r['seconds']} s{' (stopped by the time budget)' if r['stopped_early'] else ''}; "
               f"largest passed {r['largest']}", flush=True)
-    save(None)
+    write_report(args.json, "sweep", reports, seed=args.seed)
     return 1 if any(r["failures"] for r in reports.values()) else 0
 
 
