@@ -28,6 +28,7 @@ CASES = {
     "ssd chunk_scan kernel": "chunk_scan_case(False)",
     "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
     "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case()",
+    "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
 }
 
 WORKER = r'''
@@ -64,6 +65,14 @@ def chunk_scan_case(packed):  # the output kernel alone, on the forward pass's o
     seq_idx = packed_ids(x, packed)
     dA, dt_out, CB, H = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
     return lambda: chunk_scan(CB, x, C, H, dA, dt_out, seq_idx=seq_idx)
+
+def ssd_backward_case():  # the backward pass alone, from the forward pass's saved tensors
+    from mamba_annotated.ssd.forward import ssd_forward
+    from mamba_annotated.ssd.backward import ssd_backward
+    x, dt, A, B, C = ssd_inputs()
+    saved = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True).saved
+    dy = torch.randn_like(x)
+    return lambda: ssd_backward(dy, x, dt, A, B, C, saved, dt_softplus=True)
 
 def bidirectional_case():
     x, dt, A, B, C = ssd_inputs()

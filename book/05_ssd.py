@@ -51,7 +51,8 @@ from mamba_annotated.bench import matmul_tflops, median_ms, print_table, tflops
 from mamba_annotated.figures import COLORS, show_fragment, show_source
 from mamba_annotated.ssd import ssd_chunk_scan
 from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward
-from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, chunk_cumsum_kernel, dt_backward, dt_backward_kernel
+from mamba_annotated.ssd.chunk_cumsum import (chunk_cumsum, chunk_cumsum_kernel, dt_backward, dt_backward_kernel,
+                                              log_decay_step_gradient, spanned_tiles)
 from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_checked_kernel, output_rows, write_tile
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel
@@ -433,13 +434,24 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #
 # a **reverse** cumulative sum inside each chunk, because $\ell_r = \sum_{k \le r} \Delta_k A$. Then $d\Delta_k \mathrel{+}= A\, \partial\mathcal J/\partial(\Delta_k A)$, $dA = \sum_k \Delta_k\, \partial\mathcal J/\partial(\Delta_k A)$, and $d\Delta$ goes back through the clamp (zero outside the limits), the softplus (times $\sigma$) and the bias (summed).
 #
-# **One rounding to avoid.** $\langle dS_c, H_{c+1}\rangle = \langle dS_c, \gamma_c H_c\rangle + \langle dS_c, S_c\rangle$, and the second part equals the sum of the state terms $B_r \cdot dB_r$ (their $x_r\, dS_c$ part) that the positions $r$ subtract. In the reverse cumulative sum the two cancel, leaving $\sum_{r < k}$: a small number made from two large ones. Computed separately (one from 16-bit states, the other from 16-bit tiles) they cancel only to 16-bit precision, and the leftover lands on every step of the chunk, so $dA$, a sum over every step, collects it hundreds of times: with bfloat16 inputs our $dA$ error against float64 was 4 to 10 times mamba_ssm's. Now it matches it: on an H200, chunk 64, three seeds, $1.4$–$2.4\cdot 10^{-3}$ against mamba_ssm's $1.3$–$2.4\cdot 10^{-3}$ (`tests/test_ssd.py` holds us to at most twice the peer's error). So the dB kernel adds at the last slot the very terms it subtracts, and the carry's part $\langle dS_c, \gamma_c H_c\rangle$ from the tiles of $H_c$ and $dS_c$ it loads anyway. (mamba_ssm reaches the same end with a kernel that sums $\sum_{r<k}$ directly.)
+# **Sums that cancel, and sums that do not.** That formula is right, and in float32 it is not good enough. Write $W_{ts} = (C_t \cdot B_s)\, dCB^{(h)}_{ts}$ for one pair of the diagonal block. It reaches $\partial\mathcal J/\partial \ell_t$ with a plus and $\partial\mathcal J/\partial \ell_s$ with a minus, so in the reverse sum over $r \ge k$ it cancels whenever both $t$ and $s$ are at or after $k$. Those are most pairs, and the largest ones: near the diagonal $\Gamma_{ts} \approx 1$. What is left is a small number made from two large sums, each carrying the rounding of the whole chunk. The property sweep of the reliability work found it: a float32 case at chunk 256 had $dA$ off by $1.6 \cdot 10^{-4}$ of its size (the bound is $10^{-4}$), and the error grew with the chunk ($4.8 \cdot 10^{-5}$ at chunk 64), while $dx$ stayed at $10^{-6}$.
+#
+# So the kernels sum only the terms that survive. Pair $(t, s)$ holds step $k$ in its exponent when $t \ge k > s$: it **straddles** $k$. The state entering the chunk, read at $r$ through $e^{\ell_r}$, holds the steps $k \le r$; row $r$'s share of the chunk state, through $e^{\ell_{\text{last}} - \ell_r}$, the steps $k > r$; and the carry $\gamma_c H_c$ all of them:
+#
+# $$
+# \begin{aligned}
+# \frac{\partial\mathcal J}{\partial(\Delta_k A)} &= \sum_{t \ge k > s} W_{ts} + \sum_{r \ge k} C_r \cdot e^{\ell_r} dy_r H_c \\
+# &\quad + \sum_{r < k} B_r \cdot e^{\ell_{\text{last}} - \ell_r} \Delta_r\, x_r\, dS_c + \langle dS_c, \gamma_c H_c\rangle .
+# \end{aligned}
+# $$
+#
+# Every term appears once, and nothing is subtracted. On that case $dA$ is now $1.5 \cdot 10^{-5}$ off (in the interpreter; the minimal case is `test_sweep_cases_of_the_sums_over_positions` in `tests/test_reliability_smoke.py`). mamba_ssm's backward also sums $dA$ over the straddling pairs, in a kernel of its own.
 #
 # **What the forward pass keeps.** The backward pass needs $\ell$, $\Delta$, $CB$ and the states $H_c$ entering each chunk. mamba_ssm recomputes them (a chunk-state pass and a state-passing pass); we keep them from the forward pass. $H_c$, stored in the inputs' dtype, is half the size of $x$ at $N = 128$, $Q = 256$ ($N/Q$ of it), and recomputing would allocate the float32 chunk states, twice that, so keeping them lowers the peak memory as well as the time. Likewise $dS_c$ is stored in the inputs' dtype: every kernel that reads it rounds it to that dtype for its matmuls anyway.
 #
-# Three kernels do the work: `chunk_scan_bwd_dx` (rows $s$, all of headdim), `chunk_scan_bwd_dcb` (one $(t, s)$ tile of $dCB$, looping over the heads of the group and storing each head's row and column sums of $CB \odot dCB^{(h)}$, its share of $\partial\mathcal J/\partial \ell$, in slots of its own) and `chunk_scan_bwd_dbc` (rows $r$, a block of dstate: the state terms per head, then the $dCB$ products once).
+# Three kernels do the work: `chunk_scan_bwd_dx` (rows $s$, all of headdim), `chunk_scan_bwd_dcb` (one $(t, s)$ tile of $dCB$, looping over the heads of the group and storing each head's sums of $W = CB \odot dCB^{(h)}$ over the pairs that straddle each step, in slots of its own) and `chunk_scan_bwd_dbc` (rows $r$, a block of dstate: the state terms per head, then the $dCB$ products once).
 #
-# **Reproducible gradients.** Many programs contribute to each $\partial\mathcal J/\partial \ell_r$: every tile of $dCB$ in its row or column, every block of dstate in `chunk_scan_bwd_dbc`. Gathered by atomic adds (`tl.atomic_add`: a read-modify-write of a memory word that no other program can interleave with, so concurrent adds to one word all count), they would be summed in the order the programs happen to finish, and float32 addition is not associative: $dA$, $d\Delta$ and $d\,\mathrm{dt\_bias}$ would change in their last bits from run to run. So each program stores its share in a slot of its own (one per tile of the chunk, one per block of dstate; the row block of the $dCB$ kernel is fixed at launch, and the $dB\,dC$ kernel's slots are as wide as its narrowest tuned block, so every configuration writes the same slots), and `dt_backward_kernel`, which reads $\partial\mathcal J/\partial \ell$ anyway, adds the slots in a fixed order before its reverse cumulative sum. The gradients are then the same bits on every run.
+# **Reproducible gradients.** Many programs contribute to each $\partial\mathcal J/\partial(\Delta_k A)$: every tile of $dCB$ whose pairs straddle $k$, every block of dstate in `chunk_scan_bwd_dbc`. Gathered by atomic adds (`tl.atomic_add`: a read-modify-write of a memory word that no other program can interleave with, so concurrent adds to one word all count), they would be summed in the order the programs happen to finish, and float32 addition is not associative: $dA$, $d\Delta$ and $d\,\mathrm{dt\_bias}$ would change in their last bits from run to run. So each program stores its share in a slot of its own (one per tile of the chunk, one per block of dstate; the row block of the $dCB$ kernel is fixed at launch, and the $dB\,dC$ kernel's slots are as wide as its narrowest tuned block, so every configuration writes the same slots), and `dt_backward_kernel`, which reads them anyway, adds the slots in a fixed order. The gradients are then the same bits on every run.
 #
 # ```{admonition} Performance notes
 # :class: dropdown
@@ -449,7 +461,7 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 # - `chunk_scan`'s diagonal loop body (exp2 of pre-scaled $\ell$, one select, no end-of-chunk test; measured while the select was still on the exponent, before it moved after the products): 0.389 → 0.330 ms at the first shape, 0.608 → 0.531 at the second. Steps of 32 through the diagonal block with 3 stages: 0.390 ms against 0.499 with steps of 64 (0.612 against 0.787 at the second shape). Row blocks of 128 measured 0.369 against 0.330 ms with that loop body.
 # - `state_passing` prefetches the next chunks' states (`tl.range` stages): 0.079 → 0.073 ms at the first shape, 0.150 → 0.124 at the second.
 # - The $dCB$ kernel's software-pipelined loop over heads took the $dCB$ and $dB\,dC$ kernels together from 1.57 to 1.34 ms at the first shape and from 2.55 to 2.18 ms at the second, against a plain loop.
-# - Before the slots, $\partial\mathcal J/\partial \ell$ gathered atomic adds. `tl.atomic_add` defaults to acquire-release order, which makes every add a fence (the program's other memory operations may not be moved across it), so the head loop's prefetched loads wait behind each add; relaxed adds (`sem="relaxed"`) took the two kernels from 1.35 to 0.88 ms at the first shape and from 2.20 to 1.57 ms at the second. The slots replaced them for reproducibility.
+# - Before the slots, $\partial\mathcal J/\partial \ell$ (the row and column sums of the first form above) gathered atomic adds. `tl.atomic_add` defaults to acquire-release order, which makes every add a fence (the program's other memory operations may not be moved across it), so the head loop's prefetched loads wait behind each add; relaxed adds (`sem="relaxed"`) took the two kernels from 1.35 to 0.88 ms at the first shape and from 2.20 to 1.57 ms at the second. The slots replaced them for reproducibility.
 # ```
 
 # %% [markdown]
@@ -474,51 +486,57 @@ check("chunk_scan_dx_simple = d(diagonal blocks)/dx", chunk_scan_dx_simple(simpl
        dx_diagonal, tolerance(torch.float32))
 
 # %% [markdown]
-# The production $dx$ kernel adds the state term $e^{\ell_{\text{last}} - \ell_s} dS_c B_s$, the skip and the direct part of $d\Delta$ to this loop. The $dCB$ kernel: one $(t, s)$ tile per program, looping over the heads of the group; each head's row and column sums of $CB \odot dCB^{(h)}$ go to slots of their own. In three pieces:
+# The production $dx$ kernel adds the state term $e^{\ell_{\text{last}} - \ell_s} dS_c B_s$, the skip and the direct part of $d\Delta$ to this loop. The $dCB$ kernel: one $(t, s)$ tile per program, looping over the heads of the group; each head's sums of $W = CB \odot dCB^{(h)}$ over the pairs that straddle each step go to slots of their own. In three pieces:
 
 # %%
 show_fragment(chunk_scan_bwd_dcb_kernel, "@lean_launch", "pid = tl.program_id(0)")
 
 # %% [markdown]
-# The tuner varies only `HEAD_STAGES`, the depth of the software pipeline of the loop over the heads (the next heads' tiles load while one head computes), and, in one configuration, the warps. The row block `BLOCK_M` is fixed at launch, not tuned: the slots of $\partial\mathcal J/\partial \ell$ are laid out per tile, and every configuration must write the same slots. The second grid axis counts the tiles $(i, j)$ of the chunk (`pid_t`, `pid_s`: row tile $i$ of positions $t$, column tile $j$ of positions $s$), `n_m` by `n_m`. A tile above the diagonal returns at once: $dCB_{ts}$ for $s > t$ is never read.
+# The tuner varies only `HEAD_STAGES`, the depth of the software pipeline of the loop over the heads (the next heads' tiles load while one head computes), and, in one configuration, the warps. The row block `BLOCK_M` is fixed at launch, not tuned: the slots of the step gradients are laid out per tile, and every configuration must write the same slots. The second grid axis counts the tiles $(i, j)$ of the chunk (`pid_t`, `pid_s`: row tile $i$ of positions $t$, column tile $j$ of positions $s$), `n_m` by `n_m`. A tile above the diagonal returns at once: $dCB_{ts}$ for $s > t$ is never read.
 
 # %%
 show_fragment(chunk_scan_bwd_dcb_kernel, "pid = tl.program_id(0)", "dCB = tl.zeros")
 
 # %% [markdown]
-# The first grid axis counts (batch, chunk, group). `mt` and `ms` are the tile's rows and columns, counted from the chunk's start. One program covers all of headdim (`BLOCK_P` $\ge P$; the public function accepts $P \le 128$). `keep` marks the entries that enter the gradient: on or below the diagonal, both positions inside the sequence, and with `seq_idx` both in the same sequence. The $CB$ tile is the same for every head of the group, so it is loaded once, before the head loop, with zeros where `keep` is false. `off_diagonal` is the test `pid_t > pid_s` as a vector, because it serves as a mask in a store below.
+# The first grid axis counts (batch, chunk, group). `mt` and `ms` are the tile's rows and columns, counted from the chunk's start. One program covers all of headdim (`BLOCK_P` $\ge P$; the public function accepts $P \le 128$). `keep` marks the entries that enter the gradient: on or below the diagonal, both positions inside the sequence, and with `seq_idx` both in the same sequence. The $CB$ tile is the same for every head of the group, so it is loaded once, before the head loop, with zeros where `keep` is false. `off_diagonal` is the test `pid_t > pid_s` as a vector, because it serves as a mask in a store below; `strictly_below` marks the rows that count for a step in the column block (below).
 
 # %%
 show_fragment(chunk_scan_bwd_dcb_kernel, "dCB = tl.zeros")
 
 # %% [markdown]
-# The loop over the heads of the group. For head $h$ it loads $dy_t$ (rows $t$) and $x_s^\top$ (columns $s$), and one `mm` gives the products $dy_t \cdot x_s$; times the decay and $\Delta_s$ they make that head's term $\Gamma_{ts} \Delta_s (dy_t \cdot x_s)$. The exponent is set to $-\infty$ before `tl.exp` wherever `keep` is false, so the entries above the diagonal, where $\ell_t - \ell_s > 0$, cannot overflow. The terms of all heads add up in `dCB`. Times $CB$, a head's term, $W = CB \odot dCB^{(h)}$, is that head's share of $\partial\mathcal J/\partial \ell$: its row sums go to $\ell_t$, its column sums, negated, to $\ell_s$. They are stored, not added: the row sums of tile $(i, j)$ into slot $j$ of the rows' positions, the column sums into slot $i$ of the columns' positions, and on a diagonal tile, where rows and columns are the same positions, their difference into slot $i$. So each slot of each position is written by exactly one program, and `dt_backward_kernel` adds the slots in a fixed order. `dCB` itself is stored once, after the last head.
+# The loop over the heads of the group. For head $h$ it loads $dy_t$ (rows $t$) and $x_s^\top$ (columns $s$), and one `mm` gives the products $dy_t \cdot x_s$; times the decay and $\Delta_s$ they make that head's term $\Gamma_{ts} \Delta_s (dy_t \cdot x_s)$. The exponent is set to $-\infty$ before `tl.exp` wherever `keep` is false, so the entries above the diagonal, where $\ell_t - \ell_s > 0$, cannot overflow. The terms of all heads add up in `dCB`. Times $CB$, a head's term gives $W$, and the tile $(i, j)$ (row block $i$, column block $j$) stores its sums over the pairs that straddle each step $k$:
+#
+# - $k$ in the column block $j$: the pairs with $s < k$ and $t \ge k$. With $u = k - 1$, `tl.cumsum(W, axis=1)` holds $\sum_{s \le u} W_{ts}$ in column $u$, and the rows that count are all of them on a tile left of the diagonal ($t \ge k$ always) and those with $t > u$ on the diagonal tile (`strictly_below`). The sum over those rows belongs to $k = u + 1$, so it is stored one position on, and the block's first position, which no pair of this tile straddles, gets 0. Slot $i$.
+# - $k$ in the row block $i$ of a tile left of the diagonal: every column has $s < k$, so it is the row sums summed over $t \ge k$, a reverse `tl.cumsum`. Slot $j$.
+# - $k$ in a block strictly between $j$ and $i$: all the tile's pairs, which is what slot $j$ holds at the first position of block $i$; `dt_backward_kernel` reads it from there.
+#
+# So each slot of each position is written by exactly one program, and `dt_backward_kernel` adds the slots in a fixed order. `dCB` itself is stored once, after the last head.
 #
 # The $dB\,dC$ kernel, in five pieces. First its arguments and the rows it owns:
 
 # %%
-show_fragment(chunk_scan_bwd_dbc_kernel, "def chunk_scan_bwd_dbc_kernel(", "# this program's slots of d a")
+show_fragment(chunk_scan_bwd_dbc_kernel, "def chunk_scan_bwd_dbc_kernel(", "# this program's slots of the step gradients")
 
 # %% [markdown]
 # The first grid axis counts (batch, chunk, group), the second the pairs (block of rows, block of dstate): a program owns rows $r$ of one chunk and group and `BLOCK_N` columns of dstate. It loads $B_r$ and $C_r$ once, in float32, for all the heads of the group; rows past the end of the sequence load as zeros and are never stored. With `seq_idx`, `seq_r`, `seq_last` and `seq_carry` are the sequences of the rows, of the chunk's last position and of the state carried into the chunk, as in the forward kernels.
 
 # %%
-show_fragment(chunk_scan_bwd_dbc_kernel, "# this program's slots of d a", "for i in range(heads_per_group):")
+show_fragment(chunk_scan_bwd_dbc_kernel, "# this program's slots of the step gradients", "for i in range(heads_per_group):")
 
 # %% [markdown]
-# The slots of $\partial\mathcal J/\partial \ell$ that this program writes: one per row and per `SLOT_N` columns of dstate, `SLOT_N` being the narrowest block the tuner tries. A program whose block spans several slots writes each of them, so every configuration writes the same slots and none keeps a stale value from a trial run of another configuration. `row_groups` numbers the program's groups of 16 rows, for the sums stored in `to_end` below. `dB` and `dC` accumulate in float32, over the heads of the group and then over the diagonal block.
+# The slots of the step gradients that this program writes: one per row and per `SLOT_N` columns of dstate, `SLOT_N` being the narrowest block the tuner tries. A program whose block spans several slots writes each of them, so every configuration writes the same slots and none keeps a stale value from a trial run of another configuration. `dB` and `dC` accumulate in float32, over the heads of the group and then over the diagonal block.
 
 # %%
-show_fragment(chunk_scan_bwd_dbc_kernel, "for i in range(heads_per_group):", "# the state term's a_last(c) - a_r")
+show_fragment(chunk_scan_bwd_dbc_kernel, "for i in range(heads_per_group):", "# the state terms' shares")
 
 # %% [markdown]
 # Head by head, the state terms. The first term of $dC^{(h)}_r$, $e^{\ell_r} dy_r H_c$, is one `mm` of the $dy$ tile with the tile of $H_c$; the first term of $dB^{(h)}_r$, $e^{\ell_{\text{last}} - \ell_r}\Delta_r\, x_r\, dS_c$, one `mm` of the $x$ tile with the tile of $dS_c$; each is scaled row by row afterwards. With `seq_idx`, a row of another sequence than the carried state's gets nothing from $H_c$, and a row of another sequence than the chunk's last position (or of padding, id $< 0$) nothing from $dS_c$.
 
 # %%
-show_fragment(chunk_scan_bwd_dbc_kernel, "# the state term's a_last(c) - a_r", "# diagonal blocks, once per group")
+show_fragment(chunk_scan_bwd_dbc_kernel, "# the state terms' shares", "# diagonal blocks, once per group")
 
 # %% [markdown]
-# Each head's share of $\partial\mathcal J/\partial \ell_r$ from the state terms, $C_r \cdot (e^{\ell_r} dy_r H_c) - B_r \cdot (e^{\ell_{\text{last}} - \ell_r}\Delta_r\, x_r\, dS_c)$, summed over each slot's `SLOT_N` columns and stored in this program's slot. The subtracted part is also summed over every 16 rows into `to_end`, which `dt_backward` adds at the chunk's last slot: the rounding trick above, the very numbers subtracted at each $r$ added back. The programs of the first row block also store, per slot, the carry's $\langle dS_c, \gamma_c H_c\rangle$ from the tiles of $H_c$ and $dS_c$ they loaded anyway. Then the head's terms join the group's sums `dC` and `dB`.
+# Each head's state terms of the step gradients, $C_r \cdot (e^{\ell_r} dy_r H_c)$ (`from_start`) and $B_r \cdot (e^{\ell_{\text{last}} - \ell_r}\Delta_r\, x_r\, dS_c)$ (`to_end`), summed over each slot's `SLOT_N` columns and stored in this program's slots, apart: `dt_backward` sums the first over $r \ge k$ and the second over $r < k$. The programs of the first row block also store, per slot, the carry's $\langle dS_c, \gamma_c H_c\rangle$ from the tiles of $H_c$ and $dS_c$ they loaded anyway. Then the head's terms join the group's sums `dC` and `dB`.
 
 # %%
 show_fragment(chunk_scan_bwd_dbc_kernel, "# diagonal blocks, once per group")
@@ -526,7 +544,19 @@ show_fragment(chunk_scan_bwd_dbc_kernel, "# diagonal blocks, once per group")
 # %% [markdown]
 # Last the diagonal-block products, once per group: $dC_r \mathrel{+}= \sum_{s \le r} dCB_{rs} B_s$ and $dB_r \mathrel{+}= \sum_{t \ge r} dCB_{tr} C_t$. The loop walks the chunk in steps of `BLOCK_K` positions $u$ and reads each tile of $dCB$ in the orientation it needs: the tiles up to the row block's diagonal as $dCB_{ru}$, times $B_u$, into `dC`; the tiles from the diagonal on, transposed, as $dCB_{ur}$, times $C_u$, into `dB`. The selects zero the entries of the other triangle and past the end of the sequence. Then `dB` and `dC` are rounded to the inputs' dtype and stored.
 #
-# And the step gradients: `dt_backward_kernel` adds the slots in a fixed order, reverse-sums $\partial\mathcal J/\partial \ell$ inside the chunk and goes back through the clamp, softplus and bias:
+# And the step gradients: `dt_backward_kernel` adds the slots in a fixed order, sums the state terms over their ranges inside the chunk (a reverse cumulative sum for `from_start`, a forward one of the terms shifted one position on for `to_end`) and goes back through the clamp, softplus and bias:
+
+# %%
+show_source(log_decay_step_gradient)
+
+# %% [markdown]
+# The tiles that straddle a whole row block, $(i, j)$ with $j < b < i$, are read from the slot where their $dCB$ program left their total; at chunk 256 with row blocks of 64 there are three of them per head and chunk:
+
+# %%
+show_source(spanned_tiles)
+
+# %% [markdown]
+# The kernel itself gathers, then finishes through `step_gradients` (the clamp, softplus and bias, and this program's partial sums of $dA$ and $d\,\mathrm{dt\_bias}$):
 
 # %%
 show_source(dt_backward_kernel)
@@ -551,9 +581,9 @@ for name, err in errors.items():  # assert_gradients_close has raised if any err
     print(f"grad {name}: rel err {err:.1e} < {bound:.0e}")
 
 # %% [markdown]
-# ### The reverse cumulative sum: flipped or in the kernel
+# ### The cumulative sums: in PyTorch or in the kernel
 #
-# The reverse cumsum can be done in PyTorch, `flip(cumsum(flip(d_a)))`, which launches three kernels and writes two temporaries of the size of $\Delta$, or inside `dt_backward_kernel`, where the chunk's values are already in registers: `tl.associative_scan(..., reverse=True)`. The first is the foil in `mamba_annotated/ssd/teaching.py` (`ssd_backward_flip`); both give the same gradients:
+# The sums over $r \ge k$ and $r < k$ can be done in PyTorch, `flip(cumsum(flip(...)))` and a `cumsum` of the terms shifted one position on, which launch several kernels and write temporaries of the size of $\Delta$, or inside `dt_backward_kernel`, where the chunk's values are already in registers: `tl.associative_scan`, reversed for the first. The first is the foil in `mamba_annotated/ssd/teaching.py` (`ssd_backward_flip`); both give the same gradients:
 
 # %%
 inp = make_inputs()
@@ -562,7 +592,7 @@ dy = randn(*inp["x"].shape)
 
 def backward_of(inp, dy, chunk_size, how):
     """The backward pass after the forward pass that saves what it needs (dt_softplus, no z):
-    ssd_backward, or the foil from ssd/teaching.py that reverse-sums d a by flipping."""
+    ssd_backward, or the foil from ssd/teaching.py that does the step gradients' sums in PyTorch."""
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
     saved = ssd_forward(*args, chunk_size, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True).saved
     backward = ssd_backward if how == "kernel" else ssd_backward_flip
@@ -571,7 +601,7 @@ def backward_of(inp, dy, chunk_size, how):
 
 grads = {how: backward_of(inp, dy, chunk, how)() for how in ("kernel", "flip")}
 for name in ("dt", "A", "dt_bias"):
-    check(f"in-kernel vs flip reverse cumsum: grad {name}", grads["kernel"][name], grads["flip"][name], 1e-6)
+    check(f"in-kernel vs PyTorch cumulative sums: grad {name}", grads["kernel"][name], grads["flip"][name], 1e-6)
 
 # %% [markdown]
 # Timed alone and inside the whole backward pass, on the machine that runs the cell (it prints its device; `benchmarks/bench_ssd.py` times the same two at the benchmark shapes):
@@ -585,10 +615,10 @@ big.pop("z"), big.pop("initial_states")
 dy = randn(*big["x"].shape, dtype=big["x"].dtype)
 saved_b = ssd_forward(big["x"], big["dt"], big["A"], big["B"], big["C"], chunk_t, D=big["D"], dt_bias=big["dt_bias"],
                       dt_softplus=True).saved
-_, decay = chunk_gradients(dy, big["x"], big["B"], big["C"], saved_b, D=big["D"])  # d a, in its slots
+_, decay = chunk_gradients(dy, big["x"], big["B"], big["C"], saved_b, D=big["D"])  # the step gradients' slots
 rows = []
 for how, step_backward in (("kernel", dt_backward), ("flip", dt_backward_flip)):
-    rows.append(dict(reverse_cumsum=how,
+    rows.append(dict(cumulative_sums=how,
                      alone_ms=median_ms(lambda: step_backward(big["dt"], big["A"], saved_b.dt_out, decay,
                                                               dt_bias=big["dt_bias"], dt_softplus=True)),
                      whole_backward_ms=median_ms(backward_of(big, dy, chunk_t, how))))
@@ -662,7 +692,7 @@ else:
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels, and four backward ones beside the forward's chunk-state and state-passing kernels run again on gradients, implement it, each checked against a float64 reference; the gradient of the decays reduces to $C \cdot dC - B \cdot dB$ followed by a reverse cumulative sum.
+# Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels, and four backward ones beside the forward's chunk-state and state-passing kernels run again on gradients, implement it, each checked against a float64 reference; the gradient of the decays is $C \cdot dC - B \cdot dB$ reverse-summed, which the kernels compute as sums over the pairs and rows that straddle each step, so that nothing large cancels.
 #
 # [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional ({term}`quasiseparable`) SSMs of Hydra and Bi-Mamba2, both directions computed on one grid of chunks by one fused pipeline.
 #

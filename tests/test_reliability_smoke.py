@@ -22,6 +22,7 @@ import sweep  # noqa: E402
 
 from mamba_annotated import linear_scan  # noqa: E402
 from mamba_annotated.attention.reference import attention_ref  # noqa: E402
+from mamba_annotated.runtime import INTERPRETED  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU box only)")
 
@@ -132,17 +133,24 @@ def test_the_gpu_sweeps_false_failures_stay_fixed():
         assert not verdict.failures and not verdict.unjudged
 
 
-# Minimal cases of the second GPU sweep (H100) that fail in the interpreter too. Both are the sums
-# over every position, dA and d dt_bias: the float32 one grows with the chunk (dA 4.8e-5 at chunk
-# 64, 1.6e-4 at 256; dx 5e-7 and 1.4e-6), and at chunk 256 the bfloat16 dA of another case was 16x
-# mamba_ssm's error. Open defects: strict xfails, so a fix shows as an unexpected pass.
-OPEN_SUM_CASES = {
+# Minimal cases of the second GPU sweep (H100) that failed in the interpreter too, both in the sums
+# over every position, dA and d dt_bias. SSD's grew with the chunk (dA 4.8e-5 at chunk 64, 1.6e-4 at
+# 256) while dx stayed at 1e-6: its step gradients were a reverse cumulative sum of d a_t = C.dC - B.dB,
+# where the pairs on both sides of a step cancel; summed over the straddling pairs only (ssd/
+# chunk_scan_bwd.py), dA is 1.5e-5 off here in the interpreter. The GPU draws other inputs from the
+# same seed: there dA went from 2.8e-5 to 9.8e-7 and d dt_bias from 5.0e-4 to 1.3e-4 (H100), still
+# past its bound, for a cause not yet found (dt's own gradient is 4e-6 off, the same before and after).
+FIXED_SUM_CASES = {
     "ssd_float32_chunk256": ("ssd_chunk_scan", 765, dict(
         dims=dict(L=362, batch=1, chunk=256, dstate=3, groups=1, headdim=7, heads=2), dtype="float32",
         layouts=dict(A="contiguous", B="contiguous", C="expanded", D="offset", dt="contiguous",
                      initial_states="expanded", x="transposed", z="transposed"),
         opts=dict(D=None, cuts=[273], dt_bias=True, dt_dtype="float32", dt_limit=None, dt_softplus=True,
                   initial_states=True, packing="seq_idx", return_final_states=False, z=True))),
+}
+# The bidirectional op's decay gradients are still formed as that difference: open, a strict xfail,
+# so a fix shows as an unexpected pass.
+OPEN_SUM_CASES = {
     "bidirectional_bfloat16_varlen": ("bidirectional_chunk_scan", 500, dict(
         dims=dict(L=249, batch=1, chunk=64, dstate=1, groups=1, headdim=5, heads=3), dtype="bfloat16",
         layouts=dict(A="contiguous", B="transposed", B_rev="contiguous", C="transposed", C_rev="contiguous",
@@ -153,10 +161,14 @@ OPEN_SUM_CASES = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 14): dA, d dt_bias past their bounds at these cases")
-@pytest.mark.parametrize("case", OPEN_SUM_CASES)
-def test_open_sweep_cases_of_the_sums_over_positions(case):
-    name, seed, params = OPEN_SUM_CASES[case]
+OPEN = pytest.mark.xfail(strict=True, reason="open (issue 14): d dt_bias past its bound at this case")
+OPEN_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): d dt_bias 1.3e-4 on the GPU")
+
+
+@pytest.mark.parametrize("case", [*(pytest.param(c, marks=OPEN_ON_GPU) for c in FIXED_SUM_CASES),
+                                  *(pytest.param(c, marks=OPEN) for c in OPEN_SUM_CASES)])
+def test_sweep_cases_of_the_sums_over_positions(case):
+    name, seed, params = {**FIXED_SUM_CASES, **OPEN_SUM_CASES}[case]
     failures = cases.run_case(cases.OPS[name], params, seed).failures
     assert not failures, failures
 

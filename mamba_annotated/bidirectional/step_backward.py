@@ -19,26 +19,9 @@ import triton
 import triton.language as tl
 
 from ..launch import lean_launch
-from ..ssd.chunk_cumsum import BLOCK_H, add, step_gradient_buffers, step_gradients
+from ..ssd.chunk_cumsum import BLOCK_H, add, carry_sum, slot_sum, step_gradient_buffers, step_gradients
 from ..triton_ops import cdiv
 from .chunk_scan_bwd import COLUMN, COLUMN_REV, DIRECT, DIRECT_REV, ROW, ROW_REV, STATE_COLUMN, STATE_COLUMN_REV
-
-
-@triton.jit
-def slot_sum(ptr, chunk, k, h_ok, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The sum over SLOTS per-position slots, in slot order: (BLOCK_H, CHUNK)."""
-    total = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    for j in range(SLOTS):
-        total += tl.load(ptr + (chunk[:, None] * SLOTS + j) * CHUNK + k[None, :], mask=h_ok[:, None], other=0.0)
-    return total
-
-
-@triton.jit
-def carry_sum(ptr, chunk, h_ok, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr):
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(SLOTS):
-        total += tl.load(ptr + chunk * SLOTS + j, mask=h_ok, other=0.0)
-    return total
 
 
 @triton.jit
@@ -66,18 +49,18 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
     row_mask = h_ok[:, None]
     d_step = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
     if FORWARD:
-        d_r = (slot_sum(row_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H)
-               + slot_sum(state_ptr, chunk, k, h_ok, SLOTS, CHUNK, BLOCK_H))
+        d_r = (slot_sum(row_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H)
+               + slot_sum(state_ptr, chunk, k, row_mask, SLOTS, CHUNK, BLOCK_H))
         state_column = tl.load(state_column_ptr + position, mask=row_mask, other=0.0)
         # exp(a_last - a_s) of the chunk states: what a_s gets, a_last gets negated
         last = carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H) - tl.sum(state_column, axis=1)
-        d_a = slot_sum(column_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H) + state_column + d_r
+        d_a = slot_sum(column_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H) + state_column + d_r
         d_step += reverse_cumsum_with_last(d_a, last, k, CHUNK) - SHIFT * d_r
     if REVERSE:
         d_e = (tl.load(state_column_rev_ptr + position, mask=row_mask, other=0.0)
-               + slot_sum(column_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
-        d_rho_state = slot_sum(state_rev_ptr, chunk, k, h_ok, SLOTS, CHUNK, BLOCK_H)
-        d_rho = slot_sum(row_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H) + d_rho_state
+               + slot_sum(column_rev_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H))
+        d_rho_state = slot_sum(state_rev_ptr, chunk, k, row_mask, SLOTS, CHUNK, BLOCK_H)
+        d_rho = slot_sum(row_rev_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H) + d_rho_state
         # exp(b_last - rho_t) of the state from the right: what rho_t gets, b_last gets negated
         last = carry_sum(carry_rev_ptr, chunk, h_ok, SLOTS, BLOCK_H) - tl.sum(d_rho_state, axis=1)
         d_step += reverse_cumsum_with_last(d_e + d_rho, last, k, CHUNK) - d_e - (1 - SHIFT) * d_rho

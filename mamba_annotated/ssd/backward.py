@@ -9,8 +9,9 @@ them would allocate.
 1. dH_c: what chunk c's outputs send to the state entering it (chunk_state, FROM_START);
 2. state passing, reversed: dS_c (in the inputs' dtype: the matmuls that read it round it to that)
    and d initial_states;
-3. dx and the direct d dt (chunk_scan_bwd_dx); dB, dC and d a_t in slots (chunk_scan_bwd_dbc);
-4. d a_t -> d dt, dA, d dt_bias through a reverse cumulative sum (dt_backward).
+3. dx and the direct d dt (chunk_scan_bwd_dx); dB, dC and the step gradients' terms in slots
+   (chunk_scan_bwd_dbc);
+4. the slots -> d(dt' A) through in-register cumulative sums -> d dt, dA, d dt_bias (dt_backward).
 
 No step adds with atomics, so the gradients are the same bits on every run
 (:mod:`.chunk_scan_bwd` says how).

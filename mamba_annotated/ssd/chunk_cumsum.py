@@ -8,19 +8,20 @@ Algorithm
     slot always holds the decay of the whole chunk. The softplus is the identity past 20 (as in
     torch and mamba_ssm) and accurate to float32 rounding below (:func:`..triton_ops.softplus`):
     a step of 1e-5 is 1e-5, not 1e-5 give or take 6e-3 of it.
-    The backward twin (:func:`dt_backward`) first gathers d a_t from the partial sums that the
-    backward kernels left in slots of their own (:class:`.chunk_scan_bwd.DecayGradients`), adding
-    the slots in a fixed order, then turns d a_t into d dt'_k = A_h * sum_{t >= k} d a_t (a reverse
-    cumulative sum, done in registers), adds the direct d dt', and pulls it back through the
-    clamp (zero outside the limits, as mamba_ssm), the softplus (times the sigmoid) and the bias.
+    The backward twin (:func:`dt_backward`) first gathers d(dt'_k A) from the partial sums that
+    the backward kernels left in slots of their own (:class:`.chunk_scan_bwd.DecayGradients`),
+    adding the slots in a fixed order, the state terms through a reverse and a forward cumulative
+    sum in registers (:mod:`.chunk_scan_bwd` says why not one reverse sum of d a_t), then forms
+    d dt'_k = A_h * d(dt'_k A), adds the direct d dt', and pulls it back through the clamp (zero
+    outside the limits, as mamba_ssm), the softplus (times the sigmoid) and the bias.
 
 Shapes: dt (batch, L, heads) any float dtype and any strides; A, dt_bias (heads,). Outputs dA_cumsum
 and dt_out, both (batch, heads, chunks, Q) float32; d dt (batch, L, heads) contiguous, in dt's
 dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
 
 Bytes moved: reads batch*L*heads dt elements, writes 2 float32 values per element; negligible
-next to x, B, C (headdim and dstate times larger). The backward reads the partial slots of d a:
-(Q / 64 + dstate / 64 + a little) float32 values per element of dt at chunk 256.
+next to x, B, C (headdim and dstate times larger). The backward reads the partial slots of d(dt' A):
+(Q / 64 + 2 dstate / 64 + a little) float32 values per element of dt at chunk 256.
 """
 import torch
 import triton
@@ -78,24 +79,55 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
 
 
 @triton.jit
-def decay_gradient(diag_ptr, state_ptr, to_end_ptr, carry_ptr, chunk, h_ok,
-                   DIAG_SLOTS: tl.constexpr, STATE_SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """d a_t of the chunks ``chunk`` (BLOCK_H of them, one per head), (BLOCK_H, CHUNK): the slots
-    of :class:`.chunk_scan_bwd.DecayGradients` added in a fixed order, so the result does not
-    depend on which program finished first. The chunk's last slot also gets the sum of the state
-    terms that every position subtracted and the carry's share."""
+def slot_sum(ptr, chunk, positions, mask, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The sum over SLOTS per-position slots of the chunks ``chunk`` (one per head) at CHUNK
+    ``positions``, in slot order: (BLOCK_H, CHUNK), 0 where ``mask`` is false."""
+    total = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    for j in range(SLOTS):
+        total += tl.load(ptr + (chunk[:, None] * SLOTS + j) * CHUNK + positions[None, :], mask=mask, other=0.0)
+    return total
+
+
+@triton.jit
+def carry_sum(ptr, chunk, h_ok, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The sum over SLOTS per-chunk slots, in slot order: (BLOCK_H,)."""
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(SLOTS):
+        total += tl.load(ptr + chunk * SLOTS + j, mask=h_ok, other=0.0)
+    return total
+
+
+@triton.jit
+def spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """For k in row block b: the pairs of the tiles (i, j) with j < b < i, all of which straddle k.
+    A tile's sum over all its pairs is what its slot j holds at the first position of block i."""
+    ROWS: tl.constexpr = CHUNK // TILES
+    block = k // ROWS
+    total = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    for i in tl.static_range(2, TILES):
+        for j in tl.static_range(0, i - 1):
+            tile = tl.load(pairs_ptr + (chunk * TILES + j) * CHUNK + i * ROWS, mask=h_ok, other=0.0)
+            total += tl.where((block[None, :] > j) & (block[None, :] < i), tile[:, None], 0.0)
+    return total
+
+
+@triton.jit
+def log_decay_step_gradient(pairs_ptr, from_start_ptr, to_end_ptr, carry_ptr, chunk, h_ok,
+                            TILES: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """d(dt'_k A) of the chunks ``chunk`` (BLOCK_H of them, one per head), (BLOCK_H, CHUNK), from
+    the slots of :class:`.chunk_scan_bwd.DecayGradients`, each kind summed over its own range of
+    positions (none subtracted from another), the slots added in a fixed order."""
     k = tl.arange(0, CHUNK)
-    d_a = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    for j in range(DIAG_SLOTS):
-        d_a += tl.load(diag_ptr + (chunk[:, None] * DIAG_SLOTS + j) * CHUNK + k[None, :], mask=h_ok[:, None], other=0.0)
-    last = tl.zeros([BLOCK_H], dtype=tl.float32)
-    groups = tl.arange(0, CHUNK // 16)
-    for j in range(STATE_SLOTS):
-        slot = chunk * STATE_SLOTS + j
-        d_a += tl.load(state_ptr + slot[:, None] * CHUNK + k[None, :], mask=h_ok[:, None], other=0.0)
-        to_end = tl.load(to_end_ptr + slot[:, None] * (CHUNK // 16) + groups[None, :], mask=h_ok[:, None], other=0.0)
-        last += tl.sum(to_end, axis=1) + tl.load(carry_ptr + slot, mask=h_ok, other=0.0)
-    return d_a + tl.where(k[None, :] == CHUNK - 1, last[:, None], 0.0)
+    every = h_ok[:, None]
+    pairs = slot_sum(pairs_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H) + spanned_tiles(
+        pairs_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H)
+    # exp(a_r) counts for the steps k <= r: a reverse cumulative sum
+    from_start = tl.associative_scan(slot_sum(from_start_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H), 1, add,
+                                     reverse=True)
+    # exp(a_last - a_r) for the steps k > r: a cumulative sum of the terms shifted one position on
+    to_end = tl.associative_scan(slot_sum(to_end_ptr, chunk, k - 1, every & (k[None, :] >= 1), SLOTS, CHUNK,
+                                          BLOCK_H), 1, add)
+    return pairs + from_start + to_end + carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
 
 
 @triton.jit
@@ -104,7 +136,7 @@ def step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_d
                    stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
                    dt_min, dt_max, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
                    BLOCK_H: tl.constexpr):
-    """From d(dt'_k A) = sum_{t >= k} d a_t (``d_dA``) of one (batch, chunk) and BLOCK_H heads: writes
+    """From d(dt'_k A) (``d_dA``) of one (batch, chunk) and BLOCK_H heads: writes
     d dt (through the clamp, softplus and bias; addressed by d dt's own strides) and this program's
     partial sums of dA and d dt_bias (one slot per (batch, chunk, head), summed afterwards)."""
     t = pid_c * CHUNK + tl.arange(0, CHUNK)
@@ -130,21 +162,20 @@ def step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_d
 
 @lean_launch
 @triton.jit
-def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, diag_ptr, state_ptr, to_end_ptr, carry_ptr,
-                       grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr,
+def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_ptr, from_start_ptr, to_end_ptr,
+                       carry_ptr, grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr,
                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
                        stride_grad_b, stride_grad_l, stride_grad_h, dt_min, dt_max,
-                       HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DIAG_SLOTS: tl.constexpr,
-                       STATE_SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """d a_t gathered from its slots, its reverse cumulative sum in registers, then d dt, and the
+                       HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, TILES: tl.constexpr,
+                       SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """d(dt'_k A) gathered from its slots, with its cumulative sums in registers, then d dt and the
     partial sums of dA and d dt_bias."""
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     chunk = (pid_b * heads + h).to(tl.int64) * n_chunks + pid_c
-    # padded slots past L are read too: the chunk's last slot carries the chunk's totals
-    d_a = decay_gradient(diag_ptr, state_ptr, to_end_ptr, carry_ptr, chunk, h < heads, DIAG_SLOTS, STATE_SLOTS, CHUNK,
-                         BLOCK_H)
-    d_dA = tl.associative_scan(d_a, 1, add, reverse=True)  # d(dt'_k A) = sum_{t >= k} d a_t
+    # padded positions past L are read too: their slots hold zeros
+    d_dA = log_decay_step_gradient(pairs_ptr, from_start_ptr, to_end_ptr, carry_ptr, chunk, h < heads, TILES,
+                                   SLOTS, CHUNK, BLOCK_H)
     step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr, grad_A_part_ptr,
                    grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
                    stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
@@ -179,18 +210,18 @@ def step_gradient_buffers(dt, dt_bias, n_chunks):
 
 def dt_backward(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
     """Gradients (d dt, dA, d dt_bias or None) from ``decay``, the
-    :class:`.chunk_scan_bwd.DecayGradients` of the backward kernels (d a_t in slots, and the
+    :class:`.chunk_scan_bwd.DecayGradients` of the backward kernels (the terms of d(dt' A) in slots, and the
     direct d dt'). d dt has dt's shape and dtype (contiguous); dA and d dt_bias are float32."""
     batch, length, heads = dt.shape
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
     grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     dt_backward_kernel[grid](
-        dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, decay.diag, decay.state,
+        dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, decay.pairs, decay.from_start,
         decay.to_end, decay.carry, grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,
         length, heads, n_chunks, *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
-        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, DIAG_SLOTS=decay.diag.shape[3],
-        STATE_SLOTS=decay.state.shape[3], CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, TILES=decay.pairs.shape[3],
+        SLOTS=decay.from_start.shape[3], CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     grad_A = grad_A_part.sum(dim=(0, 1))
     grad_bias = grad_bias_part.sum(dim=(0, 1)) if dt_bias is not None else None

@@ -1,4 +1,5 @@
-"""Chapter 5, backward kernels: dx, d dt (direct part), dD, dB, dC and d a_t, chunk by chunk.
+"""Chapter 5, backward kernels: dx, d dt (direct part), dD, dB, dC and the step gradients
+d(dt'_k A), chunk by chunk.
 
 Notation: in chunk c of head h, L[t, s] = exp(a_t - a_s) for s <= t in one sequence (else 0),
 dy the gradient of y (before the gate), dS = dS_c the gradient of the chunk state S_c and H = H_c
@@ -10,43 +11,54 @@ dx kernel, for each position s (rows) and all of headdim:
 dCB kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share B and C,
 so their gradients add up):
     dCB[t, s] = sum_h L[t, s] dt_s (dy_t . x_s)            (the gradient of C_t . B_s)
-    and, per head, W = CB * (that head's term): d a_t gets the row sums of W, d a_s the column sums
-    with a minus sign.
+    and, per head, W = CB * (that head's term), its shares of the step gradients (below).
 dBC kernel, for each position r (rows) and a block of dstate:
     dC_r  = sum_h exp(a_r) [r in H's sequence] * dy_r H  +  sum_{s <= r} dCB[r, s] B_s
     dB_r  = sum_h exp(a_last - a_r) dt_r [r in the last sequence] * x_r dS  +  sum_{t >= r} dCB[t, r] C_t
-    and, per head, d a_r gets C_r . (its state term of dC_r) - B_r . (its state term of dB_r).
-Together these give d a_r = C_r . dC_r - B_r . dB_r per head, the heart of the backward pass:
-a_t enters every term as exp(a_t - a_s) with a plus sign for the row t and a minus sign for the
-column s, and summing the terms where t is the row gives C_t . dC_t, those where t is the column
-B_t . dB_t. The chunk's last slot also gets <dS_c, H_{c+1}> = <dS_c, gamma_c H_c> + <dS_c, S_c>
-(H_{c+1} = gamma_c H_c + S_c holds a_last(c) twice: in gamma_c = exp(a_last) and in each term of S_c,
-decayed by exp(a_last - a_s)). The dBC kernel gives both: the first from the tiles of H and dS it
-loads anyway (the programs of the chunk's first rows), the second as the sum of the very state
-terms of B_r . dB_r that it subtracts at each r. Computing <dS_c, S_c> apart, from the states,
-would pair two roundings of one large sum, and their difference would reach every step of the
-chunk through the reverse cumsum (bfloat16 dA had 4-10x mamba_ssm's error that way). Then
-d(dt_k A) = sum_{t >= k} d a_t, a reverse cumsum (:mod:`.chunk_cumsum`).
+    and, per head, the state terms of the step gradients (below) and the carry <dS_c, gamma_c H_c>.
 
-Deterministic: no atomic adds. Each program stores its share of d a in slots of its own
-(:class:`DecayGradients`): the dCB kernel, whose row block is fixed at launch (not tuned), one slot
-per (position, tile of the chunk) — the row sums of tile (i, j) go to slot j of the positions of
-row tile i, the column sums to slot i of those of column tile j, and the diagonal tile stores row
-minus column sums in slot i; the dBC kernel one slot per (position, SLOT_N-wide block of dstate),
-SLOT_N being the narrowest dstate block the tuner tries, so every configuration writes every slot
-(its wider blocks are summed per SLOT_N) and a trial run of another configuration leaves no stale
-value. ``dt_backward`` adds the slots in a fixed order, so the gradients are the same bits on every
-run with the same configurations (the tuner's choice is cached per process).
+The step gradients. a_t = sum_{k <= t} dt'_k A enters every term as exp(a_t - a_s) (a pair t >= s
+of the diagonal block, weight W[t, s]), exp(a_r) (the state entering the chunk, read at r) or
+exp(a_last - a_r) (row r's part of the chunk state). So d(dt'_k A), the gradient of one step,
+collects the terms whose exponent holds that step:
+    d(dt'_k A) = sum_{t >= k > s} W[t, s]                     the pairs that straddle k
+               + sum_{r >= k} C_r . (exp(a_r) dy_r H)          the state entering, read at r >= k
+               + sum_{r < k} B_r . (exp(a_last - a_r) dt_r x_r dS)   row r's share of S_c
+               + <dS_c, gamma_c H_c>                          the carry, gamma_c = exp(a_last)
+Each sum has terms of one sign of the exponent only. Written instead as d a_t = C_t . dC_t - B_t . dB_t
+(+ <dS_c, H_{c+1}> at the last slot) and reverse-summed, the same value comes out as a difference
+of sums over nearly the whole chunk, whose terms near the diagonal are the largest and cancel: in
+float32 dA was 1.6e-4 off at chunk 256 (4.8e-5 at chunk 64), the sum over straddling pairs 1e-7.
+The dCB kernel stores, per tile (i, j) and head, into slots of the pairs tensor (Q / BLOCK_M of
+them per position):
+    k in the column block j: sum over the tile's pairs with s < k (t >= k holds for every row of a
+        tile left of the diagonal; on the diagonal tile only rows t >= k count): slot i, stored one
+        position on from the column u = k - 1 that the in-register cumulative sum ends at;
+    k in the row block i of a tile left of the diagonal: sum over its rows t >= k (slot j);
+    k in a block strictly between j and i: every pair of the tile, which ``dt_backward`` reads from
+        slot j at the first position of block i.
+The dBC kernel stores the two state terms per position r in slots of their own, and ``dt_backward``
+sums them over r >= k and r < k.
+
+Deterministic: no atomic adds. Each program stores its shares in slots of its own
+(:class:`DecayGradients`): the dCB kernel, whose row block is fixed at launch (not tuned), as
+above, so that every slot of every position is written by exactly one program; the dBC kernel one
+slot per (position, SLOT_N-wide block of dstate), SLOT_N being the narrowest dstate block the tuner
+tries, so every configuration writes every slot (its wider blocks are summed per SLOT_N) and a
+trial run of another configuration leaves no stale value. ``dt_backward`` adds the slots in a fixed
+order, so the gradients are the same bits on every run with the same configurations (the tuner's
+choice is cached per process).
 
 Shapes as the forward kernels. Inputs x, dy, B, C are addressed by their own strides (they may be
 views); dx, dB, dC are allocated contiguous and addressed by theirs. Outputs: dx (x's dtype), d dt
 direct (batch, heads, chunks, Q) float32, dCB (batch, chunks, groups, Q, Q) float32 (tiles on or
-below the diagonal), dB, dC (B's shape and dtype), and the slots of d a. H and dS (batch, chunks,
+below the diagonal), dB, dC (B's shape and dtype), and the slots of the step gradients. H and dS (batch, chunks,
 heads, headdim, dstate) come in the inputs' dtype (or the state dtype): the matmuls round them to it.
 Bytes moved: dx reads x, dy, B, CB and dS; dCB reads x and dy once per tile (about (Q/BLOCK + 1)/2
 times, mostly from L2) and writes Q*Q float32 per chunk and group; dBC reads x, dy, H and dS once
-per dstate block, dCB, B and C, and writes dB, dC. The slots of d a are (Q / 64 + dstate / 64)
-float32 values per (position, head) at chunk 256 on a GPU, a fraction of x's size.
+per dstate block, dCB, B and C, and writes dB, dC. The slots of the step gradients are
+(Q / 64 + 2 dstate / 64) float32 values per (position, head) at chunk 256 on a GPU, a fraction of
+x's size.
 """
 from dataclasses import dataclass
 
@@ -64,20 +76,15 @@ from .tuning import autotune, config
 
 @dataclass
 class DecayGradients:
-    """d a_t, the gradient of the cumulative log-decays, as the backward kernels leave it: in
+    """The gradient of the log-decay steps, d(dt'_k A), as the backward kernels leave it: in three
+    kinds of sums that no later step subtracts from one another (see the module docstring), in
     slots that one program each writes (no atomics), added in a fixed order by ``dt_backward``;
     and d dt' direct, from the dx kernel. All float32."""
-    direct: torch.Tensor   # (batch, heads, chunks, Q): d dt' direct
-    diag: torch.Tensor     # (batch, heads, chunks, Q // DCB_ROWS, Q): the dCB kernel's row and column sums
-    state: torch.Tensor    # (batch, heads, chunks, slots, Q): the dBC kernel's C.dC - B.dB state terms
-    to_end: torch.Tensor   # (batch, heads, chunks, slots, Q // 16): sums over 16 rows of the B.dB terms
-    carry: torch.Tensor    # (batch, heads, chunks, slots): <dS_c, gamma_c H_c>
-
-    def total(self):
-        """d a_t itself, (batch, heads, chunks, Q), summed in PyTorch (tests, chapter 5's foil)."""
-        d_a = self.diag.sum(dim=3) + self.state.sum(dim=3)
-        d_a[..., -1] += self.to_end.sum(dim=(3, 4)) + self.carry.sum(dim=3)
-        return d_a
+    direct: torch.Tensor      # (batch, heads, chunks, Q): d dt' direct
+    pairs: torch.Tensor       # (batch, heads, chunks, Q // DCB_ROWS, Q): the dCB kernel's sums over t >= k > s
+    from_start: torch.Tensor  # (batch, heads, chunks, slots, Q): C_r . dC_r state terms, summed over r >= k
+    to_end: torch.Tensor      # (batch, heads, chunks, slots, Q): B_r . dB_r state terms, summed over r < k
+    carry: torch.Tensor       # (batch, heads, chunks, slots): <dS_c, gamma_c H_c>, for every k
 
 
 # Row blocks of at most SCAN_ROWS (the tuner picked 64 rows, steps of 32, on an H200): the loop
@@ -189,7 +196,7 @@ DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at th
            config(HEAD_STAGES=2, num_warps=8, num_stages=2)],
           config(HEAD_STAGES=1), key=["headdim", "CHUNK", "BLOCK_M"])
 @triton.jit
-def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dCB_ptr, diag_ptr,
+def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dCB_ptr, pairs_ptr,
                               length, heads, groups, n_chunks, headdim,
                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                               stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
@@ -197,8 +204,8 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
                               HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_P: tl.constexpr, HEAD_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """dCB[t, s] = sum over the heads of a group of L[t, s] dt_s (dy_t . x_s), one (t, s) tile per
-    program; each head's W = CB * (its term) gives row sums to d a_t and column sums, negated, to
-    d a_s, stored in the slots of that tile (see the module docstring).
+    program; each head's W = CB * (its term) gives the step gradients its sums over the pairs that
+    straddle each step, stored in the slots of that tile (see the module docstring).
 
     The loop over heads is software-pipelined (``tl.range`` stages): the next heads' tiles load
     while this one computes."""
@@ -226,8 +233,10 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         keep &= seq_t[:, None] == seq_s[None, :]
     cb_tile = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK + mt[:, None] * CHUNK + ms[None, :]
     CB = tl.where(keep, tl.load(CB_ptr + cb_tile), 0.0)
-    # on the diagonal tile rows and columns are the same positions: one slot takes both sums
-    off_diagonal = (ms * 0 + pid_t) > pid_s
+    # on the diagonal tile rows and columns are the same positions: the pairs of its lower
+    # triangle straddle k only where t > u = k - 1 (see below)
+    off_diagonal = (mt * 0 + pid_t) > pid_s
+    strictly_below = (mt[:, None] > ms[None, :]) | (pid_t > pid_s)
     dCB = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     for i in tl.range(0, heads_per_group, num_stages=HEAD_STAGES):
         h = g * heads_per_group + i
@@ -242,11 +251,17 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         decay = tl.exp(tl.where(keep, a_t[:, None] - a_s[None, :], float("-inf")))
         term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
         dCB += term
+        # W[t, s] counts for d(dt'_k A) where t >= k > s. With u = k - 1 the column index, the
+        # pairs below row u and left of column u + 1: on the diagonal tile t > u >= s; on a tile
+        # left of the diagonal all its rows (t >= k holds at every k in the column block)
         W = term * CB
-        row_sums, col_sums = tl.sum(W, axis=1), tl.sum(W, axis=0)
-        slots = diag_ptr + chunk_base * n_m
-        tl.store(slots + pid_s * CHUNK + mt, row_sums - tl.where(off_diagonal, 0.0, col_sums))
-        tl.store(slots + pid_t * CHUNK + ms, -col_sums, mask=off_diagonal)
+        below = tl.sum(tl.where(strictly_below, tl.cumsum(W, axis=1), 0.0), axis=0)
+        slots = pairs_ptr + chunk_base * n_m
+        tl.store(slots + pid_t * CHUNK + ms + 1, below, mask=ms + 1 < (pid_s + 1) * BLOCK_M)
+        tl.store(slots + pid_t * CHUNK + pid_s * BLOCK_M, 0.0)
+        # and for k in the row block of a tile left of the diagonal (s < k holds for all its columns)
+        from_row = tl.cumsum(tl.sum(W, axis=1), axis=0, reverse=True)
+        tl.store(slots + pid_s * CHUNK + mt, from_row, mask=off_diagonal)
     tl.store(dCB_ptr + cb_tile, dCB)
 
 
@@ -262,7 +277,7 @@ DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 @autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-                              seq_idx_ptr, dB_ptr, dC_ptr, state_ptr, to_end_ptr, carry_ptr,
+                              seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, carry_ptr,
                               length, heads, groups, n_chunks, headdim, dstate, n_slots,
                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                               stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
@@ -274,8 +289,8 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                               SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
     """dB and dC of rows r: the state terms per head (summed over the group's heads; their shares of
-    d a and the carry's share of d a_last go to this program's slots), then the diagonal-block
-    terms once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
+    the step gradients and the carry go to this program's slots), then the diagonal-block terms
+    once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
@@ -301,11 +316,10 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-    # this program's slots of d a: dstate blocks of SLOT_N, of which BLOCK_N spans BLOCK_N // SLOT_N
+    # this program's slots of the step gradients: dstate blocks of SLOT_N, of which BLOCK_N spans BLOCK_N // SLOT_N
     SLOTS: tl.constexpr = BLOCK_N // SLOT_N
     slot = pid_n * SLOTS + tl.arange(0, SLOTS)
     slot_ok = slot < n_slots
-    row_groups = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
     dB = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dC = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     state_mask = p_ok[:, None] & n_ok[None, :]
@@ -316,11 +330,11 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         state_offs = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
         a_r = tl.load(dA_cumsum_ptr + chunk_base + m)
         a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
-        from_start = tl.exp(a_r)
-        to_end = tl.exp(a_last - a_r) * tl.load(dt_ptr + chunk_base + m)
+        start_decay = tl.exp(a_r)
+        end_decay = tl.exp(a_last - a_r) * tl.load(dt_ptr + chunk_base + m)
         if HAS_SEQ_IDX:
-            from_start = tl.where(seq_r == seq_carry, from_start, 0.0)
-            to_end = tl.where((seq_r == seq_last) & (seq_last >= 0), to_end, 0.0)
+            start_decay = tl.where(seq_r == seq_carry, start_decay, 0.0)
+            end_decay = tl.where((seq_r == seq_last) & (seq_last >= 0), end_decay, 0.0)
         pr_mask = row_ok[:, None] & p_ok[None, :]
         dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
                       + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
@@ -328,16 +342,15 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
                      + p[None, :] * stride_x_p, mask=pr_mask, other=0.0)
         H = tl.load(H_ptr + state_offs, mask=state_mask, other=0.0)
         dS = tl.load(dS_ptr + state_offs, mask=state_mask, other=0.0)
-        dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * from_start[:, None]
-        dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
-        # the state term's a_last(c) - a_r: minus at r, and the same terms plus at the last slot
-        # (their sum, not <dS, S_c>: the two then cancel exactly in the reverse cumsum of d a)
-        plus = tl.sum(tl.reshape(Cr * dC_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
-        minus = tl.sum(tl.reshape(Br * dB_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
-        slot_rows = chunk.to(tl.int64) * n_slots + slot[None, :]
-        tl.store(state_ptr + slot_rows * CHUNK + m[:, None], plus - minus, mask=slot_ok[None, :])
-        minus_by_16 = tl.sum(tl.reshape(minus, (BLOCK_M // 16, 16, SLOTS)), axis=1)
-        tl.store(to_end_ptr + slot_rows * (CHUNK // 16) + row_groups[:, None], minus_by_16, mask=slot_ok[None, :])
+        dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * start_decay[:, None]
+        dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * end_decay[:, None]
+        # the state terms' shares: exp(a_r) counts for every step k <= r, exp(a_last - a_r) for
+        # the steps between r and the chunk's end (k > r): kept apart, each summed over its own range
+        from_start = tl.sum(tl.reshape(Cr * dC_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        to_end = tl.sum(tl.reshape(Br * dB_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
+        tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
+        tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
         # and the carry's <dS_c, gamma_c H_c>, per slot: by the programs of the first rows
         # (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
         if pid_m == 0:
@@ -401,7 +414,7 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=No
 
 def dbc_slot_width():
     """SLOT_N: the narrowest dstate block the dBC kernel's tuner tries (each wider one is a
-    multiple of it), so every configuration writes the same slots of d a."""
+    multiple of it), so every configuration writes the same slots."""
     widths = [c.kwargs["BLOCK_N"] for c in chunk_scan_bwd_dbc_kernel.configs]
     narrowest = min(widths)
     if any(w % narrowest for w in widths):
@@ -410,8 +423,8 @@ def dbc_slot_width():
 
 
 def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq_idx=None):
-    """Returns dB, dC (B's shape and dtype, contiguous) and the slots of d a: (diag, state, to_end,
-    carry) of :class:`DecayGradients`.
+    """Returns dB, dC (B's shape and dtype, contiguous) and the slots of d(dt' A): (pairs, from_start,
+    to_end, carry) of :class:`DecayGradients`.
 
     states_in: H_c, the states entering each chunk; dS: their gradients (both contiguous, in the
     inputs' dtype or float32). x, dy, B, C and seq_idx are addressed by their own strides."""
@@ -422,26 +435,26 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
     rows = min(DCB_ROWS, chunk_size)
     dCB = outputs.empty(CB.shape, torch.float32, x.device)
-    diag = outputs.empty((batch, heads, n_chunks, chunk_size // rows, chunk_size), torch.float32, x.device)
+    pairs = outputs.empty((batch, heads, n_chunks, chunk_size // rows, chunk_size), torch.float32, x.device)
     chunk_scan_bwd_dcb_kernel[(batch * n_chunks * groups, (chunk_size // rows) ** 2)](
-        x, dy, CB, dA_cumsum, dt_out, *seq_args, dCB, diag, length, heads, groups, n_chunks, headdim,
+        x, dy, CB, dA_cumsum, dt_out, *seq_args, dCB, pairs, length, heads, groups, n_chunks, headdim,
         *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size,
         BLOCK_M=rows, BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
     )
     slot_n = dbc_slot_width()
     n_slots = cdiv(dstate, slot_n)
-    state = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size), torch.float32, x.device)
-    to_end = outputs.empty((batch, heads, n_chunks, n_slots, chunk_size // 16), torch.float32, x.device)
+    from_start, to_end = (outputs.empty((batch, heads, n_chunks, n_slots, chunk_size), torch.float32, x.device)
+                          for _ in range(2))
     carry = outputs.empty((batch, heads, n_chunks, n_slots), torch.float32, x.device)
     dB = outputs.empty(B.shape, B.dtype, B.device)
     dC = outputs.empty(B.shape, C.dtype, C.device)
     grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
                          (chunk_size // META["BLOCK_M"]) * cdiv(dstate, META["BLOCK_N"]))
     chunk_scan_bwd_dbc_kernel[grid](
-        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, state, to_end, carry,
+        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end, carry,
         length, heads, groups, n_chunks, headdim, dstate, n_slots,
         *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides,
         HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
         SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
     )
-    return dB, dC, (diag, state, to_end, carry)
+    return dB, dC, (pairs, from_start, to_end, carry)

@@ -1,12 +1,13 @@
-"""Chapter 5's foil: the reverse cumulative sum of d a done in PyTorch, the way it first suggests
-itself. Teaching only: the production path (:func:`.chunk_cumsum.dt_backward`) does the sum in
-the registers of the kernel that already holds the chunk, and carries no option for this one.
+"""Chapter 5's foil: the cumulative sums of d(dt'_k A) done in PyTorch, the way they first suggest
+themselves. Teaching only: the production path (:func:`.chunk_cumsum.dt_backward`) does the sums
+in the registers of the kernel that already holds the chunk, and carries no option for this one.
 
-    d(dt'_k A) = sum_{t >= k} d a_t = flip(cumsum(flip(d a)))
+    sum_{r >= k} (state terms from the start) = flip(cumsum(flip(...)))
+    sum_{r < k}  (state terms to the end)     = cumsum of the terms shifted one position on
 
-costs three launches and two temporaries the size of dt, besides adding up d a's slots apart.
-The kernel below then takes the cumulative sums from memory and finishes exactly as the
-production kernel does (the same :func:`.chunk_cumsum.step_gradients`).
+cost a few launches and temporaries the size of dt each, besides adding up the slots apart. The
+kernel below then takes d(dt' A) from memory and finishes exactly as the production kernel does
+(the same :func:`.chunk_cumsum.step_gradients`).
 """
 import math
 
@@ -22,6 +23,26 @@ from .chunk_cumsum import BLOCK_H, step_gradient_buffers, step_gradients
 def reverse_cumsum_by_flip(d_a):
     """sum_{t >= k} d a_t along the last dimension, by flipping twice around a cumsum."""
     return torch.flip(torch.cumsum(torch.flip(d_a, dims=[-1]), dim=-1), dims=[-1])
+
+
+def spanned_tile_sums(pairs):
+    """For k in row block b, the sums of the tiles (i, j) with j < b < i (tile (i, j)'s sum is its
+    slot j at the first position of block i): (batch, heads, chunks, Q)."""
+    tiles, chunk_size = pairs.shape[3], pairs.shape[4]
+    rows = chunk_size // tiles
+    tile_sums = pairs[..., ::rows]                                    # (..., j, i)
+    block = torch.arange(tiles, device=pairs.device)
+    spans = (block[:, None, None] < block[None, None, :]) & (block[None, None, :] < block[None, :, None])
+    per_block = torch.einsum("...ji,jib->...b", tile_sums, spans.to(pairs.dtype))  # spans[j, i, b]: j < b < i
+    return per_block.repeat_interleave(rows, dim=-1)
+
+
+def step_gradient_in_torch(decay):
+    """d(dt'_k A) from the slots of :class:`.chunk_scan_bwd.DecayGradients`, in PyTorch."""
+    to_end = decay.to_end.sum(dim=3)
+    before_k = torch.cumsum(torch.nn.functional.pad(to_end[..., :-1], (1, 0)), dim=-1)
+    return (decay.pairs.sum(dim=3) + spanned_tile_sums(decay.pairs)
+            + reverse_cumsum_by_flip(decay.from_start.sum(dim=3)) + before_k + decay.carry.sum(dim=3)[..., None])
 
 
 @triton.jit
@@ -42,10 +63,10 @@ def dt_backward_from_cumulative_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, dire
 
 
 def dt_backward_flip(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
-    """:func:`.chunk_cumsum.dt_backward` with the slots of d a added and reverse-summed in PyTorch."""
+    """:func:`.chunk_cumsum.dt_backward` with the slots added and summed in PyTorch."""
     batch, length, heads = dt.shape
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
-    d_dA = reverse_cumsum_by_flip(decay.total())
+    d_dA = step_gradient_in_torch(decay)
     grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
     dt_backward_from_cumulative_kernel[(batch, n_chunks, cdiv(heads, BLOCK_H))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, decay.direct, d_dA,
