@@ -498,7 +498,7 @@ show_fragment(chunk_scan_bwd_dcb_kernel, "@lean_launch", "pid = tl.program_id(0)
 show_fragment(chunk_scan_bwd_dcb_kernel, "pid = tl.program_id(0)", "dCB = tl.zeros")
 
 # %% [markdown]
-# The first grid axis counts (batch, chunk, group). `mt` and `ms` are the tile's rows and columns, counted from the chunk's start. One program covers all of headdim (`BLOCK_P` $\ge P$; the public function accepts $P \le 128$). `keep` marks the entries that enter the gradient: on or below the diagonal, both positions inside the sequence, and with `seq_idx` both in the same sequence. The $CB$ tile is the same for every head of the group, so it is loaded once, before the head loop, with zeros where `keep` is false. `off_diagonal` is the test `pid_t > pid_s` as a vector, because it serves as a mask in a store below; `strictly_below` marks the rows that count for a step in the column block (below).
+# The first grid axis counts (batch, chunk, group). `mt` and `ms` are the tile's rows and columns, counted from the chunk's start. One program covers all of headdim (`BLOCK_P` $\ge P$; the public function accepts $P \le 128$). `keep` marks the entries that enter the gradient: on or below the diagonal, both positions inside the sequence, and with `seq_idx` both in the same sequence. The $CB$ tile is the same for every head of the group, so it is loaded once, before the head loop, with zeros where `keep` is false. `off_diagonal` is the test `pid_t > pid_s` as a vector, because it serves as a mask in a store below.
 
 # %%
 show_fragment(chunk_scan_bwd_dcb_kernel, "dCB = tl.zeros")
@@ -506,7 +506,7 @@ show_fragment(chunk_scan_bwd_dcb_kernel, "dCB = tl.zeros")
 # %% [markdown]
 # The loop over the heads of the group. For head $h$ it loads $dy_t$ (rows $t$) and $x_s^\top$ (columns $s$), and one `mm` gives the products $dy_t \cdot x_s$; times the decay and $\Delta_s$ they make that head's term $\Gamma_{ts} \Delta_s (dy_t \cdot x_s)$. The exponent is set to $-\infty$ before `tl.exp` wherever `keep` is false, so the entries above the diagonal, where $\ell_t - \ell_s > 0$, cannot overflow. The terms of all heads add up in `dCB`. Times $CB$, a head's term gives $W$, and the tile $(i, j)$ (row block $i$, column block $j$) stores its sums over the pairs that straddle each step $k$:
 #
-# - $k$ in the column block $j$: the pairs with $s < k$ and $t \ge k$. With $u = k - 1$, `tl.cumsum(W, axis=1)` holds $\sum_{s \le u} W_{ts}$ in column $u$, and the rows that count are all of them on a tile left of the diagonal ($t \ge k$ always) and those with $t > u$ on the diagonal tile (`strictly_below`). The sum over those rows belongs to $k = u + 1$, so it is stored one position on, and the block's first position, which no pair of this tile straddles, gets 0. Slot $i$.
+# - $k$ in the column block $j$: the pairs with $s < k$ and $t \ge k$. With $u = k - 1$, `tl.cumsum(W, axis=1)` holds $\sum_{s \le u} W_{ts}$ in column $u$, and the rows that count are those with $t > u$ on the diagonal tile, and all of them on a tile left of the diagonal ($t \ge k$ always), where the sum over rows can come first: the cumulative sum of the column sums, a vector rather than a tile. The branch is the same for every head of the program's loop. With the tile-wide cumulative sum on every tile, the whole backward pass took 1.87 ms against 1.68 ms for the reverse sum of $\partial\mathcal J/\partial \ell$ (H100, the first benchmark shape, `benchmarks/bench_package_ab.py`); with the branch, 1.86 ms. The rest of the difference, 10 %, is the price of the accurate form here: the cumulative sums in the head loop (a scan needs its warps to exchange partial sums, a reduction less), the second state slot, the longer gather. The sum over those rows belongs to $k = u + 1$, so it is stored one position on, and the block's first position, which no pair of this tile straddles, gets 0. Slot $i$.
 # - $k$ in the row block $i$ of a tile left of the diagonal: every column has $s < k$, so it is the row sums summed over $t \ge k$, a reverse `tl.cumsum`. Slot $j$.
 # - $k$ in a block strictly between $j$ and $i$: all the tile's pairs, which is what slot $j$ holds at the first position of block $i$; `dt_backward_kernel` reads it from there.
 #
@@ -626,7 +626,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On a GPU the in-kernel sum wins alone, by several times (`book/data/ssd_bench.json`, from an H200: 0.028 against 0.094 ms at the first benchmark shape), and both give the same whole backward pass to within a few per cent (1.72 against 1.74 ms there), because this step is a small part of it. The cell above and the benchmark time the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of $\partial\mathcal J/\partial \ell$, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order. On a CPU the interpreter's timings say nothing about a GPU.
+# On the H100 that ran this page the in-kernel sums win alone by ten times (0.056 against 0.57 ms at the first benchmark shape), and the whole backward pass differs by 6 % (2.10 against 2.23 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
 
 # %% [markdown]
 # ## Speed
@@ -687,7 +687,7 @@ else:
           f"(measured matmul rate {matmul_tflops():.0f} TFLOP/s)")
 
 # %% [markdown]
-# In the stored benchmark (H200, bfloat16) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.4× to 1.7×), with no more peak memory, and runs at 16.5–19.8 % of its floor (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound); in the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time.
+# In the stored benchmark (H200, bfloat16; run before the step gradients took their accurate form, which costs the backward pass about 10 %, see the $dCB$ kernel above) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.4× to 1.7×), with no more peak memory, and runs at 16.5–19.8 % of its floor (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound); in the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time.
 
 # %% [markdown]
 # ## What we have, and what comes next

@@ -27,8 +27,8 @@ collects the terms whose exponent holds that step:
                + <dS_c, gamma_c H_c>                          the carry, gamma_c = exp(a_last)
 Each sum has terms of one sign of the exponent only. Written instead as d a_t = C_t . dC_t - B_t . dB_t
 (+ <dS_c, H_{c+1}> at the last slot) and reverse-summed, the same value comes out as a difference
-of sums over nearly the whole chunk, whose terms near the diagonal are the largest and cancel: in
-float32 dA was 1.6e-4 off at chunk 256 (4.8e-5 at chunk 64), the sum over straddling pairs 1e-7.
+of sums over nearly the whole chunk, whose terms near the diagonal are the largest and cancel, and
+the error of dA grew with the chunk (chapter 5 gives the numbers).
 The dCB kernel stores, per tile (i, j) and head, into slots of the pairs tensor (Q / BLOCK_M of
 them per position):
     k in the column block j: sum over the tile's pairs with s < k (t >= k holds for every row of a
@@ -233,10 +233,7 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         keep &= seq_t[:, None] == seq_s[None, :]
     cb_tile = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK + mt[:, None] * CHUNK + ms[None, :]
     CB = tl.where(keep, tl.load(CB_ptr + cb_tile), 0.0)
-    # on the diagonal tile rows and columns are the same positions: the pairs of its lower
-    # triangle straddle k only where t > u = k - 1 (see below)
     off_diagonal = (mt * 0 + pid_t) > pid_s
-    strictly_below = (mt[:, None] > ms[None, :]) | (pid_t > pid_s)
     dCB = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     for i in tl.range(0, heads_per_group, num_stages=HEAD_STAGES):
         h = g * heads_per_group + i
@@ -252,10 +249,14 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
         dCB += term
         # W[t, s] counts for d(dt'_k A) where t >= k > s. With u = k - 1 the column index, the
-        # pairs below row u and left of column u + 1: on the diagonal tile t > u >= s; on a tile
-        # left of the diagonal all its rows (t >= k holds at every k in the column block)
+        # pairs below row u and left of column u + 1: on the diagonal tile t > u >= s, a sum over
+        # a triangle of the row-wise cumulative sums; on a tile left of the diagonal every row
+        # (t >= k holds at every k in the column block), so the column sums' cumulative sum
         W = term * CB
-        below = tl.sum(tl.where(strictly_below, tl.cumsum(W, axis=1), 0.0), axis=0)
+        if pid_t == pid_s:
+            below = tl.sum(tl.where(mt[:, None] > ms[None, :], tl.cumsum(W, axis=1), 0.0), axis=0)
+        else:
+            below = tl.cumsum(tl.sum(W, axis=0), axis=0)
         slots = pairs_ptr + chunk_base * n_m
         tl.store(slots + pid_t * CHUNK + ms + 1, below, mask=ms + 1 < (pid_s + 1) * BLOCK_M)
         tl.store(slots + pid_t * CHUNK + pid_s * BLOCK_M, 0.0)
