@@ -541,7 +541,13 @@ class SSDChunkScan(ChunkedSSM):
             return
         fn = self.call(params, peer.mamba_chunk_scan_combined)
         like = flat(outputs)
-        theirs = gradients_of_arguments(fn, self.views(params, leaves), upstream(like.numel(), like.dtype, seed))[name]
+        try:
+            theirs = gradients_of_arguments(fn, self.views(params, leaves),
+                                            upstream(like.numel(), like.dtype, seed))[name]
+        except Exception as e:  # the peer's own checks (a bare assert, seen on the H100) are not our failure
+            verdict.unjudged.append(f"grad {name} (bfloat16: mamba_ssm could not run this case: "
+                                    f"{type(e).__name__}: {e})")
+            return
         try:
             assert_within_same_computation(f"grad {name}", ours, theirs, want, torch.bfloat16)
         except AssertionError as e:

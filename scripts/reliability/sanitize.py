@@ -117,7 +117,9 @@ def count_errors(log):
     # other tools with "ERROR SUMMARY: E errors"
     found = re.findall(r"(?:ERROR SUMMARY: (\d+) error|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) error)", log)
     errors = int(next(filter(None, found[-1]))) if found else None
-    kernels = sorted(set(re.findall(r"=+\s+(?:at|in) (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)[+(\s]", log)))
+    # a frame names its kernel as "at NAME+0x..." (memcheck: "=========     at k+0x1a0 in f.py:120";
+    # racecheck: "=========     Write Thread (0, 0, 0) at k+0x3c40 in f.py:150")
+    kernels = sorted(set(re.findall(r"\bat (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>]*)\+0x", log)))
     return errors, kernels[:10]
 
 

@@ -68,13 +68,19 @@ def sweep_op(op, args, deadline, save=lambda report: None):
             grow(report["largest"], op.measure(params))
             continue
         report["failures"] += 1
+        # saved as drawn at once: shrinking reruns the case many times, and a process killed by the
+        # device's time limit meanwhile must still report the failure
+        report["reproducers"].append(dict(seed=seed, failures=verdict.failures, command=reproducer(op, params, seed),
+                                          shrunk=False))
+        save(report)
         if not args.no_shrink and (deadline is None or time.monotonic() < deadline):  # shrinking reruns it
             params = shrink(op, params, seed, lambda p, s: bool(run_case(op, p, s).failures))
             verdict = run_case(op, params, seed)
-        line = reproducer(op, params, seed)
+            report["reproducers"][-1] = dict(seed=seed, failures=verdict.failures,
+                                             command=reproducer(op, params, seed), shrunk=True)
+        line = report["reproducers"][-1]["command"]
         print(f"  minimal: {'; '.join(verdict.failures) or 'passes once shrunk: flaky?'}\n  REPRO: {line}",
               flush=True)
-        report["reproducers"].append(dict(seed=seed, failures=verdict.failures, command=line))
         if any("CUDA error" in f or "illegal memory access" in f for f in verdict.failures):
             print(f"{op.name}: the CUDA context is lost; stopping this op", flush=True)
             report["stopped_early"] = True
