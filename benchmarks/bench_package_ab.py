@@ -29,6 +29,7 @@ CASES = {
     "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
     "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case()",
     "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
+    "bidirectional bwd (4, 4096, 80, 64, 128)": "bidirectional_backward_case()",
 }
 
 WORKER = r'''
@@ -73,6 +74,14 @@ def ssd_backward_case():  # the backward pass alone, from the forward pass's sav
     saved = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True).saved
     dy = torch.randn_like(x)
     return lambda: ssd_backward(dy, x, dt, A, B, C, saved, dt_softplus=True)
+
+def bidirectional_backward_case():  # as ssd_backward_case
+    from mamba_annotated.bidirectional.forward import bidirectional_forward
+    from mamba_annotated.bidirectional.backward import bidirectional_backward
+    x, dt, A, B, C = ssd_inputs()
+    saved = bidirectional_forward(x, dt, A, B, C, 256, dt_softplus=True)[2]
+    dy = torch.randn_like(x)
+    return lambda: bidirectional_backward(dy, x, dt, A, B, C, saved, dt_softplus=True)
 
 def bidirectional_case():
     x, dt, A, B, C = ssd_inputs()

@@ -352,8 +352,8 @@ def test_fused_half_precision(dtype, shift):
     """Forward and every gradient within the 16-bit bounds; and the step gradients within 3x the
     error of chapter 5's SSD called twice, summed over three draws. Defect: the column sums of the
     decay gradients came from the dx kernel's 16-bit tiles and the row sums from float32, so the
-    two signs of each term did not cancel in the reverse cumsum: bfloat16 dA had 30-100x the two
-    calls' error. Summed, not per draw: dA is one number per head, a sum over every position with
+    two signs of each term did not cancel in the reverse cumsum that formed the step gradients
+    then: bfloat16 dA had 30-100x the two calls' error. Summed, not per draw: dA is one number per head, a sum over every position with
     cancellation, and the ratio of two independent roundings of it ranged from 0.24 to 9.7 over
     16 bfloat16 draws (seeds 1380-1387, both shifts), while the sums over 8 draws agreed within
     1.2x."""

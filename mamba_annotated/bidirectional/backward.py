@@ -7,8 +7,8 @@ entering each chunk from the left and from the right (the inputs' dtype).
 1. dH, dH': what each chunk's outputs send to the two states that reach it, one kernel
    (:func:`.chunk_states.chunk_states` with ``grad``);
 2. the state passing, each direction walked the other way, both in one launch: dS, dS';
-3. dx, the direct step gradients and dD (one kernel); dG and the row and column sums of the decay
-   gradients (one kernel); dB, dC (and dB', dC') with the state terms of the decay gradients (one
+3. dx, the direct step gradients and dD (one kernel); dG and the pair sums of the decay gradients
+   (one kernel); dB, dC (and dB', dC') with the state terms of the decay gradients (one
    kernel) (:mod:`.chunk_scan_bwd`); with the shift, dC and dC' one row over (:func:`queries_to_rows`);
 4. the gradients of dt, dt_rev, A, dt_bias (:mod:`.step_backward`).
 

@@ -12,12 +12,16 @@ as the forward output kernel's, with the weights off the row block's band factor
     and the state terms of the column decays: d a_s = -dt_s x_s . (F_s's state term), which
     a_last gets with a plus sign (exp(a_last - a_s)), and d e_s = dt'_s x_s . (R_s's state term).
 dG kernel, for one (t, s) tile of a chunk, looping over the heads of a group (they share the
-scores): dG[t, s] = sum_h w(t, s) (dy_t . x_s), and per head, of V = G * that term, the row sums
-(to d r_t for the forward triangle, minus to d rho_t for the reverse one) and the column sums
-(minus to d a_s, plus to d e_s); Gd's gradient dGd_t = sum_h dt'_t (dy_t . x_t) on the diagonal
-tiles. Row and column sums come from the same float32 V: in the reverse cumulative sum of d a
-the two signs of each term cancel (column sums from the dx kernel's 16-bit tiles left bfloat16
-dA 30x the two-call composition's error).
+scores): dG[t, s] = sum_h w(t, s) (dy_t . x_s), and per head, of V = G * that term, its sums over
+the pairs that straddle each step (chapter 5's form, which nothing subtracts from): a forward
+pair holds the steps t >= k > s in its exponent r_t - a_s, a reverse pair the steps s > k >= t
+in e_s - rho_t; and its row sums, which the shift takes back at the row's own step. Gd's gradient
+dGd_t = sum_h dt'_t (dy_t . x_t) on the diagonal tiles. Slots per tile (i, j) as chapter 5's:
+forward (i > j) the rows' part (t >= k, a reverse cumulative sum) in slot j of block i, the
+columns' part (s < k, stored one position on) in slot i of block j, and the tile's total for the
+blocks between, read from slot j at the first position of block i; reverse (i < j) the rows'
+part (t <= k) in slot j of block i, the columns' part (s > k, stored one position back) in slot i
+of block j, the total from slot j at the last position of block i.
 dBC kernel, for rows r and a block of dstate (q_r = C_r or C_{r-1}, q'_r = C'_r or C'_{r+1}):
     dq_r  = sum_h exp(r_r) [own] dy_r H  +  sum_{s: forward} dG[r, s] B_s
     dq'_r = sum_h exp(b_last - rho_r) [own'] dy_r H'  +  sum_{s: reverse} dG[r, s] B'_s  (+ dGd_r B'_r)
@@ -35,8 +39,7 @@ in float32 and :mod:`.backward` adds them one row over.
 
 Shapes as the forward kernels. x, dy, B, C, B', C' are addressed by their own strides; dx, dB, dC
 are allocated contiguous. Per-position float32 outputs (batch, heads, chunks, Q): the dx kernel's
-four planes (DIRECT ... STATE_COLUMN_REV), the dG kernel's row and column sums (4, batch, heads,
-chunks, Q / TILE, Q), the dBC kernel's state terms (2, batch, heads, chunks, dstate blocks, Q) and
+four planes (DIRECT ... STATE_COLUMN_REV), the dG kernel's slots (4, batch, heads, chunks, Q / TILE, Q), the dBC kernel's state terms (2, batch, heads, chunks, dstate blocks, Q) and
 carries (2, batch, heads, chunks, dstate blocks).
 Bytes moved: like chapter 5's backward, with both triangles of each diagonal block (twice the
 score work) and two states per chunk instead of one.
@@ -57,8 +60,9 @@ from .decays import pair_weight, row_decays
 # the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
 # they share the step), d dt'_rev direct, the state terms of d a_s and d e_s
 DIRECT, DIRECT_REV, STATE_COLUMN, STATE_COLUMN_REV = range(4)
-# the dG kernel's slots: row sums (d r, d rho) and column sums (d a, d e) of its tile
-ROW, ROW_REV, COLUMN, COLUMN_REV = range(4)
+# the dG kernel's slots: the sums over the pairs that straddle each step (forward, reverse), and
+# the row sums of its tile (forward, reverse; with the shift a row's own step is in its decay)
+PAIRS, PAIRS_REV, ROW, ROW_REV = range(4)
 TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
 
 
@@ -66,7 +70,7 @@ TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped a
 class DecaySlots:
     """The backward kernels' partial sums of the decay and step gradients, all float32."""
     rows: torch.Tensor      # (4, batch, heads, chunks, Q): the dx kernel's (DIRECT ... STATE_COLUMN_REV)
-    diag: torch.Tensor      # (4, batch, heads, chunks, Q // TILE, Q): the dG kernel's row and column sums
+    diag: torch.Tensor      # (4, batch, heads, chunks, Q // TILE, Q): the dG kernel's (PAIRS ... ROW_REV)
     state: torch.Tensor     # (2, batch, heads, chunks, n-blocks, Q): the dBC kernel's state terms of d r, d rho
     carry: torch.Tensor     # (2, batch, heads, chunks, n-blocks): <dS, gamma H> and <dS', gamma' H'>
 
@@ -235,7 +239,7 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
           config(HEAD_STAGES=1), key=["headdim", "CHUNK", "BLOCK_M", "SHIFT", "OFF_DIAGONAL", "HAS_SEQ_IDX"])
 @triton.jit
 def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
-                                  dG_ptr, dGd_ptr, row_ptr, row_rev_ptr, column_ptr, column_rev_ptr,
+                                  dG_ptr, dGd_ptr, pairs_ptr, pairs_rev_ptr, row_ptr, row_rev_ptr,
                                   length, heads, groups, n_chunks, headdim,
                                   stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                                   stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
@@ -244,8 +248,8 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                                   CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                                   HEAD_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """dG[t, s] = sum over the heads of a group of w(t, s) (dy_t . x_s), one (t, s) tile per
-    program; each head's row sums of G * (its term) go to slot pid_s of the rows t, its column
-    sums to slot pid_t of the columns s. Launched twice: the diagonal tiles (both triangles, and
+    program; each head's sums of G * (its term) over the pairs that straddle each step, and its
+    row sums, go to slots of the tile (see the module docstring). Launched twice: the diagonal tiles (both triangles, and
     Gd's gradient), then with OFF_DIAGONAL the others, each wholly forward (below the diagonal)
     or wholly reverse (above it).
 
@@ -291,6 +295,7 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
         h = g * heads_per_group + hh
         chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
         A = tl.load(A_ptr + h).to(tl.float32)
+        slots = chunk_base * n_m
         dyt = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + t[:, None].to(tl.int64) * stride_dy_l
                       + p[None, :] * stride_dy_p, mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         xsT = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + s[None, :].to(tl.int64) * stride_x_l
@@ -314,11 +319,20 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                 term = tl.where(keep, term, 0.0)
             dG += term
             W = term * G
-            row_sums, column_sums = tl.sum(W, axis=1), tl.sum(W, axis=0)
+            row_sums = tl.sum(W, axis=1)
             W_rows_forward = tl.where(forward_tile, row_sums, 0.0)
             W_rows_reverse = tl.where(forward_tile, 0.0, row_sums)
-            W_columns_forward = tl.where(forward_tile, column_sums, 0.0)
-            W_columns_reverse = tl.where(forward_tile, 0.0, column_sums)
+            if forward_tile:  # every pair straddles the steps between its row block's start and t
+                tl.store(pairs_ptr + slots + pid_j * CHUNK + i, tl.cumsum(row_sums, axis=0, reverse=True))
+                tl.store(pairs_ptr + slots + pid_i * CHUNK + j + 1, tl.cumsum(tl.sum(W, axis=0), axis=0),
+                         mask=j + 1 < (pid_j + 1) * BLOCK_M)
+                tl.store(pairs_ptr + slots + pid_i * CHUNK + pid_j * BLOCK_M, 0.0)
+            else:  # reverse: the steps k with s > k >= t
+                tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, tl.cumsum(row_sums, axis=0))
+                tl.store(pairs_rev_ptr + slots + pid_i * CHUNK + j - 1, tl.cumsum(tl.sum(W, axis=0), axis=0,
+                                                                                  reverse=True),
+                         mask=j - 1 >= pid_j * BLOCK_M)
+                tl.store(pairs_rev_ptr + slots + pid_i * CHUNK + (pid_j + 1) * BLOCK_M - 1, 0.0)
         else:
             w, forward = pair_weight(i[:, None], j[None, :], r_t[:, None], rho_t[:, None], a_s[None, :],
                                      e_s[None, :], dt_s[None, :], dtr_s[None, :], keep, SHIFT)
@@ -327,15 +341,18 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
             W = term * G
             W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
             W_rows_forward, W_rows_reverse = tl.sum(W_forward, axis=1), tl.sum(W_reverse, axis=1)
-            W_columns_forward, W_columns_reverse = tl.sum(W_forward, axis=0), tl.sum(W_reverse, axis=0)
+            # forward pairs straddle k = u + 1 where t > u >= s (u a column); reverse pairs the k
+            # with s > k >= t (k a row): sums over a triangle of the tile's cumulative sums
+            straddle = tl.sum(tl.where(i[:, None] > j[None, :], tl.cumsum(W_forward, axis=1), 0.0), axis=0)
+            tl.store(pairs_ptr + slots + pid_i * CHUNK + j + 1, straddle, mask=j + 1 < (pid_j + 1) * BLOCK_M)
+            tl.store(pairs_ptr + slots + pid_i * CHUNK + pid_j * BLOCK_M, 0.0)
+            straddle_rev = tl.sum(tl.where(j[None, :] > i[:, None], tl.cumsum(W_reverse, axis=0), 0.0), axis=1)
+            tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, straddle_rev)
             if not SHIFT:
                 dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
-        rows = chunk_base * n_m + pid_j * CHUNK + i
-        columns = chunk_base * n_m + pid_i * CHUNK + j
-        tl.store(row_ptr + rows, W_rows_forward)
-        tl.store(row_rev_ptr + rows, -W_rows_reverse)
-        tl.store(column_ptr + columns, -W_columns_forward)
-        tl.store(column_rev_ptr + columns, W_columns_reverse)
+        # the row sums themselves: with the shift a row's own step is in its decay (r_t, rho_t)
+        tl.store(row_ptr + slots + pid_j * CHUNK + i, W_rows_forward)
+        tl.store(row_rev_ptr + slots + pid_j * CHUNK + i, W_rows_reverse)
     tl.store(dG_ptr + tile, dG)
     if not SHIFT and not OFF_DIAGONAL:
         tl.store(dGd_ptr + block * CHUNK + i, dGd)
@@ -541,8 +558,8 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     for off_diagonal, n_tiles in ((False, tiles), (True, tiles * (tiles - 1))):
         if n_tiles:
             chunk_scan_bwd_dscores_kernel[(batch * n_chunks * groups, n_tiles)](
-                G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[ROW],
-                diag[ROW_REV], diag[COLUMN], diag[COLUMN_REV], length, heads, groups, n_chunks, headdim,
+                G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[PAIRS],
+                diag[PAIRS_REV], diag[ROW], diag[ROW_REV], length, heads, groups, n_chunks, headdim,
                 *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift),
                 OFF_DIAGONAL=off_diagonal, CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
                 PRECISION=dot_precision(x.dtype))

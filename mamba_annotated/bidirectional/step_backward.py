@@ -1,11 +1,19 @@
 """Chapter 6: from the partial sums of the backward kernels to the gradients of dt, dt_rev, A, dt_bias.
 
-Algorithm, per chunk and head (:mod:`.decays` and :mod:`.chunk_scan_bwd` for the notation):
-    forward:  d a_t = d a_t (columns) + d r_t + [t last] d a_last
-              d(A dt_k) = sum_{t >= k} d a_t  -  shift * d r_k          (r_t = a_t - shift * A dt_t)
-    reverse:  d b_t = d e_t + d rho_t + [t last] d b_last
-              d(A dt'_k) = sum_{t >= k} d b_t  -  d e_k  -  (1 - shift) d rho_k
-              (e_t = b_t - A dt'_t; rho_t = b_t, or e_t without the shift)
+Per chunk and head (:mod:`.decays` and :mod:`.chunk_scan_bwd` for the notation), the gradient of
+each step collects the terms whose exponent holds it, each kind summed over its own positions, as
+in chapter 5 (none is a difference of two large sums):
+    forward:  d(A dt_k) = sum over the forward pairs with t >= k > s            (straddling, slots)
+                          - shift * (row sums at k)                              (r_t = a_t - shift A dt_t)
+                          + sum_{t >= k} X_t - shift X_k    X: the state from the left, exp(r_t)
+                          + sum_{s < k} T_s                 T: the chunk state, exp(a_last - a_s)
+                          + carry                            <dS, exp(a_last) H>
+    reverse:  d(A dt'_k) = sum over the reverse pairs with s > k >= t           (straddling, slots)
+                          - shift * (row sums at k)                              (rho_t = b_t or e_t)
+                          + sum_{t <= k} Z_t (t < k with the shift)   Z: the state from the right,
+                                                                         exp(b_last - rho_t)
+                          + sum_{s > k} Y_s                 Y: the reverse chunk state, exp(e_s)
+                          + carry                            <dS', exp(b_last) H'>
 then chapter 5's :func:`~mamba_annotated.ssd.chunk_cumsum.step_gradients` turns d(A dt') and the
 direct d dt' into d dt (through the clamp, softplus and bias) and the partial sums of dA and
 d dt_bias. Where the reverse direction shares the step (no dt_rev) one launch adds both
@@ -19,22 +27,28 @@ import triton
 import triton.language as tl
 
 from ..launch import lean_launch
-from ..ssd.chunk_cumsum import BLOCK_H, add, carry_sum, slot_sum, step_gradient_buffers, step_gradients
+from ..ssd.chunk_cumsum import (BLOCK_H, add, carry_sum, slot_sum, spanned_tiles, step_gradient_buffers,
+                                 step_gradients)
 from ..triton_ops import cdiv
-from .chunk_scan_bwd import COLUMN, COLUMN_REV, DIRECT, DIRECT_REV, ROW, ROW_REV, STATE_COLUMN, STATE_COLUMN_REV
+from .chunk_scan_bwd import DIRECT, DIRECT_REV, PAIRS, PAIRS_REV, ROW, ROW_REV, STATE_COLUMN, STATE_COLUMN_REV
 
 
 @triton.jit
-def reverse_cumsum_with_last(d, last, k, CHUNK: tl.constexpr):
-    """sum_{t >= k} (d_t + [t last] last)."""
-    d += tl.where(k[None, :] == CHUNK - 1, last[:, None], 0.0)
-    return tl.associative_scan(d, 1, add, reverse=True)
+def suffix_sum(x):
+    """sum_{t >= k} x_t along the chunk."""
+    return tl.associative_scan(x, 1, add, reverse=True)
+
+
+@triton.jit
+def prefix_sum(x):
+    """sum_{t <= k} x_t along the chunk."""
+    return tl.associative_scan(x, 1, add)
 
 
 @lean_launch
 @triton.jit
 def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_column_ptr, state_column_rev_ptr,
-                         row_ptr, row_rev_ptr, column_ptr, column_rev_ptr, state_ptr, state_rev_ptr, carry_ptr,
+                         pairs_ptr, pairs_rev_ptr, row_ptr, row_rev_ptr, state_ptr, state_rev_ptr, carry_ptr,
                          carry_rev_ptr, grad_dt_ptr, grad_A_part_ptr, grad_bias_part_ptr, length, heads, n_chunks,
                          stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
                          dt_min, dt_max, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
@@ -45,25 +59,34 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
     h_ok = h < heads
     chunk = (pid_b * heads + h).to(tl.int64) * n_chunks + pid_c
     k = tl.arange(0, CHUNK)
-    position = chunk[:, None] * CHUNK + k[None, :]
-    row_mask = h_ok[:, None]
+    every = h_ok[:, None]
+    # the terms one position back (k - 1) or on (k + 1), for the sums that leave k itself out
+    back, on = every & (k[None, :] >= 1), every & (k[None, :] + 1 < CHUNK)
     d_step = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
     if FORWARD:
-        d_r = (slot_sum(row_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H)
-               + slot_sum(state_ptr, chunk, k, row_mask, SLOTS, CHUNK, BLOCK_H))
-        state_column = tl.load(state_column_ptr + position, mask=row_mask, other=0.0)
-        # exp(a_last - a_s) of the chunk states: what a_s gets, a_last gets negated
-        last = carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H) - tl.sum(state_column, axis=1)
-        d_a = slot_sum(column_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H) + state_column + d_r
-        d_step += reverse_cumsum_with_last(d_a, last, k, CHUNK) - SHIFT * d_r
+        d_step += (slot_sum(pairs_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+                   + spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
+        if SHIFT:  # the row's own step, in r_t = a_t - A dt_t, and the state from the left read from k + 1
+            d_step -= slot_sum(row_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+            d_step += suffix_sum(slot_sum(state_ptr, chunk, k + 1, on, SLOTS, CHUNK, BLOCK_H))
+        else:
+            d_step += suffix_sum(slot_sum(state_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
+        # the chunk state's exp(a_last - a_s), for s < k (the dx kernel stored d a_s = -T_s)
+        d_step -= prefix_sum(slot_sum(state_column_ptr, chunk, k - 1, back, 1, CHUNK, BLOCK_H))
+        d_step += carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
     if REVERSE:
-        d_e = (tl.load(state_column_rev_ptr + position, mask=row_mask, other=0.0)
-               + slot_sum(column_rev_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H))
-        d_rho_state = slot_sum(state_rev_ptr, chunk, k, row_mask, SLOTS, CHUNK, BLOCK_H)
-        d_rho = slot_sum(row_rev_ptr, chunk, k, row_mask, TILES, CHUNK, BLOCK_H) + d_rho_state
-        # exp(b_last - rho_t) of the state from the right: what rho_t gets, b_last gets negated
-        last = carry_sum(carry_rev_ptr, chunk, h_ok, SLOTS, BLOCK_H) - tl.sum(d_rho_state, axis=1)
-        d_step += reverse_cumsum_with_last(d_e + d_rho, last, k, CHUNK) - d_e - (1 - SHIFT) * d_rho
+        d_step += (slot_sum(pairs_rev_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+                   + spanned_tiles(pairs_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H, True))
+        # the state from the right, exp(b_last - rho_t), for t <= k (t < k with the shift; the
+        # dBC kernel stored d rho_t = -Z_t)
+        if SHIFT:
+            d_step -= slot_sum(row_rev_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+            d_step -= prefix_sum(slot_sum(state_rev_ptr, chunk, k - 1, back, SLOTS, CHUNK, BLOCK_H))
+        else:
+            d_step -= prefix_sum(slot_sum(state_rev_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
+        # the reverse chunk state's exp(e_s), for s > k
+        d_step += suffix_sum(slot_sum(state_column_rev_ptr, chunk, k + 1, on, 1, CHUNK, BLOCK_H))
+        d_step += carry_sum(carry_rev_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
     step_gradients(d_step, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr,
                    grad_A_part_ptr, grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
                    stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
@@ -76,8 +99,8 @@ def launch(dt, dt_out, A, dt_bias, slots, *, forward, reverse, shift, dt_softplu
     grad_dt, grad_A_part, grad_bias_part = step_gradient_buffers(dt, dt_bias, n_chunks)
     step_backward_kernel[(batch, n_chunks, cdiv(heads, BLOCK_H))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, slots.rows[DIRECT if forward else DIRECT_REV],
-        slots.rows[STATE_COLUMN], slots.rows[STATE_COLUMN_REV], slots.diag[ROW], slots.diag[ROW_REV],
-        slots.diag[COLUMN], slots.diag[COLUMN_REV], slots.state[0], slots.state[1], slots.carry[0], slots.carry[1],
+        slots.rows[STATE_COLUMN], slots.rows[STATE_COLUMN_REV], slots.diag[PAIRS], slots.diag[PAIRS_REV],
+        slots.diag[ROW], slots.diag[ROW_REV], slots.state[0], slots.state[1], slots.carry[0], slots.carry[1],
         grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part, length, heads, n_chunks,
         *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, FORWARD=forward, REVERSE=reverse, SHIFT=int(shift),
