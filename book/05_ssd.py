@@ -440,8 +440,10 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 #
 # $$
 # \begin{aligned}
-# \frac{\partial\mathcal J}{\partial(\Delta_k A)} &= \sum_{t \ge k > s} W_{ts} + \sum_{r \ge k} C_r \cdot e^{\ell_r} dy_r H_c \\
-# &\quad + \sum_{r < k} B_r \cdot e^{\ell_{\text{last}} - \ell_r} \Delta_r\, x_r\, dS_c + \langle dS_c, \gamma_c H_c\rangle .
+# \frac{\partial\mathcal J}{\partial(\Delta_k A)} &= \textstyle\sum_{t \ge k > s} W_{ts} \\
+# &\quad + \textstyle\sum_{r \ge k} C_r \cdot e^{\ell_r} dy_r H_c \\
+# &\quad + \textstyle\sum_{r < k} B_r \cdot e^{\ell_{\text{last}} - \ell_r} \Delta_r\, x_r\, dS_c \\
+# &\quad + \langle dS_c, \gamma_c H_c\rangle .
 # \end{aligned}
 # $$
 #

@@ -34,6 +34,22 @@ from .chunk_scan_bwd import DIRECT, DIRECT_REV, PAIRS, PAIRS_REV, ROW, ROW_REV, 
 
 
 @triton.jit
+def spanned_tiles_reverse(pairs_ptr, chunk, k, h_ok, TILES: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """Chapter 5's :func:`~mamba_annotated.ssd.chunk_cumsum.spanned_tiles` for the reverse pairs: for
+    k in row block b, the tiles (i, j) with i < b < j, whose sum over all their pairs is what their
+    slot j holds at the last position of block i."""
+    ROWS: tl.constexpr = CHUNK // TILES
+    block = k // ROWS
+    total = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
+    for j in tl.static_range(2, TILES):
+        for i in tl.static_range(0, j - 1):
+            tile = tl.load(pairs_ptr + (chunk * TILES + j) * CHUNK + (i + 1) * ROWS - 1, mask=h_ok, other=0.0)
+            total += tl.where((block[None, :] > i) & (block[None, :] < j), tile[:, None], 0.0)
+    return total
+
+
+@triton.jit
 def suffix_sum(x):
     """sum_{t >= k} x_t along the chunk."""
     return tl.associative_scan(x, 1, add, reverse=True)
@@ -76,7 +92,7 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
         d_step += carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
     if REVERSE:
         d_step += (slot_sum(pairs_rev_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
-                   + spanned_tiles(pairs_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H, True))
+                   + spanned_tiles_reverse(pairs_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
         # the state from the right, exp(b_last - rho_t), for t <= k (t < k with the shift; the
         # dBC kernel stored d rho_t = -Z_t)
         if SHIFT:

@@ -98,23 +98,16 @@ def carry_sum(ptr, chunk, h_ok, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr,
-                  REVERSE: tl.constexpr = False):
-    """For k in row block b: the pairs of the tiles whose blocks lie on both sides of b, all of which
-    straddle k. Forward (a tile (i, j) with j < b < i): its sum over all its pairs is what its slot j
-    holds at the first position of block i. Reverse (chapter 6's upper triangle, a tile (i, j) with
-    i < b < j): its slot j at the last position of block i."""
+def spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """For k in row block b: the pairs of the tiles (i, j) with j < b < i, all of which straddle k.
+    A tile's sum over all its pairs is what its slot j holds at the first position of block i."""
     ROWS: tl.constexpr = CHUNK // TILES
     block = k // ROWS
     total = tl.zeros([BLOCK_H, CHUNK], dtype=tl.float32)
-    for late in tl.static_range(2, TILES):
-        for early in tl.static_range(0, late - 1):
-            if REVERSE:
-                where = (chunk * TILES + late) * CHUNK + (early + 1) * ROWS - 1
-            else:
-                where = (chunk * TILES + early) * CHUNK + late * ROWS
-            tile = tl.load(pairs_ptr + where, mask=h_ok, other=0.0)
-            total += tl.where((block[None, :] > early) & (block[None, :] < late), tile[:, None], 0.0)
+    for i in tl.static_range(2, TILES):
+        for j in tl.static_range(0, i - 1):
+            tile = tl.load(pairs_ptr + (chunk * TILES + j) * CHUNK + i * ROWS, mask=h_ok, other=0.0)
+            total += tl.where((block[None, :] > j) & (block[None, :] < i), tile[:, None], 0.0)
     return total
 
 
