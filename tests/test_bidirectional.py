@@ -353,10 +353,10 @@ def test_fused_half_precision(dtype, shift):
     error of chapter 5's SSD called twice, summed over three draws. Defect: the column sums of the
     decay gradients came from the dx kernel's 16-bit tiles and the row sums from float32, so the
     two signs of each term did not cancel in the reverse cumsum that formed the step gradients
-    then: bfloat16 dA had 30-100x the two calls' error. Summed, not per draw: dA is one number per head, a sum over every position with
-    cancellation, and the ratio of two independent roundings of it ranged from 0.24 to 9.7 over
-    16 bfloat16 draws (seeds 1380-1387, both shifts), while the sums over 8 draws agreed within
-    1.2x."""
+    then: bfloat16 dA had 30-100x the two calls' error. Summed, not per draw: dA is one number per head,
+    a sum over every position with cancellation, and the ratio of two independent roundings of it
+    ranged from 0.24 to 9.7 over 16 bfloat16 draws (seeds 1380-1387, both shifts), while the sums
+    over 8 draws agreed within 1.2x."""
     kw = dict(dt_softplus=True, seq_idx=packed_ids(1, 37), shift=shift)
     steps = ("dt", "A", "dt_bias") + (("dt_rev",) if shift else ())
     errors = {name: [0.0, 0.0] for name in steps}

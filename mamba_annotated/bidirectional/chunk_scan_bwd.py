@@ -39,8 +39,9 @@ in float32 and :mod:`.backward` adds them one row over.
 
 Shapes as the forward kernels. x, dy, B, C, B', C' are addressed by their own strides; dx, dB, dC
 are allocated contiguous. Per-position float32 outputs (batch, heads, chunks, Q): the dx kernel's
-four planes (DIRECT ... STATE_COLUMN_REV), the dG kernel's slots (4, batch, heads, chunks, Q / TILE, Q), the dBC kernel's state terms (2, batch, heads, chunks, dstate blocks, Q) and
-carries (2, batch, heads, chunks, dstate blocks).
+four planes (DIRECT ... STATE_COLUMN_REV), the dG kernel's slots (4, batch, heads, chunks,
+Q / TILE, Q), the dBC kernel's state terms (2, batch, heads, chunks, dstate blocks, Q) and carries
+(2, batch, heads, chunks, dstate blocks).
 Bytes moved: like chapter 5's backward, with both triangles of each diagonal block (twice the
 score work) and two states per chunk instead of one.
 """
@@ -249,9 +250,9 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                                   HEAD_STAGES: tl.constexpr, PRECISION: tl.constexpr):
     """dG[t, s] = sum over the heads of a group of w(t, s) (dy_t . x_s), one (t, s) tile per
     program; each head's sums of G * (its term) over the pairs that straddle each step, and its
-    row sums, go to slots of the tile (see the module docstring). Launched twice: the diagonal tiles (both triangles, and
-    Gd's gradient), then with OFF_DIAGONAL the others, each wholly forward (below the diagonal)
-    or wholly reverse (above it).
+    row sums, go to slots of the tile (see the module docstring). Launched twice: the diagonal
+    tiles (both triangles, and Gd's gradient), then with OFF_DIAGONAL the others, each wholly
+    forward (below the diagonal) or wholly reverse (above it).
 
     Off the diagonal the weight factors: with R_t = r_t, S_s = a_s (forward) or R_t = -rho_t,
     S_s = -e_s (reverse), w(t, s) = exp(R_t - S_s) step_s = exp(R_t - S_ref) * exp(S_ref - S_s)
