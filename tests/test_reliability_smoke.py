@@ -318,8 +318,9 @@ def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
 
 
 def test_a_peer_that_cannot_run_a_case_leaves_it_unjudged(monkeypatch):
-    """An H100 sweep reported an SSD case as failed with a bare AssertionError raised inside
-    mamba_ssm, the peer of the bfloat16 rule, not inside ours."""
+    """An H100 sweep reported an SSD case as failed with a bare AssertionError raised while the
+    bfloat16 rule ran its peer, mamba_ssm (ours had already run by then): the peer's failure to
+    run a case is not ours."""
     class Peer:
         @staticmethod
         def mamba_chunk_scan_combined(*args, **kwargs):
