@@ -238,6 +238,28 @@ def test_sanitizer_command_and_log_parsing():
     assert sanitize.count_errors(hazard) == (1, ["chunk_scan_bwd_dx_kernel"])
 
 
+def test_racecheck_hazards_are_sorted_by_shape():
+    """Hazards counted by kind, kernel, line and shape, as an H100 racecheck log prints them: two
+    lanes of one warp at one instruction (every hazard of the SSD backward there) apart from any
+    other pair of accesses."""
+    def hazard(t1, pc1, t2, pc2, line2="chunk_scan_bwd.py:173"):
+        return ("========= Error: Potential WAW hazard detected at __shared__ 0x414 in block (31,0,0) :\n"
+                f"=========     Write Thread ({t1},0,0) at chunk_scan_bwd_dx_kernel+{pc1} in /w/chunk_scan_bwd.py:173\n"
+                f"=========     Write Thread ({t2}, 0, 0) at chunk_scan_bwd_dx_kernel+{pc2} in /w/{line2}\n"
+                "=========     Current Value : 63, Incoming Value : 65\n=========\n")
+    log = (hazard(47, "0x4080", 48, "0x4080") + hazard(15, "0x4080", 16, "0x4080")
+           + hazard(31, "0x4080", 32, "0x4080") + hazard(3, "0x4080", 9, "0x40a0", "chunk_scan_bwd.py:180")
+           + "========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)\n")
+    assert sanitize.racecheck_hazards(log) == [
+        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173",
+             shape="one instruction, one warp", count=2),
+        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173", shape="", count=1),
+        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173 / chunk_scan_bwd.py:180",
+             shape="", count=1)]
+    assert sanitize.count_errors(log)[0] == 4, "the sort changes no count: every hazard is still an error"
+    assert sanitize.racecheck_hazards("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)") == []
+
+
 def test_sanitizer_driver_runs_each_op_forward_and_backward(capsys):
     sanitize.drive(["sequential_scan", "attention"])
     assert capsys.readouterr().out.count("forward and backward") == 2
@@ -290,7 +312,8 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
         paths[-1].write_text(json.dumps(dict(item="sweep", ops=ops)))
     paths.append(tmp_path / "san.json")
     paths[-1].write_text(json.dumps(dict(item="sanitize", ops={"attention": {
-        "memcheck": dict(errors=0, exit=0, kernels=[]), "racecheck": dict(errors=2, exit=0, kernels=["k"])}})))
+        "memcheck": dict(errors=0, exit=0, kernels=[]), "racecheck": dict(errors=2, exit=0, kernels=["k"],
+                         hazards=[dict(kind="WAW", kernel="k", line="f.py:9", shape="one instruction, one warp", count=2)])}})))
     paths.append(tmp_path / "leaks.json")  # memory that shrank is no leak; leaks.py gives the verdict
     paths[-1].write_text(json.dumps(dict(item="leaks", ops={"linear_scan": dict(
         calls=10, leaked_bytes=-512, graph_forward=[], graph_forward_backward=[], failed=False)})))
@@ -300,7 +323,9 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert table["attention"]["sweep"] == "20 cases, 1 failed"
     assert "racecheck" in table["attention"]["sanitize"] and table["linear_scan"]["sweep"] == "not run"
     assert table["linear_scan"]["leaks"] == "10 calls, grew 0 B, graphs equal"
-    assert "| attention |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| attention |" in printed
+    assert "sanitize attention racecheck: 2 WAW at k (f.py:9) one instruction, one warp" in printed
 
 
 @pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan"])

@@ -87,6 +87,10 @@ def main(argv=None):
         print("| " + " | ".join(str(row[c]) for c in columns) + " |")
     for item, ops in merged.items():
         for op, r in ops.items():
+            if item == "sanitize":
+                for tool, v in r.items():
+                    for h in v.get("hazards", []):
+                        print(f"sanitize {op} {tool}: {h['count']} {h['kind']} at {h['kernel']} ({h['line']}) {h['shape']}")
             if item in ("sanitize", "leaks"):
                 continue
             for line in r.get("reproducers") or r.get("problems") or r.get("failures") or []:
