@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "reliability"))
 import cases  # noqa: E402
+import contraction  # noqa: E402
 import large  # noqa: E402
 import leaks  # noqa: E402
 import nonfinite  # noqa: E402
@@ -300,6 +301,30 @@ def test_leaks_arguments_and_skip_without_cuda():
         assert leaks.main(["--calls", "1"]) == 0  # prints why it skipped
         pytest.skip("memory_allocated and CUDA graphs need a CUDA device")
     assert leaks.main(["--ops", "sequential_scan", "--calls", "10"]) == 0
+
+
+def test_contraction_finds_a_product_fused_with_its_partners_sum(tmp_path):
+    """The PTX of ``tl.sum(acc * xs, axis=1)`` as Triton 3.6 compiled it for the SSD dx kernel on
+    an H100: lane i adds its partner's rounded product to its own unrounded one, so partners
+    disagree. The product rounded first, and a scan's combine, are not reported."""
+    def ptx(first_add):
+        return ('\t.file\t1 "/w/mamba_annotated/ssd/chunk_scan_bwd.py"\n'
+                "\t.loc\t1 173 52                        // chunk_scan_bwd.py:173:52\n"
+                "\tmul.f32 \t%r13, %r1, %r5;\n"
+                "\t.loc\t3 293 36                        // standard.py:293:36 @[ chunk_scan_bwd.py:173:46 ]\n"
+                "\tshfl.sync.bfly.b32 \t%r17, %r13, 16, 31, -1;\n"
+                "\t.loc\t3 263 15                        // standard.py:263:15 @[ standard.py:293:36 @[ "
+                "chunk_scan_bwd.py:173:46 ] ]\n"
+                f"\t{first_add}\n")
+    contracted = ptx("fma.rn.f32 \t%r18, %r1, %r5, %r17;")
+    assert contraction.shuffled_addends(contracted) == {"chunk_scan_bwd.py:173": 1}
+    assert not contraction.shuffled_addends(ptx("add.f32 \t%r18, %r13, %r17;"))
+    scan = contracted.replace("standard.py:293:36 @[ ", "").replace("standard.py:263:15 @[ ", "").replace(" ]", "")
+    assert not contraction.shuffled_addends(scan), "a scan's combine reads its partner by design"
+    (tmp_path / "HASH").mkdir()
+    (tmp_path / "HASH" / "chunk_scan_bwd_dx_kernel.ptx").write_text(contracted)
+    assert contraction.scan(tmp_path) == [("ssd/chunk_scan_bwd_dx_kernel", "chunk_scan_bwd.py:173", 1)]
+    assert contraction.main([str(tmp_path)]) == 1
 
 
 def test_summary_merges_reports_into_one_table(tmp_path, capsys):

@@ -135,11 +135,14 @@ def racecheck_hazards(log):
     """The hazards a racecheck log displays, counted by (kind, kernel, source line of each access,
     and whether both accesses are one instruction of two lanes of one warp).
 
-    That last shape is what every hazard of the SSD and bidirectional backward kernels had on an
-    H100: a WAW between lanes 15 and 16 of a warp (47 and 48, 79 and 80...) at one st.shared, in
-    the shared-memory layout conversion that follows a ``tl.sum`` whose result several lanes hold.
-    Those lanes had computed the same sum and disagreed in its low bits (Triton issue 7264
-    reports the same). It is still counted as an error: which lane's value lands is not up to us."""
+    That last shape is what all 7317 hazards of the SSD backward kernels and all 95 of the
+    bidirectional ones had on an H100: a WAW between lanes 15 and 16 of a warp (47 and 48, 79 and
+    80...) at one st.shared, in the shared-memory layout conversion that follows a ``tl.sum`` whose
+    result several lanes hold. Those lanes computed the same sum and disagreed in its last bit:
+    the first step of the reduction was contracted into an FMA of the lane's own product and its
+    partner's rounded one (``contraction.py`` finds such FMAs in the PTX; Triton issue 7264
+    reports the same hazard). Each is still counted as an error: which lane's value lands is not
+    up to us."""
     counts = {}
     for kind, t1, kernel1, pc1, line1, t2, kernel2, pc2, line2 in HAZARD.findall(log):
         one_warp = pc1 == pc2 and kernel1 == kernel2 and int(t1) // 32 == int(t2) // 32
