@@ -239,25 +239,29 @@ def test_sanitizer_command_and_log_parsing():
     assert sanitize.count_errors(hazard) == (1, ["chunk_scan_bwd_dx_kernel"])
 
 
-def test_racecheck_hazards_are_sorted_by_shape():
+def test_racecheck_hazards_are_counted_by_kernel_line_and_shape():
     """Hazards counted by kind, kernel, line and shape, as an H100 racecheck log prints them: two
     lanes of one warp at one instruction (every hazard of the SSD backward there) apart from any
-    other pair of accesses."""
-    def hazard(t1, pc1, t2, pc2, line2="chunk_scan_bwd.py:173"):
-        return ("========= Error: Potential WAW hazard detected at __shared__ 0x414 in block (31,0,0) :\n"
-                f"=========     Write Thread ({t1},0,0) at chunk_scan_bwd_dx_kernel+{pc1} in /w/chunk_scan_bwd.py:173\n"
-                f"=========     Write Thread ({t2}, 0, 0) at chunk_scan_bwd_dx_kernel+{pc2} in /w/{line2}\n"
+    other pair of accesses; a hazard whose accesses cannot be read is still counted."""
+    def hazard(t1, pc1, t2, pc2, line2="/w/chunk_scan_bwd.py:173", kind="WAW"):
+        return (f"========= Error: Potential {kind} hazard detected at __shared__ 0x414 in block (31,0,0) :\n"
+                f"=========     Write Thread ({t1}) at chunk_scan_bwd_dx_kernel+{pc1} in /w/chunk_scan_bwd.py:173\n"
+                f"=========     Read Thread ({t2}) at chunk_scan_bwd_dx_kernel+{pc2} in {line2}\n"
                 "=========     Current Value : 63, Incoming Value : 65\n=========\n")
-    log = (hazard(47, "0x4080", 48, "0x4080") + hazard(15, "0x4080", 16, "0x4080")
-           + hazard(31, "0x4080", 32, "0x4080") + hazard(3, "0x4080", 9, "0x40a0", "chunk_scan_bwd.py:180")
-           + "========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)\n")
+    log = (hazard("47,0,0", "0x4080", "48, 0, 0", "0x4080") + hazard("15,0,0", "0x4080", "16,0,0", "0x4080")
+           + hazard("31,0,0", "0x4080", "32,0,0", "0x4080")  # two warps
+           + hazard("3,0,0", "0x4080", "3,1,0", "0x4080")  # another row of threads
+           + hazard("3,0,0", "0x4080", "9,0,0", "0x40a0", "/w/chunk_scan_bwd.py:180", kind="RAW")
+           + "========= Error: Potential WAR hazard detected at __shared__ 0x10 in block (0,0,0) :\n"
+           "=========     Write Thread (1,0,0) at void k<float, 4>(float*)+0x10\n=========\n"
+           + "========= RACECHECK SUMMARY: 6 hazards displayed (6 errors, 0 warnings)\n")
+    kernel, line = "chunk_scan_bwd_dx_kernel", "chunk_scan_bwd.py:173"
     assert sanitize.racecheck_hazards(log) == [
-        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173",
-             shape="one instruction, one warp", count=2),
-        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173", shape="", count=1),
-        dict(kind="WAW", kernel="chunk_scan_bwd_dx_kernel", line="chunk_scan_bwd.py:173 / chunk_scan_bwd.py:180",
-             shape="", count=1)]
-    assert sanitize.count_errors(log)[0] == 4, "the sort changes no count: every hazard is still an error"
+        dict(kind="WAW", kernel=kernel, line=line, shape="one instruction, one warp", count=2),
+        dict(kind="WAW", kernel=kernel, line=line, shape="two instructions or warps", count=2),
+        dict(kind="RAW", kernel=kernel, line="chunk_scan_bwd.py:173 / chunk_scan_bwd.py:180",
+             shape="two instructions or warps", count=1),
+        dict(kind="WAR", kernel="?", line="?", shape="accesses not read", count=1)]
     assert sanitize.racecheck_hazards("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)") == []
 
 
@@ -306,7 +310,8 @@ def test_leaks_arguments_and_skip_without_cuda():
 def test_contraction_finds_a_product_fused_with_its_partners_sum(tmp_path):
     """The PTX of ``tl.sum(acc * xs, axis=1)`` as Triton 3.6 compiled it for the SSD dx kernel on
     an H100: lane i adds its partner's rounded product to its own unrounded one, so partners
-    disagree. The product rounded first, and a scan's combine, are not reported."""
+    disagree. The product rounded first, an FMA whose addend is no shuffle's, a combine of one's
+    own (no standard.py frame) and an FMA after a .loc outside the sum are not reported."""
     def ptx(first_add):
         return ('\t.file\t1 "/w/mamba_annotated/ssd/chunk_scan_bwd.py"\n'
                 "\t.loc\t1 173 52                        // chunk_scan_bwd.py:173:52\n"
@@ -319,8 +324,11 @@ def test_contraction_finds_a_product_fused_with_its_partners_sum(tmp_path):
     contracted = ptx("fma.rn.f32 \t%r18, %r1, %r5, %r17;")
     assert contraction.shuffled_addends(contracted) == {"chunk_scan_bwd.py:173": 1}
     assert not contraction.shuffled_addends(ptx("add.f32 \t%r18, %r13, %r17;"))
-    scan = contracted.replace("standard.py:293:36 @[ ", "").replace("standard.py:263:15 @[ ", "").replace(" ]", "")
-    assert not contraction.shuffled_addends(scan), "a scan's combine reads its partner by design"
+    assert not contraction.shuffled_addends(ptx("fma.rn.f32 \t%r18, %r1, %r5, %r9;"))
+    own_combine = contracted.replace("standard.py:293:36 @[ ", "").replace("standard.py:263:15 @[ ", "")
+    assert not contraction.shuffled_addends(own_combine.replace(" ]", "")), "a tl.reduce combine of one's own"
+    moved_on = contracted.replace("\tfma.rn", "\t.loc\t1 180 3\n\tfma.rn")
+    assert not contraction.shuffled_addends(moved_on), "an FMA after a .loc outside the sum"
     (tmp_path / "HASH").mkdir()
     (tmp_path / "HASH" / "chunk_scan_bwd_dx_kernel.ptx").write_text(contracted)
     assert contraction.scan(tmp_path) == [("ssd/chunk_scan_bwd_dx_kernel", "chunk_scan_bwd.py:173", 1)]
@@ -338,7 +346,8 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     paths.append(tmp_path / "san.json")
     paths[-1].write_text(json.dumps(dict(item="sanitize", ops={"attention": {
         "memcheck": dict(errors=0, exit=0, kernels=[]), "racecheck": dict(errors=2, exit=0, kernels=["k"],
-                         hazards=[dict(kind="WAW", kernel="k", line="f.py:9", shape="one instruction, one warp", count=2)])}})))
+                         hazards=[dict(kind="WAW", kernel="k", line="f.py:9", shape="one instruction, one warp",
+                                       count=2)])}})))
     paths.append(tmp_path / "leaks.json")  # memory that shrank is no leak; leaks.py gives the verdict
     paths[-1].write_text(json.dumps(dict(item="leaks", ops={"linear_scan": dict(
         calls=10, leaked_bytes=-512, graph_forward=[], graph_forward_backward=[], failed=False)})))
@@ -350,7 +359,7 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert table["linear_scan"]["leaks"] == "10 calls, grew 0 B, graphs equal"
     printed = capsys.readouterr().out
     assert "| attention |" in printed
-    assert "sanitize attention racecheck: 2 WAW at k (f.py:9) one instruction, one warp" in printed
+    assert "sanitize attention racecheck: 2 WAW at k (f.py:9), one instruction, one warp" in printed
 
 
 @pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan"])

@@ -9,6 +9,11 @@ layout conversion before the global store), they race: this is every racecheck h
 bidirectional backward kernels showed on an H100 (``sanitize.racecheck_hazards``). The product
 rounded first (``tl.fma(a, b, 0.0)`` in place of ``a * b``) leaves nothing to contract.
 
+Only FMAs inside ``tl.sum``'s combine count (Triton's standard.py in the chain of inlined calls):
+an FMA there can only be the summed product contracted into the addition. A combine of one's own
+(``tl.reduce``, the scans' linear recurrences) multiplies values both lanes already hold, so both
+compute the same. The scan reads Triton 3.6's PTX (``fma.rn.f32`` on ``%r`` registers).
+
 This scan reads the PTX that Triton keeps in its cache (``$TRITON_CACHE_DIR``, by default
 ``~/.triton/cache``), so it needs no GPU once a GPU run has filled the cache:
 
@@ -24,6 +29,7 @@ BUTTERFLY = re.compile(r"shfl\.sync\.bfly\.b32\s+(%r\d+),")
 FMA = re.compile(r"fma\.rn\.f32\s+%r\d+,\s*\S+,\s*\S+,\s*(%r\d+);")
 # ".loc 3 263 15 // standard.py:263:15 @[ standard.py:293:36 @[ chunk_scan_bwd.py:173:46 ] ]": the
 # chain of inlined calls, innermost first; Triton's own frames (standard.py) are left out
+BARE_LOCATION = re.compile(r"^\s*\.loc\s")
 LOCATION = re.compile(r"\.loc\s+\d+\s+\d+\s+\d+\s+//\s+(.*)$")
 POSITION = re.compile(r"([\w.]+:\d+):\d+")
 TRITON_FRAMES = ("standard.py:", "core.py:", "math.py:")
@@ -31,14 +37,14 @@ TRITON_FRAMES = ("standard.py:", "core.py:", "math.py:")
 
 def shuffled_addends(ptx):
     """{source line: how many FMAs there add a butterfly shuffle's result to a product}, in the
-    combine of ``tl.sum`` only (Triton's standard.py in the chain of inlined calls): a scan's
-    combine takes its partner's value by design, its lanes holding different prefixes."""
+    combine of ``tl.sum`` only (see the module)."""
     found, shuffled, where, in_sum = collections.Counter(), set(), "?", False
     for line in ptx.splitlines():
-        if m := LOCATION.search(line):
-            chain = POSITION.findall(m.group(1))
+        if BARE_LOCATION.search(line):  # every .loc moves on, also one that names no call chain
+            m = LOCATION.search(line)
+            chain = POSITION.findall(m.group(1)) if m else []
             in_sum = any(p.startswith("standard.py:") for p in chain)
-            where = " < ".join(p for p in chain if not p.startswith(TRITON_FRAMES)) or where
+            where = " < ".join(p for p in chain if not p.startswith(TRITON_FRAMES)) or "?"
         if m := BUTTERFLY.search(line):
             shuffled.add(m.group(1))
         elif in_sum and (m := FMA.search(line)) and m.group(1) in shuffled:

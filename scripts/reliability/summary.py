@@ -90,7 +90,8 @@ def main(argv=None):
             if item == "sanitize":
                 for tool, v in r.items():
                     for h in v.get("hazards", []):
-                        print(f"sanitize {op} {tool}: {h['count']} {h['kind']} at {h['kernel']} ({h['line']}) {h['shape']}")
+                        print(f"sanitize {op} {tool}: {h['count']} {h['kind']} at {h['kernel']} ({h['line']}), "
+                              f"{h['shape']}")
             if item in ("sanitize", "leaks"):
                 continue
             for line in r.get("reproducers") or r.get("problems") or r.get("failures") or []:
