@@ -165,6 +165,11 @@ def racecheck_hazards(log):
             for k, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
+def describe_hazards(hazards):
+    """One line per entry of :func:`racecheck_hazards`."""
+    return [f"{h['count']} {h['kind']} at {h['kernel']} ({h['line']}), {h['shape']}" for h in hazards]
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.driver:
@@ -199,8 +204,8 @@ def main(argv=None):
             if tool == "racecheck":
                 report[op][tool]["hazards"] = racecheck_hazards(log)
             print(f"sanitize {tool:9s} {op:25s} errors={errors} exit={code} {'' if ok else kernels}", flush=True)
-            for h in report[op][tool].get("hazards", []):
-                print(f"  {h['count']} {h['kind']} at {h['kernel']} ({h['line']}), {h['shape']}", flush=True)
+            for line in describe_hazards(report[op][tool].get("hazards", [])):
+                print(f"  {line}", flush=True)
     write_report(args.json, "sanitize", report, env=ENV)
     return 1 if failed else 0
 

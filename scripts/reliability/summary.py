@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from sanitize import describe_hazards
+
 OPS = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan", "attention")
 ITEMS = ("sweep", "sanitize", "reproducible", "large", "nonfinite", "leaks")
 
@@ -89,9 +91,8 @@ def main(argv=None):
         for op, r in ops.items():
             if item == "sanitize":
                 for tool, v in r.items():
-                    for h in v.get("hazards", []):
-                        print(f"sanitize {op} {tool}: {h['count']} {h['kind']} at {h['kernel']} ({h['line']}), "
-                              f"{h['shape']}")
+                    for line in describe_hazards(v.get("hazards", [])):
+                        print(f"sanitize {op} {tool}: {line}")
             if item in ("sanitize", "leaks"):
                 continue
             for line in r.get("reproducers") or r.get("problems") or r.get("failures") or []:
