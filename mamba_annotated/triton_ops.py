@@ -15,6 +15,8 @@
 * ``drop_hidden_nonfinite``: masked products that keep a NaN or inf out of the rows the mask
   hides it from; ``is_nonfinite`` and ``any_nonfinite``, the tests that decide whether a tile needs
   that checked pass.
+* ``rounded_product``: ``a * b`` rounded before a ``tl.sum`` adds it, so every lane of a warp
+  agrees on the sum (below).
 * ``block_size``: the power-of-two tile that covers a dimension, within bounds; ``state_rows``: the
   rows of a recurrent state one decoding-step program updates.
 """
@@ -58,6 +60,20 @@ def cast(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
             x = bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def rounded_product(a, b):
+    """``a * b``, each product rounded to float32 on its own: the operand of a ``tl.sum`` whose lanes
+    must agree. ``tl.sum`` ends in butterfly shuffles, each lane adding its partner's partial sum to
+    its own. Where a lane holds one product per summed row, LLVM contracts the first step into
+    ``fma(a, b, partner's product)``: the lane's own product enters unrounded, its partner's
+    rounded, and the two lanes end one ulp apart. Both then write "the" sum to one shared-memory
+    slot on the way to the global store: every racecheck hazard the SSD and bidirectional backward
+    kernels showed on an H100 (Triton issue 7264). An FMA with a +0.0 addend cannot be rewritten as
+    a multiplication (it turns a -0.0 product into +0.0), so nothing is left to contract, and the
+    reduction adds rounded products in a fixed order, as on the CPU."""
+    return tl.fma(a, b, 0.0)
 
 
 @triton.jit

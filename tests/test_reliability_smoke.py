@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "reliability"))
 import cases  # noqa: E402
@@ -333,6 +334,49 @@ def test_contraction_finds_a_product_fused_with_its_partners_sum(tmp_path):
     (tmp_path / "HASH" / "chunk_scan_bwd_dx_kernel.ptx").write_text(contracted)
     assert contraction.scan(tmp_path) == [("ssd/chunk_scan_bwd_dx_kernel", "chunk_scan_bwd.py:173", 1)]
     assert contraction.main([str(tmp_path)]) == 1
+
+
+def compiled_ptx(kernel):
+    """The PTX of every variant of a (possibly autotuned) Triton kernel compiled in this process."""
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = kernel.fn  # an Autotuner or Heuristics wraps the JITFunction
+    for caches in kernel.device_caches.values():
+        for compiled in caches[0].values():  # the first of each device's caches: key -> kernel
+            yield compiled.asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="reads the PTX that a GPU compile produces")
+def test_no_backward_reduction_fuses_a_lanes_product_with_its_partners_sum():
+    """Every racecheck hazard of the SSD and bidirectional backward on an H100 came from
+    ``tl.sum(a * b)`` contracted into FMAs whose addend is a shuffled partner sum (see
+    scripts/reliability/contraction.py); ``rounded_product`` leaves nothing to contract. Runs both
+    ops forward and backward (the autotuner compiles every configuration it tries), then reads the
+    PTX of every backward kernel variant compiled."""
+    from mamba_annotated import bidirectional_chunk_scan, ssd_chunk_scan
+    from mamba_annotated.bidirectional import chunk_scan_bwd as bidirectional_bwd, step_backward
+    from mamba_annotated.ssd import chunk_cumsum, chunk_scan_bwd as ssd_bwd
+
+    batch, length, heads, headdim, dstate = 2, 200, 4, 64, 32
+    for op in (ssd_chunk_scan, bidirectional_chunk_scan):
+        for dtype, chunk in ((torch.float32, 16), (torch.bfloat16, 64)):
+            leaves = dict(x=torch.randn(batch, length, heads, headdim), dt=torch.rand(batch, length, heads),
+                          A=-torch.rand(heads) - 0.5, B=torch.randn(batch, length, 1, dstate),
+                          C=torch.randn(batch, length, 1, dstate), D=torch.randn(heads))
+            leaves = {k: v.to("cuda", dtype if k in ("x", "B", "C") else torch.float32).requires_grad_()
+                      for k, v in leaves.items()}
+            y = op(leaves.pop("x"), leaves.pop("dt"), leaves.pop("A"), leaves.pop("B"), leaves.pop("C"), chunk,
+                   D=leaves.pop("D"), dt_softplus=True)
+            (y if isinstance(y, torch.Tensor) else y[0]).float().square().sum().backward()
+    found, variants = {}, 0
+    for module in (ssd_bwd, chunk_cumsum, bidirectional_bwd, step_backward):
+        for name, kernel in vars(module).items():
+            if name.endswith("_kernel") and hasattr(kernel, "run"):
+                for ptx in compiled_ptx(kernel):
+                    variants += 1
+                    for where, count in contraction.shuffled_addends(ptx).items():
+                        found[f"{module.__name__}.{name} at {where}"] = count
+    assert variants >= 6, "the backward kernels were not compiled"
+    assert not found, found
 
 
 def test_summary_merges_reports_into_one_table(tmp_path, capsys):

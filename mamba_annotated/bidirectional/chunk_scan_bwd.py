@@ -55,7 +55,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..ssd.tuning import autotune, config
-from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm, rounded_product
 from .decays import pair_weight, row_decays
 
 # the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
@@ -167,8 +167,8 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
     rows = s[:, None].to(tl.int64)
     xs = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + rows * stride_x_l + p[None, :] * stride_x_p,
                  mask=mask, other=0.0).to(tl.float32)
-    state_column = -dt_s * tl.sum(F * xs, axis=1)
-    state_column_rev = dtr_s * tl.sum(R * xs, axis=1)
+    state_column = -dt_s * tl.sum(rounded_product(F, xs), axis=1)
+    state_column_rev = dtr_s * tl.sum(rounded_product(R, xs), axis=1)
 
     # through the diagonal block: the rows t of column s in three runs, those before the row block
     # all reverse, those after it all forward, the band of the row block itself both (as
@@ -211,8 +211,8 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
     if not SHIFT:
         Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
         R += Gd_s[:, None] * dys
-    direct = tl.sum(F * xs, axis=1)
-    direct_rev = tl.sum(R * xs, axis=1)
+    direct = tl.sum(rounded_product(F, xs), axis=1)
+    direct_rev = tl.sum(rounded_product(R, xs), axis=1)
     if SHARED_STEP:  # one step for both directions: its direct gradient is the sum
         direct += direct_rev
     out = chunk_base + m
@@ -227,7 +227,7 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         else:
             dx += dys * tl.load(D_ptr + h).to(tl.float32)
         # one partial sum per 16 rows of the chunk, whatever BLOCK_M is (chapter 5's layout)
-        sums = tl.sum(tl.reshape(dys * xs, (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+        sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
         slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
@@ -456,11 +456,11 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         dB += mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
         dB_r += mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
         slot = chunk.to(tl.int64) * n_slots + pid_n
-        tl.store(state_ptr + slot * CHUNK + m, tl.sum(q.to(tl.float32) * dq_h, axis=1))
-        tl.store(state_rev_ptr + slot * CHUNK + m, -tl.sum(q_r.to(tl.float32) * dqr_h, axis=1))
+        tl.store(state_ptr + slot * CHUNK + m, tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1))
+        tl.store(state_rev_ptr + slot * CHUNK + m, -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1))
         if pid_m == 0:  # the carries, by the programs of the chunk's first rows
-            tl.store(carry_ptr + slot, gamma * tl.sum(H.to(tl.float32) * dS.to(tl.float32)))
-            tl.store(carry_rev_ptr + slot, gamma_r * tl.sum(Hr.to(tl.float32) * dSr.to(tl.float32)))
+            tl.store(carry_ptr + slot, gamma * tl.sum(rounded_product(H.to(tl.float32), dS.to(tl.float32))))
+            tl.store(carry_rev_ptr + slot, gamma_r * tl.sum(rounded_product(Hr.to(tl.float32), dSr.to(tl.float32))))
 
     # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'
     dG_base = dG_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cdiv, sigmoid, softplus
+from ..triton_ops import cdiv, rounded_product, sigmoid, softplus
 
 BLOCK_H = 8
 
@@ -155,7 +155,7 @@ def step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_d
     tl.store(grad_dt_ptr + pid_b.to(tl.int64) * stride_grad_b + t[None, :].to(tl.int64) * stride_grad_l
              + h[:, None] * stride_grad_h, d_dt.to(grad_dt_ptr.dtype.element_ty), mask=mask)
     part = (pid_b * n_chunks + pid_c).to(tl.int64) * heads + h
-    tl.store(grad_A_part_ptr + part, tl.sum(d_dA * step, axis=1), mask=h < heads)
+    tl.store(grad_A_part_ptr + part, tl.sum(rounded_product(d_dA, step), axis=1), mask=h < heads)
     if HAS_BIAS:
         tl.store(grad_bias_part_ptr + part, tl.sum(d_dt, axis=1), mask=h < heads)
 

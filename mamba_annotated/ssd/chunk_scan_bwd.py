@@ -69,7 +69,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm, rounded_product
 from .chunk_state import check_row_blocks
 from .tuning import autotune, config
 
@@ -170,7 +170,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
     xs = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + rows * stride_x_l + p[None, :] * stride_x_p,
                  mask=mask, other=0.0).to(tl.float32)
     dt_s = tl.load(dt_ptr + chunk_base + m)
-    tl.store(ddt_ptr + chunk_base + m, tl.sum(acc * xs, axis=1))
+    tl.store(ddt_ptr + chunk_base + m, tl.sum(rounded_product(acc, xs), axis=1))
     dx = acc * dt_s[:, None]
     if HAS_D:
         dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
@@ -181,7 +181,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
             dx += dys * tl.load(D_ptr + h).to(tl.float32)
         # one partial sum per 16 rows of the chunk, whatever BLOCK_M is: every configuration writes
         # every slot, so none keeps a stale value from the autotuner's trial runs of another one
-        sums = tl.sum(tl.reshape(dys * xs, (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+        sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
         slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
@@ -347,15 +347,16 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * end_decay[:, None]
         # the state terms' shares: exp(a_r) counts for every step k <= r, exp(a_last - a_r) for
         # the steps between r and the chunk's end (k > r): kept apart, each summed over its own range
-        from_start = tl.sum(tl.reshape(Cr * dC_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
-        to_end = tl.sum(tl.reshape(Br * dB_h, (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        from_start = tl.sum(tl.reshape(rounded_product(Cr, dC_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        to_end = tl.sum(tl.reshape(rounded_product(Br, dB_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
         tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
         tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
         # and the carry's <dS_c, gamma_c H_c>, per slot: by the programs of the first rows
         # (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
         if pid_m == 0:
-            HdS = tl.sum(tl.reshape(H.to(tl.float32) * dS.to(tl.float32), (BLOCK_P, SLOTS, SLOT_N)), axis=2)
+            HdS = rounded_product(H.to(tl.float32), dS.to(tl.float32))
+            HdS = tl.sum(tl.reshape(HdS, (BLOCK_P, SLOTS, SLOT_N)), axis=2)
             carry = tl.exp(a_last) * tl.sum(HdS, axis=0)
             if HAS_SEQ_IDX:
                 carry = tl.where(seq_last == seq_carry, carry, 0.0)
