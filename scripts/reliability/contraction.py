@@ -7,7 +7,8 @@ partners then hold sums that differ in the last bit, where the reduction's resul
 value held by every lane of the group. Stored through shared memory by several of those lanes (a
 layout conversion before the global store), they race: this is every racecheck hazard the SSD and
 bidirectional backward kernels showed on an H100 (``sanitize.racecheck_hazards``). The product
-rounded first (``tl.fma(a, b, 0.0)`` in place of ``a * b``) leaves nothing to contract.
+rounded first (``triton_ops.rounded_product``, ``tl.fma(a, b, 0.0)`` in place of ``a * b``) leaves
+nothing to contract; those kernels use it now, and racecheck reports no hazard in them.
 
 Only FMAs inside ``tl.sum``'s combine count (Triton's standard.py in the chain of inlined calls):
 an FMA there can only be the summed product contracted into the addition. A combine of one's own
