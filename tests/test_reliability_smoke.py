@@ -204,6 +204,47 @@ def test_the_formula_on_the_stored_output_is_the_exact_gradient_when_the_output_
     assert not torch.allclose(rounded["q"], exact["q"], rtol=1e-6, atol=0)
 
 
+def test_the_rounding_of_a_cancelled_dp_minus_d_is_allowed_and_nothing_more():
+    """GPU sweep (H100, seed 5215), shrunk to one key, float32, scale 2: the exact dq and dk are 0
+    (dS = P (dP - D) with P = 1 and dP = D), so a kernel's dq and dk are the rounding of dP - D,
+    which PyTorch's softmax backward happens to get exactly. The allowance admits that rounding,
+    made here the way the kernels make it (dP and D summed in float32 in different orders), and
+    not a hundred times it; where little cancels it stays below float32's floor of 1e-6."""
+    op = cases.OPS["attention"]
+
+    def setup(Lq, Lk, scale):
+        params = dict(dims=dict(Lq=Lq, Lk=Lk, head_dim=32, heads=2, batch=1, kv_heads=1), dtype="float32",
+                      layouts=dict(q="contiguous", k="transposed", v="contiguous"),
+                      opts=dict(op.defaults, softmax_scale=scale))
+        torch.manual_seed(0)  # inputs whose two sums below round differently
+        leaves = cases.as64(op.inputs(params))
+        ref = op.call(params, attention_ref)
+        out = ref(**op.views(params, leaves))[0].detach()
+        grad_out = cases.upstream(out.numel(), torch.float32, 7)
+        exact = cases.gradients_of_arguments(lambda **kw: ref(**kw)[:1], op.views(params, leaves), grad_out)
+        return params, leaves, out, grad_out, exact, op.cancellation_rounding(params, leaves, out, grad_out, None)
+
+    params, leaves, out, grad_out, exact, rounding = setup(1, 1, 2.0)
+    assert exact["k"].abs().max() == 0 and set(rounding) == {"q", "k"}
+    q, k, v = (t.detach().float() for t in (leaves["q"], leaves["k"], leaves["v"]))
+    d_out, out32 = grad_out.float().view(out.shape), out.float()
+    d_probs = (d_out * v).sum(-1)                           # (batch, 1, heads): dO . v, one key
+    delta = torch.zeros_like(d_probs)
+    for j in reversed(range(q.shape[-1])):                  # D = rowsum(dO o O), in another order
+        delta = delta + d_out[..., j] * out32[..., j]
+    d_scores = d_probs - delta                              # P = 1: dS is the rounding alone
+    assert d_scores.abs().max() > 0, "no rounding to judge: the two orders agreed"
+    dk = 2.0 * (d_scores[..., None] * q).sum(2, keepdim=True)  # both heads share the key head
+    cases.assert_within_same_computation("grad k", dk, exact["k"] * 0, exact["k"], torch.float32,
+                                         rounding=rounding["k"])
+    with pytest.raises(AssertionError):
+        cases.assert_within_same_computation("grad k", 100 * dk, exact["k"] * 0, exact["k"], torch.float32,
+                                             rounding=rounding["k"])
+    _, _, _, _, exact, rounding = setup(64, 96, None)  # the default scale: softmax far from one-hot
+    for name in ("q", "k"):
+        assert rounding[name].norm() / exact[name].norm() < 1e-6
+
+
 def test_time_budget_stops_early_and_says_so(tmp_path):
     out = tmp_path / "sweep.json"
     sweep.main(["--ops", "sequential_scan", "--cases", "1000", "--time-budget", "0", "--json", str(out)])
