@@ -175,15 +175,36 @@ OPEN_SUM_CASES = {
                   z=False))),
 }
 
+# 16-bit dA past its bound on the GPU only (H100 sweeps, seeds 5050 and 7002, each shrunk to one head,
+# headdim 1, dstate 1, chunk 16): SSD bfloat16 3.6e-4 against 2 x the quadratic form's 1.6e-4 in
+# bfloat16; bidirectional float16 1.8e-4 against 3 x the two-call foil's 2.9e-5. Both pass in the
+# interpreter. Open, strict xfails on the GPU.
+OPEN_GPU_SUM_CASES = {
+    "ssd_bfloat16_dA_on_gpu": ("ssd_chunk_scan", 5050, dict(
+        dims=dict(L=97, batch=1, chunk=16, dstate=1, groups=1, headdim=1, heads=1), dtype="bfloat16",
+        layouts=dict(A="contiguous", B="contiguous", C="contiguous", D="contiguous", dt="expanded",
+                     initial_states="contiguous", x="strided", z="contiguous"),
+        opts=dict(D=None, cuts=[55, 95], dt_bias=False, dt_dtype="bfloat16", dt_limit=None, dt_softplus=False,
+                  initial_states=False, packing=None, return_final_states=True, z=False))),
+    "bidirectional_float16_dA_on_gpu": ("bidirectional_chunk_scan", 7002, dict(
+        dims=dict(L=243, batch=1, chunk=16, dstate=1, groups=1, headdim=1, heads=1), dtype="float16",
+        layouts=dict(A="strided", B="contiguous", B_rev="reversed", C="strided", C_rev="contiguous", D="contiguous",
+                     dt="expanded", dt_rev="contiguous", x="contiguous", z="expanded"),
+        opts=dict(B_rev=True, C_rev=True, D=None, cuts=[84], dt_bias=True, dt_dtype="float32", dt_limit=[0.01, 2.0],
+                  dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
+}
+
 
 OPEN = pytest.mark.xfail(strict=True, reason="open (issue 14): d dt_bias past its bound at this case")
 OPEN_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): d dt_bias 1.3e-4 on the GPU")
+OPEN_16BIT_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): 16-bit dA on the GPU")
 
 
 @pytest.mark.parametrize("case", [*(pytest.param(c, marks=OPEN_ON_GPU) for c in FIXED_SUM_CASES),
-                                  *(pytest.param(c, marks=OPEN) for c in OPEN_SUM_CASES)])
+                                  *(pytest.param(c, marks=OPEN) for c in OPEN_SUM_CASES),
+                                  *(pytest.param(c, marks=OPEN_16BIT_ON_GPU) for c in OPEN_GPU_SUM_CASES)])
 def test_sweep_cases_of_the_sums_over_positions(case):
-    name, seed, params = {**FIXED_SUM_CASES, **OPEN_SUM_CASES}[case]
+    name, seed, params = {**FIXED_SUM_CASES, **OPEN_SUM_CASES, **OPEN_GPU_SUM_CASES}[case]
     failures = cases.run_case(cases.OPS[name], params, seed).failures
     assert not failures, failures
 
