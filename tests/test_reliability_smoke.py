@@ -175,10 +175,11 @@ OPEN_SUM_CASES = {
                   z=False))),
 }
 
-# 16-bit dA past its bound on the GPU only (H100 sweeps, seeds 5050 and 7002, each shrunk to one head,
-# headdim 1, dstate 1, chunk 16): SSD bfloat16 3.6e-4 against 2 x the quadratic form's 1.6e-4 in
-# bfloat16; bidirectional float16 1.8e-4 against 3 x the two-call foil's 2.9e-5. Both pass in the
-# interpreter. Open, strict xfails on the GPU.
+# 16-bit dA past its bound (H100 sweeps, seeds 5050 and 7002, each shrunk to one head, headdim 1,
+# dstate 1, chunk 16): SSD bfloat16 3.6e-4 against 2 x mamba_ssm's 1.6e-4; bidirectional float16
+# 1.8e-4 against 3 x the two-call foil's 2.9e-5. Widening the 16-bit tiles to float32 dots on the
+# GPU left both errors as they were. The interpreter draws other inputs from a seed, and with those
+# seeds both pass there; other seeds fail there too (OPEN_INTERPRETER_CASES below). Open, strict xfails.
 OPEN_GPU_SUM_CASES = {
     "ssd_bfloat16_dA_on_gpu": ("ssd_chunk_scan", 5050, dict(
         dims=dict(L=97, batch=1, chunk=16, dstate=1, groups=1, headdim=1, heads=1), dtype="bfloat16",
@@ -194,17 +195,37 @@ OPEN_GPU_SUM_CASES = {
                   dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
 }
 
+# The same shapes in the interpreter, at seeds that fail there (of 40 seeds, 11 failed for SSD; of 25,
+# 7 for the bidirectional op). SSD seed 31: the one-element final state is -0.0023 against -0.0010,
+# a sum of terms of about 0.2 that cancels, and the chunk-state kernel rounds each weighted x to
+# bfloat16 before its dot (as mamba_ssm does): that rounding, not a relative 1e-2 of the result, is
+# what the sum can hold. Bidirectional seed 20: dA 1.5e-2 against 3 x the foil's 1.7e-3. No rule
+# of the sweep allows for the first yet, and the second is not explained.
+def at_seed(case, seed):
+    name, _, params = OPEN_GPU_SUM_CASES[case]
+    return name, seed, params
+
+
+OPEN_INTERPRETER_CASES = {
+    "ssd_bfloat16_final_state_cancels_in_the_interpreter": at_seed("ssd_bfloat16_dA_on_gpu", 31),
+    "bidirectional_float16_dA_in_the_interpreter": at_seed("bidirectional_float16_dA_on_gpu", 20),
+}
+
 
 OPEN = pytest.mark.xfail(strict=True, reason="open (issue 14): d dt_bias past its bound at this case")
 OPEN_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): d dt_bias 1.3e-4 on the GPU")
 OPEN_16BIT_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): 16-bit dA on the GPU")
+OPEN_16BIT_INTERPRETED = [pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws"),
+                          pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit sums that cancel")]
+ALL_SUM_CASES = {**FIXED_SUM_CASES, **OPEN_SUM_CASES, **OPEN_GPU_SUM_CASES, **OPEN_INTERPRETER_CASES}
 
 
 @pytest.mark.parametrize("case", [*(pytest.param(c, marks=OPEN_ON_GPU) for c in FIXED_SUM_CASES),
                                   *(pytest.param(c, marks=OPEN) for c in OPEN_SUM_CASES),
-                                  *(pytest.param(c, marks=OPEN_16BIT_ON_GPU) for c in OPEN_GPU_SUM_CASES)])
+                                  *(pytest.param(c, marks=OPEN_16BIT_ON_GPU) for c in OPEN_GPU_SUM_CASES),
+                                  *(pytest.param(c, marks=OPEN_16BIT_INTERPRETED) for c in OPEN_INTERPRETER_CASES)])
 def test_sweep_cases_of_the_sums_over_positions(case):
-    name, seed, params = {**FIXED_SUM_CASES, **OPEN_SUM_CASES, **OPEN_GPU_SUM_CASES}[case]
+    name, seed, params = ALL_SUM_CASES[case]
     failures = cases.run_case(cases.OPS[name], params, seed).failures
     assert not failures, failures
 
