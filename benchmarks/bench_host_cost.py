@@ -3,9 +3,11 @@
 At small shapes a GPU finishes a kernel before Python has launched the next, so the time per call
 is the host's: argument checks, autograd, allocation and the kernel launches. Each case runs a
 loop of calls and synchronises the device once, after the loop; time per call = loop time / calls.
-Ours and the peer's loops alternate, seven rounds each, and the ratio is the median of the seven
-rounds' ratios: the host's speed drifts over a run (other tenants, clocks) by more than the
-differences measured, and alternating puts both sides under the same drift. Forward alone runs under torch.no_grad(); forward+backward goes through
+Ours and the peer's loops alternate, fifteen rounds each, and the ratio is the median of the
+rounds' ratios (with their quartiles): the host's speed drifts over a run (other tenants, clocks)
+by more than the differences measured, and alternating puts both sides under the same drift. How
+far that drift still moves a ratio shows in an A/A row per case: ours against ours, which should
+read 1.00. Forward alone runs under torch.no_grad(); forward+backward goes through
 autograd (``torch.autograd.grad``), as training does. Peers in the same run: accelerated-scan's
 Triton scan for linear_scan, mamba_ssm 2.3.2.post1's CUDA ``selective_scan_fn`` for selective_scan
 (where its extension is built: build_selective_scan_cuda.py), its Triton ``mamba_chunk_scan_combined``
@@ -65,15 +67,17 @@ def per_call_us(fn, calls, rounds=7):
     return statistics.median(loop_us(fn, calls) for _ in range(rounds))
 
 
-def paired_us(ours, theirs, calls, rounds=7):
-    """(ours, theirs, ratio): the median time per call of each and the median of the rounds' ratios,
-    their loops alternating round by round."""
+def paired_us(ours, theirs, calls, rounds=15):
+    """(ours, theirs, ratio, (lower, upper) quartiles of the ratio): the median time per call of
+    each and the median of the rounds' ratios, their loops alternating round by round."""
     for fn in (ours, theirs):
         fn()
     synchronize()
     times = [(loop_us(ours, calls), loop_us(theirs, calls)) for _ in range(rounds)]
+    ratios = [t / u for t, u in times]
+    quartiles = statistics.quantiles(ratios, n=4)
     return (statistics.median(t for t, _ in times), statistics.median(t for _, t in times),
-            statistics.median(t / u for t, u in times))
+            statistics.median(ratios), (quartiles[0], quartiles[2]))
 
 
 def randn(*shape, dtype=torch.bfloat16, scale=1.0, grad=False):
@@ -217,7 +221,7 @@ def breakdown(calls):
                     for out, grad in zip(outs, grads)]
         parts.append((f"{name}: backward alone", peer_name, *backward))
     for what, peer_name, ours, theirs in parts:
-        ours_us, peer_us, ratio = paired_us(ours, theirs, calls)
+        ours_us, peer_us, ratio, _ = paired_us(ours, theirs, calls)
         print(f"{what} | ours_us={ours_us:.1f} | {peer_name}_us={peer_us:.1f} | ratio={ratio:.2f}", flush=True)
 
 
@@ -230,6 +234,14 @@ def profile(fn, calls):
     synchronize()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
+def describe(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    if isinstance(value, tuple):
+        return "(" + ", ".join(map(describe, value)) + ")"
+    return str(value)
 
 
 def main():
@@ -249,10 +261,12 @@ def main():
             inputs = make(grad)
             wrap = forward_backward if grad else forward_only
             if theirs:
-                ours_us, peer_us, ratio = paired_us(wrap(ours, inputs), wrap(theirs, inputs), args.calls)
+                ours_us, peer_us, ratio, quartiles = paired_us(wrap(ours, inputs), wrap(theirs, inputs), args.calls)
             else:
-                ours_us, peer_us, ratio = per_call_us(wrap(ours, inputs), args.calls), None, None
-            row = dict(op=name, pass_=pass_, ours_us=ours_us, peer=peer_name, peer_us=peer_us, ratio=ratio)
+                ours_us, peer_us, ratio, quartiles = per_call_us(wrap(ours, inputs), args.calls), None, None, None
+            *_, same_ratio, _ = paired_us(wrap(ours, inputs), wrap(ours, inputs), args.calls)
+            row = dict(op=name, pass_=pass_, ours_us=ours_us, peer=peer_name, peer_us=peer_us, ratio=ratio,
+                       ratio_quartiles=quartiles, ours_vs_ours=same_ratio)
             if DEVICE.type == "cuda":
                 replay, same = graph_replay(ours, make(grad), backward=grad)
                 row.update(graph_us=per_call_us(replay, args.calls), graph_equals_eager=same)
@@ -260,8 +274,7 @@ def main():
             if args.profile:
                 print(f"--- profile: {name} {pass_}")
                 profile(wrap(ours, inputs), args.calls)
-            print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+            print(" | ".join(f"{k}={describe(v)}" for k, v in row.items()), flush=True)
     if args.breakdown:
         breakdown(args.calls)
     if args.json:

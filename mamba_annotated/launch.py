@@ -19,10 +19,15 @@ Triton would pick), and launches it through the compiled kernel's launcher direc
       profiler such as proton), goes through Triton's own path, which compiles, tunes and calls
       the hooks.
 
-Binding and classifying are generated as straight-line code for each call shape (how many
-positional arguments, which keywords), the first time that shape is seen: a loop over the
-arguments with a type test per argument cost nearly as much host time as Triton's own launch call
-(measured in benchmarks/bench_host_cost.py's profile).
+Computing those classes costs arithmetic on every integer at every launch, so a first dictionary
+takes the arguments more exactly: integers by value (the strides and sizes of a model's layers
+repeat from step to step), other scalars by (type, value). A key missing there is classified and
+found in the second dictionary, then remembered in the first.
+
+Binding and keying are generated as straight-line code for each call shape (how many positional
+arguments, which keywords), the first time that shape is seen: a loop over the arguments with a
+type test per argument cost nearly as much host time as Triton's own launch call (measured in
+benchmarks/bench_host_cost.py's profile).
 
 Launching through ``CompiledKernel.run`` uses an internal Triton interface (the same call in Triton
 3.6, run on the GPU, and 3.9, read); in the interpreter (``TRITON_INTERPRET=1``) the decorator
@@ -32,7 +37,6 @@ change of alignment or dtype gets its own kernel.
 import torch
 import triton
 from triton import knobs
-from triton.runtime import driver
 
 from .runtime import INTERPRETED
 
@@ -56,12 +60,21 @@ def classify(values, constexpr) -> tuple:
     return tuple(v if c else classify_value(v) for v, c in zip(values, constexpr))
 
 
+# what Triton's CUDA driver asks for the current device and stream, without the driver's Python layers
+current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
+current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
 def launch_hooks_registered() -> bool:
     return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
 class LeanLaunch:
     """``kernel[grid](...)`` as Triton's, with the bookkeeping done once per specialization."""
+
+    # exact keys kept per kernel before the dictionary starts afresh: a length that changes at
+    # every call (decoding) makes a new exact key each time, found again through its class
+    MAX_EXACT_KEYS = 4096
 
     def __init__(self, kernel):
         self.kernel = kernel                       # a JITFunction, or an Autotuner around one
@@ -74,8 +87,9 @@ class LeanLaunch:
         self.defaults = {name: p.default for name, p in jit.signature.parameters.items()
                          if p.default is not p.empty}
         self.tuning_key = [self.param_names.index(name) for name in getattr(kernel, "keys", ())]
-        self.compiled = {}                         # cache key -> (compiled kernel, tuned block sizes)
-        self.binders = {}                          # (positional count, keyword names) -> binder
+        self.compiled = {}       # (device, class key) -> (compiled kernel, ((param index, tuned value), ...))
+        self.exact = {}          # (device, exact key) -> the same entry
+        self.binders = {}        # (positional count, keyword names) -> binder
 
     def __getattr__(self, name):  # everything else is the kernel's (e.g. .src, .configs, .best_config)
         return getattr(self.kernel, name)
@@ -84,43 +98,51 @@ class LeanLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def binder(self, positional: int, keywords: tuple):
-        """``bind(args, kwargs) -> (values, launched, key)`` for calls with this many positional
+        """``bind(args, kwargs) -> (values, launched, exact key)`` for calls with this many positional
         arguments and these keyword names: the parameters' values in signature order, the same with
-        each tensor replaced by its data pointer (what the launcher is given), and the cache key
-        (the class of each value as :func:`classify` gives it, the tuning key's values, the launch
-        options such as num_warps). Generated as straight-line code once per call shape, because a
-        loop over the arguments with a test per type costs microseconds at every launch."""
+        each tensor replaced by its data pointer (what the launcher is given), and the exact key:
+        each tensor by (dtype, data pointer a multiple of 16), each int by its value, any other
+        value by (type, value) (True == 1 == 1.0 in Python, not in Triton), then the tuning key's
+        values and the launch options such as num_warps. Generated as straight-line code once per
+        call shape, because a loop over the arguments with a test per type costs microseconds at
+        every launch."""
         found = self.binders.get((positional, keywords))
         if found is not None:
             return found
         names = [f"v{i}" for i in range(len(self.param_names))]
         lines = [f"    {names[i]} = args[{i}]" for i in range(positional)]
-        scope = {"Tensor": torch.Tensor, "classify_value": classify_value}
+        scope = {"Tensor": torch.Tensor}
         for i, name in enumerate(self.param_names[positional:], start=positional):
             if name in keywords:
                 lines.append(f"    {names[i]} = kwargs[{name!r}]")
             else:
                 scope[f"default{i}"] = self.defaults.get(name)
                 lines.append(f"    {names[i]} = default{i}")
-        launched, classes = [], []
+        launched, exact = [], []
         for v, constexpr in zip(names, self.constexpr):
             if constexpr:
                 launched.append(v)
-                classes.append(v)
+                exact.append(v)  # by value, as in the class key
                 continue
             # a tensor is launched as its data pointer: Triton's launcher takes an int as it is, where a
-            # tensor costs it a call of data_ptr() and a driver query of the pointer
-            lines += [f"    if type({v}) is Tensor:",
+            # tensor costs it a call of data_ptr() and a driver query of the pointer. An int, nearly
+            # every other argument, is its own key: nothing to compute
+            lines += [f"    t{v} = type({v})",
+                      f"    if t{v} is Tensor:",
                       f"        p{v} = {v}.data_ptr()",
-                      f"        c{v} = ({v}.dtype, p{v} & 15 == 0)",
+                      f"        e{v} = ({v}.dtype, p{v} & 15 == 0)",
+                      f"    elif t{v} is int:",
+                      f"        p{v} = e{v} = {v}",
+                      f"    elif isinstance({v}, Tensor):  # a Parameter, or another subclass",
+                      f"        p{v} = {v}.data_ptr()",
+                      f"        e{v} = ({v}.dtype, p{v} & 15 == 0)",
                       f"    else:",
                       f"        p{v} = {v}",
-                      f"        c{v} = classify_value({v})"]
+                      f"        e{v} = (t{v}, {v})"]
             launched.append(f"p{v}")
-            classes.append(f"c{v}")
-        tuned = [names[i] for i in self.tuning_key]
+            exact.append(f"e{v}")
         options = [f"kwargs[{k!r}]" for k in keywords if k not in self.param_names]
-        key = ", ".join(classes + tuned + options)
+        key = ", ".join(exact + options)
         source = ("def bind(args, kwargs):\n" + "\n".join(lines)
                   + f"\n    return ({', '.join(names)},), ({', '.join(launched)},), ({key},)\n")
         exec(compile(source, f"<lean_launch binder of {self.param_names}>", "exec"), scope)
@@ -130,27 +152,46 @@ class LeanLaunch:
     def bind(self, args, kwargs):
         return self.binder(len(args), tuple(kwargs))(args, kwargs)
 
+    def class_key(self, values, kwargs) -> tuple:
+        """The key of the compiled kernel: the class of each value (:func:`classify`), the tuning
+        key's values, the launch options."""
+        options = tuple(value for name, value in kwargs.items() if name not in self.param_names)
+        return classify(values, self.constexpr) + tuple(values[i] for i in self.tuning_key) + options
+
     def launch(self, grid, args, kwargs):
         if launch_hooks_registered():
             return self.kernel[grid](*args, **kwargs)
-        values, launched, key = self.bind(args, kwargs)
-        device = driver.active.get_current_device()
-        entry = self.compiled.get((device, key))
+        values, launched, exact_key = self.bind(args, kwargs)
+        device = current_device()
+        entry = self.exact.get((device, exact_key))
         if entry is None:
-            compiled = self.kernel[grid](*args, **kwargs)   # compiles (and tunes) as usual
-            best = getattr(self.kernel, "best_config", None)
-            if best is not None and best.pre_hook is not None:
-                return compiled                              # a pre-hook must run at every launch
-            self.compiled[(device, key)] = (compiled, dict(best.kwargs) if best is not None else {})
-            return compiled
+            entry = self.compiled.get((device, self.class_key(values, kwargs)))
+            if entry is None:
+                return self.compile(grid, args, kwargs, device, values)
+            if len(self.exact) >= self.MAX_EXACT_KEYS:
+                self.exact.clear()
+            self.exact[(device, exact_key)] = entry
         compiled, tuned = entry
-        if tuned:
-            values, launched, _ = self.bind(args, {**kwargs, **tuned})
+        if tuned:  # the tuned block sizes take their parameters' places (binding again cost as much as the first time)
+            values, launched = list(values), list(launched)
+            for index, value in tuned:
+                values[index] = launched[index] = value
         if callable(grid):
             grid = grid(dict(zip(self.param_names, values)))
-        stream = driver.active.get_current_stream(device)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, current_stream(device),
                      compiled.function, compiled.packed_metadata, None, None, None, *launched)
+        return compiled
+
+    def compile(self, grid, args, kwargs, device, values):
+        """The first launch of a specialization: Triton's own path, which compiles (and tunes); the
+        kernel is then kept under its class key."""
+        compiled = self.kernel[grid](*args, **kwargs)
+        best = getattr(self.kernel, "best_config", None)
+        if best is not None and best.pre_hook is not None:
+            return compiled                              # a pre-hook must run at every launch
+        tuned = best.kwargs.items() if best is not None else ()
+        self.compiled[(device, self.class_key(values, kwargs))] = (
+            compiled, tuple((self.param_names.index(name), value) for name, value in tuned))
         return compiled
 
 

@@ -49,23 +49,29 @@ def test_argument_classes():
 def test_binding_follows_the_signature():
     launcher = LeanLaunch(JITFunction(add_kernel))
     x = torch.zeros(4)
-    values, launched, key = launcher.bind((x, x, x, 4), dict(stride=1, SCALE=2.0, num_warps=2))
+    options = dict(stride=1, SCALE=2.0, num_warps=2)
+    values, launched, _ = launcher.bind((x, x, x, 4), options)
     assert values == (x, x, x, 4, 1, 2.0, 64)          # BLOCK's default filled in
     assert launched == (x.data_ptr(),) * 3 + (4, 1, 2.0, 64)  # tensors go to the launcher as pointers
-    assert key == classify(values, launcher.constexpr) + (2,)  # num_warps, a launch option, last
+    assert launcher.class_key(values, options) == classify(values, launcher.constexpr) + (2,)  # num_warps last
     values, _, _ = launcher.bind((x, x, x), dict(SCALE=3.0, n=5, stride=2, BLOCK=128))
     assert values == (x, x, x, 5, 2, 3.0, 128)
 
 
-def test_generated_key_classifies_as_classify_does():
-    # the binder's inline code for tensors must agree with classify_value on every kind of argument
+def test_exact_key_is_at_least_as_fine_as_the_class_key():
+    # the first lookup is by the binder's exact key: two calls that share it must share the class
+    # key, or a cached kernel would be launched for arguments Triton specializes differently
     launcher = LeanLaunch(JITFunction(add_kernel))
     t = torch.zeros(16)
-    arguments = [t, t[1:], t.half(), torch.nn.Parameter(t[4:]), None, True, 1, 16, 2 ** 31, 2 ** 63, -3, 0.5]
+    arguments = [t, t[1:], t.half(), torch.nn.Parameter(t[4:]), None, True, False, 1, 0, 1.0, 0.0, 16, 17,
+                 2 ** 31, 2 ** 63, -3, 0.5]
+    seen = {}
     for x in arguments:
         for n in arguments:
-            values, _, key = launcher.bind((x, t, t, n, 1), dict(SCALE=1.0))
-            assert key == classify(values, launcher.constexpr), (x, n)
+            values, _, exact = launcher.bind((x, t, t, n, 1), dict(SCALE=1.0))
+            class_key = launcher.class_key(values, dict(SCALE=1.0))
+            assert seen.setdefault(exact, class_key) == class_key, (x, n)
+    assert len(seen) == (len(arguments) - 1) ** 2  # t and the Parameter (both aligned float32) share their keys
 
 
 @gpu_only
@@ -95,5 +101,5 @@ def test_lean_path_keeps_the_tuned_configuration():
         out = torch.full_like(x, float("nan"))
         launcher[lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)](x, y, out, 777, 1, SCALE=0.5)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    (_, blocks), = launcher.compiled.values()
-    assert blocks == tuned.best_config.kwargs
+    (_, placed), = launcher.compiled.values()  # the tuned block sizes, by parameter index
+    assert {launcher.param_names[i]: value for i, value in placed} == tuned.best_config.kwargs
