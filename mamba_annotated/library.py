@@ -26,8 +26,6 @@ Each op is described by six functions:
 Custom ops return tensors only, so the gradient of an optional input that was None travels as an
 empty tensor (:func:`absent`), and ``grads`` returns None for it.
 """
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -58,34 +56,39 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
             return output
 
         @staticmethod
-        @once_differentiable
         def backward(ctx, *output_grads):
-            with on_device_of(output_grads[0]):
-                return grads(ctx, backward, *output_grads)
+            # with create_graph=True grad mode is on here, and the gradients must refuse a second
+            # differentiation (the kernels record no graph); otherwise once_differentiable would
+            # only run the same call under no_grad, at a cost of microseconds per call
+            run = twice_refused if torch.is_grad_enabled() else grads
+            return run_on_device_of(output_grads[0], run, ctx, backward, *output_grads)
 
+    twice_refused = once_differentiable(grads)
     Eager.__name__ = Eager.__qualname__ = "".join(part.title() for part in name.split("_"))
+
+    def run_eagerly(*inputs):
+        if torch.is_grad_enabled():
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return Eager.apply(*inputs)
+        return forward(*inputs)  # nothing to differentiate: autograd would record nothing
 
     def apply(*inputs):
         if torch.compiler.is_compiling():
             return forward_op(*inputs)
-        with on_device_of(inputs[0]):
-            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-                return Eager.apply(*inputs)
-            return forward(*inputs)  # nothing to differentiate: autograd would record nothing
+        return run_on_device_of(inputs[0], run_eagerly, *inputs)
 
     apply.op, apply.backward_op = forward_op, backward_op
     return apply
 
 
-STAY = contextlib.nullcontext()  # reusable: made once, not at every call
-
-
-def on_device_of(tensor):
-    """Triton launches on the current CUDA device, so a call on tensors of another GPU makes it
-    current for the call (and a no-op context when it already is, or on the CPU)."""
+def run_on_device_of(tensor, fn, *args):
+    """``fn(*args)`` with ``tensor``'s GPU current: Triton launches on the current CUDA device, so a
+    call on tensors of another GPU makes theirs current for the call."""
     if tensor.is_cuda and tensor.get_device() != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return STAY
+        with torch.cuda.device(tensor.device):
+            return fn(*args)
+    return fn(*args)
 
 
 def traced_or_captured() -> bool:
