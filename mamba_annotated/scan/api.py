@@ -141,7 +141,7 @@ def contiguous(x):
 
 def as_groups(M):
     """(batch, N, L) -> (batch, 1, N, L); a 4-d B or C is already (batch, groups, N, L)."""
-    return M if M.dim() == 4 else M[:, None]
+    return M if M.dim() == 4 else M.unsqueeze(1)  # unsqueeze: a microsecond less host time than M[:, None]
 
 
 def selective_forward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -183,8 +183,17 @@ def selective_backward(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B:
         *(contiguous(x) for x in (u, delta, A, as_groups(B), as_groups(C), D, z, delta_bias)),
         delta_softplus=delta_softplus, chunk_states=chunk_states, grad_y=grad_y.contiguous(),
         grad_last_state=contiguous(grad_last_state))
-    return [grads[name].to(x.dtype).view_as(x) if x is not None else absent(u)
-            for name, x in zip(SELECTIVE_INPUTS, inputs)]
+    return [as_input(grads[name], x) if x is not None else absent(u) for name, x in zip(SELECTIVE_INPUTS, inputs)]
+
+
+def as_input(grad, x):
+    """``grad`` in ``x``'s dtype and shape. A gradient has x's shape already or, for a 3-d B or C,
+    the grouped (batch, 1, N, L), so the number of dimensions tells them apart. Most gradients need
+    neither change, and a ``to`` or ``view_as`` that changes nothing still costs a microsecond or
+    two of host time per call."""
+    if grad.dtype != x.dtype:
+        grad = grad.to(x.dtype)
+    return grad if grad.dim() == x.dim() else grad.view_as(x)
 
 
 def fake_selective_backward(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_states, grad_y,
