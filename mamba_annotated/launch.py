@@ -61,8 +61,9 @@ def classify(values, constexpr) -> tuple:
 
 
 # what Triton's CUDA driver asks for the current device and stream, without the driver's Python layers
-current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None
-current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+# (absent from a CPU build of torch, where nothing launches)
+current_device = getattr(torch._C, "_cuda_getDevice", None)
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def launch_hooks_registered() -> bool:
