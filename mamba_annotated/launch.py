@@ -12,7 +12,7 @@ Triton would pick), and launches it through the compiled kernel's launcher direc
 
     * tensors by (dtype, data pointer a multiple of 16); constexpr arguments by their value;
       other integers by (== 1, multiple of 16, fits in 32 bits, fits in 64 signed bits); other
-      values by type; the call's launch options (num_warps...) by value; the current device;
+      values by type; the call's launch options (num_warps...) by name and value; the current device;
     * an autotuned kernel also by the exact values of its tuning key, and the tuned configuration
       (its block sizes) is remembered with the kernel;
     * the first call of each specialization, and any call while a launch hook is registered (a
@@ -44,14 +44,17 @@ from .runtime import INTERPRETED
 def classify_value(v):
     """The class of one non-constexpr argument in the cache key: None and bools by value; tensors
     by (dtype, data pointer a multiple of 16); integers by (== 1, multiple of 16, in the 32-bit
-    range, in the signed 64-bit range) packed in one int; floats by type (Triton passes them as
-    fp32, unspecialized); anything else by value."""
+    range, in the signed 64-bit range) packed in one int, with a fifth bit always set so that no
+    integer's class equals False or True (0 == False in Python: an unsigned 64-bit integer would
+    otherwise share a bool's class); floats by type (Triton passes them as fp32, unspecialized);
+    anything else by value."""
     if v is None or type(v) is bool:
         return v
     if isinstance(v, torch.Tensor):
         return v.dtype, v.data_ptr() & 15 == 0
     if type(v) is int:
-        return (v == 1) | ((v & 15) == 0) << 1 | (-2 ** 31 <= v < 2 ** 31) << 2 | (-2 ** 63 <= v < 2 ** 63) << 3
+        return (16 | (v == 1) | ((v & 15) == 0) << 1 | (-2 ** 31 <= v < 2 ** 31) << 2
+                | (-2 ** 63 <= v < 2 ** 63) << 3)
     return float if isinstance(v, float) else v
 
 
@@ -103,8 +106,8 @@ class LeanLaunch:
         arguments and these keyword names: the parameters' values in signature order, the same with
         each tensor replaced by its data pointer (what the launcher is given), and the exact key:
         each tensor by (dtype, data pointer a multiple of 16), each int by its value, any other
-        value by (type, value) (True == 1 == 1.0 in Python, not in Triton), then the tuning key's
-        values and the launch options such as num_warps. Generated as straight-line code once per
+        value by (type, value) (True == 1 == 1.0 in Python, not in Triton), then the launch options
+        such as num_warps by name and value. Generated as straight-line code once per
         call shape, because a loop over the arguments with a test per type costs microseconds at
         every launch."""
         found = self.binders.get((positional, keywords))
@@ -142,7 +145,8 @@ class LeanLaunch:
                       f"        e{v} = (t{v}, {v})"]
             launched.append(f"p{v}")
             exact.append(f"e{v}")
-        options = [f"kwargs[{k!r}]" for k in keywords if k not in self.param_names]
+        # launch options by name and value: num_warps=4 is not num_stages=4
+        options = [f"{k!r}, kwargs[{k!r}]" for k in keywords if k not in self.param_names]
         key = ", ".join(exact + options)
         source = ("def bind(args, kwargs):\n" + "\n".join(lines)
                   + f"\n    return ({', '.join(names)},), ({', '.join(launched)},), ({key},)\n")
@@ -156,7 +160,7 @@ class LeanLaunch:
     def class_key(self, values, kwargs) -> tuple:
         """The key of the compiled kernel: the class of each value (:func:`classify`), the tuning
         key's values, the launch options."""
-        options = tuple(value for name, value in kwargs.items() if name not in self.param_names)
+        options = tuple(item for name, value in kwargs.items() if name not in self.param_names for item in (name, value))
         return classify(values, self.constexpr) + tuple(values[i] for i in self.tuning_key) + options
 
     def launch(self, grid, args, kwargs):

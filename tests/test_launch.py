@@ -33,6 +33,8 @@ def test_integer_classes_separate_what_triton_specializes_on():
     assert classes[4] != classes[5] and classes[6] != classes[7]
     assert one(32) == one(48) == one(2 ** 20) == one(-16)
     assert one(3) == one(5) == one(-1)
+    # 64-bit unsigned values fit none of the ranges; their class must still differ from a bool's
+    assert one(2 ** 63 + 1) != one(False) and one(2 ** 64 - 15) != one(False) and one(-2 ** 63 - 1) != one(True)
 
 
 def test_argument_classes():
@@ -53,9 +55,22 @@ def test_binding_follows_the_signature():
     values, launched, _ = launcher.bind((x, x, x, 4), options)
     assert values == (x, x, x, 4, 1, 2.0, 64)          # BLOCK's default filled in
     assert launched == (x.data_ptr(),) * 3 + (4, 1, 2.0, 64)  # tensors go to the launcher as pointers
-    assert launcher.class_key(values, options) == classify(values, launcher.constexpr) + (2,)  # num_warps last
+    # num_warps, a launch option, last, by name and value
+    assert launcher.class_key(values, options) == classify(values, launcher.constexpr) + ("num_warps", 2)
     values, _, _ = launcher.bind((x, x, x), dict(SCALE=3.0, n=5, stride=2, BLOCK=128))
     assert values == (x, x, x, 5, 2, 3.0, 128)
+
+
+def test_launch_options_are_keyed_by_name():
+    # num_warps=4 and num_stages=4 compile different kernels: neither key may confuse them
+    launcher = LeanLaunch(JITFunction(add_kernel))
+    x = torch.zeros(4)
+    keys = set()
+    for options in (dict(num_warps=4), dict(num_stages=4), dict(num_warps=4, num_stages=2),
+                    dict(num_stages=4, num_warps=2)):
+        values, _, exact = launcher.bind((x, x, x, 4, 1), dict(SCALE=1.0, **options))
+        keys.add((exact, launcher.class_key(values, dict(SCALE=1.0, **options))))
+    assert len({exact for exact, _ in keys}) == len({class_key for _, class_key in keys}) == 4
 
 
 def test_exact_key_is_at_least_as_fine_as_the_class_key():
