@@ -132,12 +132,9 @@ class LeanLaunch:
             # tensor costs it a call of data_ptr() and a driver query of the pointer. An int, nearly
             # every other argument, is its own key: nothing to compute
             lines += [f"    t{v} = type({v})",
-                      f"    if t{v} is Tensor:",
-                      f"        p{v} = {v}.data_ptr()",
-                      f"        e{v} = ({v}.dtype, p{v} & 15 == 0)",
-                      f"    elif t{v} is int:",
+                      f"    if t{v} is int:",
                       f"        p{v} = e{v} = {v}",
-                      f"    elif isinstance({v}, Tensor):  # a Parameter, or another subclass",
+                      f"    elif isinstance({v}, Tensor):  # Parameters and other subclasses too",
                       f"        p{v} = {v}.data_ptr()",
                       f"        e{v} = ({v}.dtype, p{v} & 15 == 0)",
                       f"    else:",

@@ -304,25 +304,20 @@ def plan(rows, length, block=None, blocks_per_segment=None, max_block=ASCENDING_
 
 
 @functools.lru_cache(maxsize=4096)
-def default_plan(rows, length, element_size, adjoint, descending):
-    """(block, blocks_per_segment, num_segments, num_warps) of :func:`plan` and :func:`launch_shape`,
-    remembered: a model scans the same shapes at every step, and planning them again cost
-    microseconds of host time at each call."""
-    max_block, num_warps = launch_shape(element_size, adjoint, descending)
-    return (*plan(rows, length, max_block=max_block), num_warps)
+def launch_plan(rows, length, element_size, adjoint, descending, block, blocks_per_segment, num_warps):
+    """(block, blocks_per_segment, num_segments, num_warps) from :func:`plan` and :func:`launch_shape`,
+    with any override given, remembered: a model scans the same shapes at every step, and planning
+    them again cost microseconds of host time at each call."""
+    max_block, default_warps = launch_shape(element_size, adjoint, descending)
+    return (*plan(rows, length, block, blocks_per_segment, max_block), num_warps or default_warps)
 
 
 def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
           block=None, blocks_per_segment=None, num_warps=None):
     """Scan rows of (a, b) into ``out`` in the given direction, in one or three phases."""
     rows, length = a.shape
-    if block is None and blocks_per_segment is None and num_warps is None:
-        block, blocks_per_segment, num_segments, num_warps = default_plan(rows, length, a.element_size(), adjoint,
-                                                                          descending)
-    else:
-        max_block, default_warps = launch_shape(a.element_size(), adjoint, descending)
-        num_warps = num_warps or default_warps
-        block, blocks_per_segment, num_segments = plan(rows, length, block, blocks_per_segment, max_block)
+    block, blocks_per_segment, num_segments, num_warps = launch_plan(
+        rows, length, a.element_size(), adjoint, descending, block, blocks_per_segment, num_warps)
     row = min(16 // a.element_size(), block)  # descending tiles: one 16-byte vector per row
     ends = None
     if num_segments > 1:
