@@ -405,8 +405,8 @@ def test_fused_sizes_that_are_not_blocks(chunk_size, headdim, dstate):
                  tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("argument, t", [("x", 2), ("x", 10), ("x", 30), ("B", 2), ("dt", 10), ("B_rev", 20),
-                                         ("dt_rev", 33), ("C", 7)])
+@pytest.mark.parametrize("argument, t", [("x", 2), ("x", 10), ("x", 30), ("B", 2), ("dt", 3), ("dt", 10),
+                                         ("B_rev", 20), ("dt_rev", 3), ("dt_rev", 33), ("C", 7)])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it(argument, t, value):
     """Packed sequences (row 0: [0, 5), [5, 6), [6, 16), [16, 37); chunks of 16): a NaN or inf at
@@ -415,8 +415,9 @@ def test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it(argument, t
     direction's: t and those before; C: t) and leaves the other outputs the same bits. A weight
     of 0 for another sequence's position did not keep its NaN out: 0 x NaN in the diagonal
     block's product, in the chunk states and in the carried state (found on the H100 by the
-    reliability step). (The dense float64 reference is no judge here: its matrix product has the
-    same 0 x NaN.)"""
+    reliability step). A bad step reached the later sequences of its chunk through the cumulative
+    sums, which now restart at each boundary (dt and dt_rev at t = 3). (The dense float64
+    reference is no judge here: its matrix product has the same 0 x NaN.)"""
     inputs = make_inputs(batch=1, heads=2, groups=1)
     seq_idx = packed_ids(1, 37)
     kw = dict(chunk_size=16, dt_softplus=True, seq_idx=seq_idx)
@@ -484,6 +485,22 @@ def test_fused_views_forward_and_gradients(shift):
     errors = assert_gradients_close(ours, ref, leaves, tol=1.0)
     for name, err in errors.items():
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
+
+
+@pytest.mark.parametrize("shift, separate", [(False, False), (True, True)])
+def test_fused_packed_after_a_strongly_decaying_sequence(shift, separate):
+    """The cumulative sums restart at each boundary, so a weight factored through a reference
+    position across one can overflow (exp of a large positive exponent): the dx kernel's
+    transposed tiles multiplied such a weight by a zeroed score, 0 x inf = NaN in dx and d dt.
+    Sequence [5, 6) holds one step of 200 (a decay of e^-100 or less, both directions), so the
+    exponents from it to its neighbours pass float32's exp range; forward and every gradient
+    against float64. (Sequences of many large steps lose digits however the sums run: a is then
+    large, and a_t - a_s near the diagonal keeps only its absolute rounding, 2^-24 |a|.)"""
+    inputs = make_inputs(batch=2, heads=2, groups=1, separate=separate)
+    for name in ("dt", "dt_rev"):
+        if inputs.get(name) is not None:
+            inputs[name][0, 5] = 200.0
+    check_fused(inputs, chunk_size=16, dt_softplus=True, seq_idx=packed_ids(2, 37), shift=shift)
 
 
 @pytest.mark.parametrize("shift", [False, True])

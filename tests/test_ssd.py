@@ -575,14 +575,14 @@ def test_a_non_finite_value_never_reaches_earlier_outputs(argument, value):
         assert torch.isfinite(y[:, t + 1:]).all()
 
 
-@pytest.mark.parametrize("argument, t", [("x", 2), ("B", 2), ("x", 20), ("C", 20)])
+@pytest.mark.parametrize("argument, t", [("x", 2), ("B", 2), ("x", 20), ("C", 20), ("dt", 2), ("dt", 7)])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_value_stays_in_its_packed_sequence(argument, t, value):
-    """Packed sequences (row 0: [0, 5), [5, 16), [16, 37); chunks of 16): a NaN or inf in x, B or C
-    of one sequence leaves the other sequences' outputs the same bits. Weights of 0 did not keep it
-    out: 0 x NaN in the diagonal block's product with x, in the chunk state (w = 0 times x and B)
-    and in the carry (the state times gamma = 0). (A bad step dt still crosses a boundary inside a
-    chunk: the chunk-local cumulative sums of dt A run across it; chapter 5 names that limit.)"""
+    """Packed sequences (row 0: [0, 5), [5, 16), [16, 37); chunks of 16): a NaN or inf in x, B, C
+    or dt of one sequence leaves the other sequences' outputs the same bits. Weights of 0 did not
+    keep it out: 0 x NaN in the diagonal block's product with x, in the chunk state (w = 0 times x
+    and B) and in the carry (the state times gamma = 0). A bad step dt crossed a boundary inside
+    its chunk through the cumulative sums of dt A, which ran across it: they now restart there."""
     inputs = make_inputs(batch=1, length=37, heads=2, groups=1, seq_idx=True)
     del inputs["initial_states"]
     clean = ssd_chunk_scan(**inputs, chunk_size=16, dt_softplus=True)
@@ -594,6 +594,22 @@ def test_a_non_finite_value_stays_in_its_packed_sequence(argument, t, value):
     assert torch.equal(y[:, other], clean[:, other]), "a non-finite value reached another sequence"
     reads = torch.arange(37) == t if argument == "C" else (torch.arange(37) >= t) & ~other
     assert not y[:, reads].isfinite().all(-1).all(-1).any(), "an output that reads the value is finite"
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32])
+def test_packed_sequences_after_a_strongly_decaying_one(chunk_size):
+    """The cumulative sums restart at each boundary, so across one the exponent of a weight that
+    the mask drops can be large and positive (exp overflows): every such weight must be dropped
+    by a select, not multiplied by 0 (0 x inf = NaN). Position 5 starts a sequence with one step
+    of 200 (a decay of e^-100 or less): the exponents from it to the positions after it in its
+    chunk pass float32's exp range. Forward and every gradient against float64."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, seq_idx=True)
+    inputs["dt"][0, 5] = 200.0
+    kw = dict(dt_softplus=True)
+    out = ssd_chunk_scan(**inputs, chunk_size=chunk_size, **kw)
+    assert_close(out, ssd_quadratic_ref(**inputs, **kw), tolerance(torch.float32))
+    check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=chunk_size, **kw),
+                        lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
 
 
 # ---------------------------------------------------------------- GPU: real sizes and the peer

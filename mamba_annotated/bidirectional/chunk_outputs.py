@@ -144,9 +144,11 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
     # Off the band a weight factors through a reference position between rows and columns:
     # exp(r_t - a_s) = exp(r_t - a_ref) exp(a_ref - a_s), a_ref = a at the row block's first row
     # minus one, and exp(e_s - rho_t) = exp(e_s - e_ref) exp(e_ref - rho_t), e_ref = e at the row
-    # after the block. The cumulative sums are monotone, so every factor's exponent has the sign
-    # of A (no factor overflows where the weight does not), and a tile of BLOCK_M x BLOCK_K
-    # weights costs BLOCK_K exponentials instead of BLOCK_M * BLOCK_K.
+    # after the block. Within a sequence the cumulative sums are monotone and the reference lies
+    # between row and column, so both factors' exponents have the sign of A (no factor overflows
+    # where the weight does not); across a boundary the sums restart and a factor may overflow,
+    # but diagonal_step drops those weights by a select. A tile of BLOCK_M x BLOCK_K weights
+    # costs BLOCK_K exponentials instead of BLOCK_M * BLOCK_K.
     a_ref = tl.load(a_ptr + chunk_base + tl.maximum(m_first - 1, 0))
     to_rows = tl.exp2((r_t - a_ref) * LOG2E)
     for k0 in range(0, m_first, BLOCK_K):

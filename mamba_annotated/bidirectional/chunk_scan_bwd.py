@@ -77,10 +77,12 @@ class DecaySlots:
 
 
 @triton.jit
-def transposed_tiles(G_base, dy_base, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
+def transposed_tiles(G_base, dy_base, w, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
                      stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr):
-    """The tiles of one step over the rows t (chunk positions k), for the columns m: G[t, s] as an
-    (s, t) tile, zeroed past the chunk's end and, with seq_idx, across sequences; and dy_t."""
+    """The tiles of one step over the rows t (chunk positions k), for the columns m: G[t, s] w as
+    an (s, t) tile, zeroed past the chunk's end and, with seq_idx, across sequences; and dy_t. The
+    zeroing is a select after the product: the cumulative sums restart at each sequence boundary,
+    so a factored weight across one can overflow, and 0 x inf is NaN."""
     t_ok = t < chunk_end
     keep = t_ok[None, :]
     if HAS_SEQ_IDX:
@@ -89,7 +91,7 @@ def transposed_tiles(G_base, dy_base, m, k, t, chunk_end, p, p_ok, seq_row, seq_
     GT = tl.load(G_base + k[None, :] * CHUNK + m[:, None])      # G[t, s] as an (s, t) tile
     dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                   mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-    return tl.where(keep, GT, 0.0), dyt
+    return tl.where(keep, GT * w, 0.0), dyt
 
 
 DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
@@ -182,18 +184,17 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         _, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                               tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((e_ref - rho_t) * LOG2E)[None, :]
-        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
-        R += mm((GT * w).to(dyt.dtype), dyt, PRECISION)
+        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        R += mm(W.to(dyt.dtype), dyt, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                                 tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w, forward = pair_weight(k[None, :], m[:, None], r_t[None, :], rho_t[None, :], a_s[:, None], e_s[:, None],
                                  1.0, 1.0, True, SHIFT)
-        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
-        W = GT * w
+        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
         F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
         R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
     a_ref = tl.load(a_ptr + chunk_base + m_first + BLOCK_M - 1)
@@ -203,9 +204,9 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         r_t, _ = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                             tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((r_t - a_ref) * LOG2E)[None, :]
-        GT, dyt = transposed_tiles(G_base, dy_base, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                   stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
-        F += mm((GT * w).to(dyt.dtype), dyt, PRECISION)
+        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
+                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        F += mm(W.to(dyt.dtype), dyt, PRECISION)
 
     dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
     if not SHIFT:
@@ -256,10 +257,11 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
 
     Off the diagonal the weight factors: with R_t = r_t, S_s = a_s (forward) or R_t = -rho_t,
     S_s = -e_s (reverse), w(t, s) = exp(R_t - S_s) step_s = exp(R_t - S_ref) * exp(S_ref - S_s)
-    step_s, S_ref taken at the column of the tile nearest the rows. Both exponents then have the
-    sign of A (the cumulative sums are monotone), so neither factor overflows where w does not:
-    2 BLOCK_M exponentials per head instead of BLOCK_M^2, which bound this kernel on the diagonal
-    tiles. The loop over heads is software-pipelined (``tl.range`` stages)."""
+    step_s, S_ref taken at the column of the tile nearest the rows. For a pair of one sequence
+    both exponents then have the sign of A (the cumulative sums are monotone within a sequence),
+    so neither factor overflows where w does not; across a boundary the sums restart, a factor
+    may overflow, and the select on ``keep`` drops the term. 2 BLOCK_M exponentials per head
+    instead of BLOCK_M^2, which bound this kernel on the diagonal tiles. The loop over heads is software-pipelined (``tl.range`` stages)."""
     n_m = CHUNK // BLOCK_M
     if OFF_DIAGONAL:  # program_id(1) counts the n_m * (n_m - 1) tiles off the diagonal, row by row
         pid_i = tl.program_id(1) // (n_m - 1)

@@ -34,9 +34,9 @@ class Saved:
                                # entering each chunk from the left, then those from the right
 
 
-def steps(dt, dt_rev, A, chunk_size, dt_bias, dt_softplus, dt_limit):
+def steps(dt, dt_rev, A, chunk_size, dt_bias, dt_softplus, dt_limit, seq_idx):
     """(a, dt_out, b, dt_rev_out); one chunk_cumsum when the reverse direction shares dt."""
-    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx)
     a, dt_out = chunk_cumsum(dt, A, chunk_size, **options)
     b, dt_rev_out = (a, dt_out) if dt_rev is None else chunk_cumsum(dt_rev, A, chunk_size, **options)
     return a, dt_out, b, dt_rev_out
@@ -49,7 +49,7 @@ def bidirectional_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias
     B_rev, C_rev, dt_rev None: shared with B, C, dt. Returns (out, y before the gate or None, Saved)."""
     B_rev = B if B_rev is None else B_rev
     C_rev = C if C_rev is None else C_rev
-    a, dt_out, b, dt_rev_out = steps(dt, dt_rev, A, chunk_size, dt_bias, dt_softplus, dt_limit)
+    a, dt_out, b, dt_rev_out = steps(dt, dt_rev, A, chunk_size, dt_bias, dt_softplus, dt_limit, seq_idx)
     G, Gd = chunk_scores(C, B, C_rev, B_rev, chunk_size, shift=shift)
     states = chunk_states(x, B, B_rev, a, dt_out, b, dt_rev_out, A, seq_idx=seq_idx, shift=shift)
     states_in = state_passing(states, a, b, length=x.shape[1], seq_idx=seq_idx, out_dtype=x.dtype)

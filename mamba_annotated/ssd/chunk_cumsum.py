@@ -5,7 +5,16 @@ Algorithm
           always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
     a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk)
     Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
-    slot always holds the decay of the whole chunk. The softplus is the identity past 20 (as in
+    slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
+    at every boundary inside the chunk, k running over t's own sequence only. The consumers are
+    unchanged: they use a_t - a_s for s and t of one sequence (the same value either way), a_t for
+    the sequence carried into the chunk and a_last - a_s for the one that leaves it (the chunk's
+    first and last runs), a_last as the chunk's whole decay only where no sequence starts inside
+    it (elsewhere the carried state is dropped), and every other weight is dropped by a select.
+    The restart keeps a non-finite step out of the later sequences of its chunk (mamba_ssm's sums
+    run across), and a long, strongly decaying sequence no longer costs the next one digits (a_t -
+    a_s rounds to 2^-24 |a|, and |a| no longer carries the earlier sequences' decay).
+    The softplus is the identity past 20 (as in
     torch and mamba_ssm) and accurate to float32 rounding below (:func:`..triton_ops.softplus`):
     a step of 1e-5 is 1e-5, not 1e-5 give or take 6e-3 of it.
     The backward twin (:func:`dt_backward`) first gathers d(dt'_k A) from the partial sums that
@@ -53,11 +62,19 @@ def add(a, b):
     return a + b
 
 
+@triton.jit
+def add_or_restart(total, restarted, value, restarts):
+    """The combine of a segmented sum: an element that starts a run drops what came before it (a
+    select, so a NaN or inf before the start stays out)."""
+    return tl.where(restarts != 0, value, total + value), restarted | restarts
+
+
 @lean_launch
 @triton.jit
-def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
-                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h, dt_min, dt_max,
-                        HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_out_ptr,
+                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
+                        stride_seq_b, stride_seq_l, dt_min, dt_max,
+                        HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
                         CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -71,7 +88,19 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, dA_cumsum_ptr, dt_out_ptr,
     dt, _ = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
-    dA_cumsum = tl.cumsum(dt * A[:, None], axis=1)
+    if HAS_SEQ_IDX:
+        # a position whose sequence differs from its predecessor's starts a run (not the chunk's
+        # first position, whose sum starts anyway; past L the ids read alike and dt' = 0)
+        seq_row = seq_idx_ptr + pid_b.to(tl.int64) * stride_seq_b
+        in_seq = t < length
+        seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_seq, other=0)
+        seq_before = tl.load(seq_row + (t - 1).to(tl.int64) * stride_seq_l,
+                             mask=in_seq & (t > pid_c * CHUNK), other=0)
+        restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before), 1, 0)
+        restarts = tl.broadcast_to(restarts[None, :], (BLOCK_H, CHUNK))
+        dA_cumsum, _ = tl.associative_scan((dt * A[:, None], restarts), 1, add_or_restart)
+    else:
+        dA_cumsum = tl.cumsum(dt * A[:, None], axis=1)
     out = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
     h_mask = h[:, None] < heads
     tl.store(dA_cumsum_ptr + out, dA_cumsum, mask=h_mask)
@@ -182,8 +211,10 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
                    dt_min, dt_max, HAS_BIAS, DT_SOFTPLUS, CHUNK, BLOCK_H)
 
 
-def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf"))):
-    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32.
+def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                 seq_idx=None):
+    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32;
+    with ``seq_idx`` (batch, L) the sums restart where the sequence changes.
 
     A and dt_bias must be contiguous (the public function makes them so)."""
     batch, length, heads = dt.shape
@@ -192,9 +223,10 @@ def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit
     dt_out = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
     grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     chunk_cumsum_kernel[grid](
-        dt, A, dt_bias if dt_bias is not None else A, dA_cumsum, dt_out,
-        length, heads, n_chunks, *dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
-        HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        dt, A, dt_bias if dt_bias is not None else A, seq_idx if seq_idx is not None else dt, dA_cumsum, dt_out,
+        length, heads, n_chunks, *dt.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)),
+        float(dt_limit[0]), float(dt_limit[1]), HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return dA_cumsum, dt_out
 

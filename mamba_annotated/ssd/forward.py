@@ -44,7 +44,8 @@ def ssd_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, ini
     ``state_dtype`` (None: mamba_ssm's choice) stores the states entering each chunk in that dtype
     (else x's) and returns the final states in it (else float32); the states of ``cu_seqlens``
     come in the dtype of the stored states, as in mamba_ssm."""
-    dA_cumsum, dt_out = chunk_cumsum(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dA_cumsum, dt_out = chunk_cumsum(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                   seq_idx=seq_idx)
     CB = chunk_cb(C, B, chunk_size)
     states = chunk_state(x, B, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=True)
     states_in, final_states = state_passing(states, dA_cumsum, length=x.shape[1], seq_idx=seq_idx,
