@@ -612,6 +612,20 @@ def test_packed_sequences_after_a_strongly_decaying_one(chunk_size):
                         lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
 
 
+def test_negative_ids_before_the_sequence_of_the_initial_state():
+    """mamba_ssm's convention: the initial state belongs to id 0 and decays from position 0, so
+    with leading negative ids ([0, 10) is -1) it reaches the id-0 rows decayed through the steps
+    of the negative run. The cumulative sums restart at boundaries, but not into the carried
+    sequence (a restart there once gave y a relative error of 0.12 against mamba_ssm on the H100)."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1)
+    inputs["seq_idx"] = ((torch.arange(45, device=DEVICE)[:, None] >= torch.tensor([10, 30], device=DEVICE))
+                         .sum(-1).to(torch.int32) - 1)[None]
+    kw = dict(dt_softplus=True)
+    check_all_gradients(lambda **a: _y_and_final(ssd_chunk_scan(**a, chunk_size=16, return_final_states=True, **kw)),
+                        lambda **a: _y_and_final(ssd_quadratic_ref(**a, return_final_states=True, **kw)),
+                        inputs, torch.float32)
+
+
 # ---------------------------------------------------------------- GPU: real sizes and the peer
 
 @pytest.mark.gpu

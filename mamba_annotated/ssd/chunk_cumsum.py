@@ -11,6 +11,8 @@ Algorithm
     the sequence carried into the chunk and a_last - a_s for the one that leaves it (the chunk's
     first and last runs), a_last as the chunk's whole decay only where no sequence starts inside
     it (elsewhere the carried state is dropped), and every other weight is dropped by a select.
+    (The carried sequence never restarts: in the first chunk it is id 0, which may follow runs of
+    negative ids, and the initial state reaches it decayed from the chunk's start, as in mamba_ssm.)
     The restart keeps a non-finite step out of the later sequences of its chunk (mamba_ssm's sums
     run across), and a long, strongly decaying sequence no longer costs the next one digits (a_t -
     a_s rounds to 2^-24 |a|, and |a| no longer carries the earlier sequences' decay).
@@ -90,13 +92,17 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
     if HAS_SEQ_IDX:
         # a position whose sequence differs from its predecessor's starts a run (not the chunk's
-        # first position, whose sum starts anyway; past L the ids read alike and dt' = 0)
+        # first position, whose sum starts anyway; past L the ids read alike and dt' = 0), unless
+        # it is the sequence carried into the chunk: in the first chunk that is id 0, which the
+        # initial state belongs to (mamba_ssm's convention), and which may follow runs of negative
+        # ids; the state then decays from the chunk's start, through them, as in mamba_ssm
         seq_row = seq_idx_ptr + pid_b.to(tl.int64) * stride_seq_b
         in_seq = t < length
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_seq, other=0)
         seq_before = tl.load(seq_row + (t - 1).to(tl.int64) * stride_seq_l,
                              mask=in_seq & (t > pid_c * CHUNK), other=0)
-        restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before), 1, 0)
+        seq_carry = tl.load(seq_row + (pid_c * CHUNK - 1).to(tl.int64) * stride_seq_l, mask=pid_c > 0, other=0)
+        restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before) & (seq_t != seq_carry), 1, 0)
         restarts = tl.broadcast_to(restarts[None, :], (BLOCK_H, CHUNK))
         dA_cumsum, _ = tl.associative_scan((dt * A[:, None], restarts), 1, add_or_restart)
     else:
