@@ -52,19 +52,20 @@ def parse_args(argv=None):
     return args
 
 
-def plain_case(op):
-    """The op's first small case with contiguous inputs, and (but for the bidirectional op, whose
-    packed sequences are the point) one sequence per row."""
+def plain_cases(op):
+    """The op's first small case with contiguous inputs: one sequence per row, and for SSD and
+    the bidirectional op also packed sequences (the small cases cut at 5, inside the first chunk,
+    so a value at the first position has another sequence after it in its chunk)."""
     params = json.loads(json.dumps(op.small()[0]))
     params["layouts"] = {k: "contiguous" for k in params["layouts"]}
-    if op.name == "ssd_chunk_scan":
-        params["opts"]["packing"] = None
     if op.name == "attention":
         params["dims"]["Lk"] = params["dims"]["Lq"]
         params["opts"]["causal"] = True
-    if op.name == "bidirectional_chunk_scan":
-        params["opts"]["packing"] = "seq_idx"
-    return params
+    if op.name not in ("ssd_chunk_scan", "bidirectional_chunk_scan"):
+        return [params]
+    packed = json.loads(json.dumps(params))
+    params["opts"]["packing"], packed["opts"]["packing"] = None, "seq_idx"
+    return [params, packed]
 
 
 def reference(op, params):
@@ -84,9 +85,9 @@ def reference(op, params):
 
 
 def reached(op, params, args, name, t, length):
-    """(batch-independent) positions of the output the poison may reach: from t on (causal); for
-    attention, the rows whose window holds key t (k, v) or row t (q); for the bidirectional op,
-    t's packed sequence."""
+    """(batch-independent) positions of the output the poison may reach: from t on (causal), and
+    only in t's packed sequence; for attention, the rows whose window holds key t (k, v) or row t
+    (q); for the bidirectional op, t's packed sequence."""
     positions = torch.arange(length)
     if op.name == "attention":
         if name == "q":
@@ -94,10 +95,11 @@ def reached(op, params, args, name, t, length):
         opts, d = params["opts"], params["dims"]
         window = resolve_window(opts["causal"], tuple(opts["window_size"]), d["Lk"])
         return window_mask(d["Lq"], d["Lk"], window)[:, t]
-    if op.name != "bidirectional_chunk_scan":
-        return positions >= t
-    ids = packed_seq_idx(args.get("seq_idx"), args.get("cu_seqlens"), length)[0].cpu()
-    return ids == ids[t]
+    same_sequence = positions >= 0
+    if args.get("seq_idx") is not None or args.get("cu_seqlens") is not None:
+        ids = packed_seq_idx(args.get("seq_idx"), args.get("cu_seqlens"), length)[0].cpu()
+        same_sequence = ids == ids[t]
+    return same_sequence if op.name == "bidirectional_chunk_scan" else same_sequence & (positions >= t)
 
 
 def probe(op, params, leaves, name, t, value):
@@ -147,26 +149,29 @@ def main(argv=None):
     report, failed = {}, False
     for name in args.ops:
         op = OPS[name]
-        params = plain_case(op)
-        seed_everything(0)
-        leaves = op.inputs(params)
         inputs, time_dim, _ = PROBES[name]
         r = report[name] = dict(cases=0, failures=0, problems=[])
-        for input_name in inputs:
-            length = leaves[input_name].shape[time_dim]
-            where = dict(first=0, middle=length // 2 + 1, last=length - 1, **{"25": min(25, length - 1)})
-            for t in sorted({where[p] for p in args.positions}):
-                for label in args.values:
-                    problems = probe(op, params, leaves, input_name, t, VALUES[label])
-                    r["cases"] += 1
-                    if problems:
-                        r["failures"] += 1
-                        line = f"{name}: {label} in {input_name} at t={t}: " + "; ".join(problems)
-                        r["problems"].append(line)
-                        print(line, flush=True)
+        for params in plain_cases(op):
+            seed_everything(0)
+            leaves = op.inputs(params)
+            packing = params["opts"].get("packing")
+            for input_name in inputs:
+                length = leaves[input_name].shape[time_dim]
+                where = dict(first=0, middle=length // 2 + 1, last=length - 1, **{"25": min(25, length - 1)})
+                for t in sorted({where[p] for p in args.positions}):
+                    for label in args.values:
+                        problems = probe(op, params, leaves, input_name, t, VALUES[label])
+                        r["cases"] += 1
+                        if problems:
+                            r["failures"] += 1
+                            line = (f"{name} ({packing or 'one sequence'}): {label} in {input_name} at t={t}: "
+                                    + "; ".join(problems))
+                            r["problems"].append(line)
+                            print(line, flush=True)
+            print(f"nonfinite {name} ({packing or 'one sequence'}): case {json.dumps(params['dims'], sort_keys=True)}",
+                  flush=True)
         failed |= bool(r["failures"])
-        print(f"nonfinite {name}: {r['cases']} probes, {r['failures']} failed "
-              f"(case {json.dumps(params['dims'], sort_keys=True)})", flush=True)
+        print(f"nonfinite {name}: {r['cases']} probes, {r['failures']} failed", flush=True)
     write_report(args.json, "nonfinite", report)
     return 1 if failed else 0
 

@@ -84,13 +84,13 @@ def drive(ops):
 
 
 def poisoned_run(op, input_name):
-    """The op's causal (attention) or packed (bidirectional) plain case, forward and backward, with
-    a NaN in the middle of ``input_name``: the checked paths run only on such inputs."""
+    """The op's causal (attention) or packed (SSD, bidirectional) plain case, forward and backward,
+    with a NaN in the middle of ``input_name``: the checked paths run only on such inputs."""
     from cases import forward_backward
-    from nonfinite import PROBES, plain_case
+    from nonfinite import PROBES, plain_cases
     from mamba_annotated.testing import seed_everything
 
-    params = plain_case(op)
+    params = plain_cases(op)[-1]
     seed_everything(0)
     leaves = op.inputs(params)
     time_dim = PROBES[op.name][1]
