@@ -487,6 +487,20 @@ def test_fused_views_forward_and_gradients(shift):
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
 
 
+@pytest.mark.parametrize("shift", [False, True])
+def test_sequence_labels_do_not_matter(shift):
+    """Ids are compared for equality only: packed_ids and packed_ids - 1 give the same bits, with
+    a NaN step in the first sequence too, which stays in it (the sums once ran on from a negative
+    run into id 0 of the first chunk, the sequence SSD's initial state belongs to)."""
+    inputs = make_inputs(batch=1, heads=2, groups=1, separate=shift)
+    inputs["dt"][0, 2] = math.nan
+    ids = packed_ids(1, 37)
+    out = bidirectional_chunk_scan(**inputs, chunk_size=16, dt_softplus=True, seq_idx=ids, shift=shift)
+    relabelled = bidirectional_chunk_scan(**inputs, chunk_size=16, dt_softplus=True, seq_idx=ids - 1, shift=shift)
+    assert torch.equal(out.isnan(), relabelled.isnan()) and torch.equal(out.nan_to_num(), relabelled.nan_to_num())
+    assert out[:, 5:].isfinite().all()
+
+
 @pytest.mark.parametrize("shift, separate", [(False, False), (True, True)])
 def test_fused_packed_after_a_strongly_decaying_sequence(shift, separate):
     """The cumulative sums restart at each boundary, so a weight factored through a reference

@@ -11,8 +11,11 @@ Algorithm
     the sequence carried into the chunk and a_last - a_s for the one that leaves it (the chunk's
     first and last runs), a_last as the chunk's whole decay only where no sequence starts inside
     it (elsewhere the carried state is dropped), and every other weight is dropped by a select.
-    (The carried sequence never restarts: in the first chunk it is id 0, which may follow runs of
-    negative ids, and the initial state reaches it decayed from the chunk's start, as in mamba_ssm.)
+    (The kernel never restarts into the sequence carried into the chunk: in the first chunk, id 0.
+    The launcher hands it ids for that: with initial states, which belong to id 0 and, as in
+    mamba_ssm, decay from position 0 through any runs of negative ids before it, the negative ids
+    read as 0, so their runs and id 0's share one sum from the chunk's start; without them, no
+    sequence is special, and the ids read shifted to start at 1, so every boundary restarts.)
     The restart keeps a non-finite step out of the later sequences of its chunk (mamba_ssm's sums
     run across), and a long, strongly decaying sequence no longer costs the next one digits (a_t -
     a_s rounds to 2^-24 |a|, and |a| no longer carries the earlier sequences' decay).
@@ -218,11 +221,14 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
 
 
 def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                 seq_idx=None):
+                 seq_idx=None, initial_states=False):
     """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32;
-    with ``seq_idx`` (batch, L) the sums restart where the sequence changes.
+    with ``seq_idx`` (batch, L, nondecreasing) the sums restart where the sequence changes, except
+    into id 0 from negative ids when ``initial_states`` (see the module docstring).
 
     A and dt_bias must be contiguous (the public function makes them so)."""
+    if seq_idx is not None:
+        seq_idx = seq_idx.clamp(min=0) if initial_states else seq_idx - seq_idx[:, :1] + 1
     batch, length, heads = dt.shape
     n_chunks = cdiv(length, chunk_size)
     dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)

@@ -44,8 +44,9 @@ def ssd_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, ini
     ``state_dtype`` (None: mamba_ssm's choice) stores the states entering each chunk in that dtype
     (else x's) and returns the final states in it (else float32); the states of ``cu_seqlens``
     come in the dtype of the stored states, as in mamba_ssm."""
-    dA_cumsum, dt_out = chunk_cumsum(dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                   seq_idx=seq_idx)
+    steps = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    dA_cumsum, dt_out = chunk_cumsum(dt, A, chunk_size, **steps, seq_idx=seq_idx,
+                                     initial_states=initial_states is not None)
     CB = chunk_cb(C, B, chunk_size)
     states = chunk_state(x, B, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=True)
     states_in, final_states = state_passing(states, dA_cumsum, length=x.shape[1], seq_idx=seq_idx,
@@ -53,5 +54,10 @@ def ssd_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, ini
                                             final_dtype=state_dtype or torch.float32)
     del states  # freed before the outputs are allocated: lower peak memory
     out, y = chunk_scan(CB, x, C, states_in, dA_cumsum, dt_out, z=z, D=D, seq_idx=seq_idx)
-    varlen = varlen_states(x, B, dA_cumsum, dt_out, states_in, cu_seqlens) if cu_seqlens is not None else None
+    varlen = None
+    if cu_seqlens is not None:
+        # mamba_ssm's varlen states read sums that run across seq_idx's boundaries (cu_seqlens alone
+        # marks the sequences there, and may disagree with seq_idx): with seq_idx, sums of their own
+        decays = dA_cumsum if seq_idx is None else chunk_cumsum(dt, A, chunk_size, **steps)[0]
+        varlen = varlen_states(x, B, decays, dt_out, states_in, cu_seqlens)
     return ForwardResult(out, y, final_states, varlen, Saved(dA_cumsum, dt_out, CB, states_in))
