@@ -261,7 +261,8 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
     both exponents then have the sign of A (the cumulative sums are monotone within a sequence),
     so neither factor overflows where w does not; across a boundary the sums restart, a factor
     may overflow, and the select on ``keep`` drops the term. 2 BLOCK_M exponentials per head
-    instead of BLOCK_M^2, which bound this kernel on the diagonal tiles. The loop over heads is software-pipelined (``tl.range`` stages)."""
+    instead of BLOCK_M^2, which bound this kernel on the diagonal tiles. The loop over heads is
+    software-pipelined (``tl.range`` stages)."""
     n_m = CHUNK // BLOCK_M
     if OFF_DIAGONAL:  # program_id(1) counts the n_m * (n_m - 1) tiles off the diagonal, row by row
         pid_i = tl.program_id(1) // (n_m - 1)

@@ -11,17 +11,15 @@ Algorithm
     the sequence carried into the chunk and a_last - a_s for the one that leaves it (the chunk's
     first and last runs), a_last as the chunk's whole decay only where no sequence starts inside
     it (elsewhere the carried state is dropped), and every other weight is dropped by a select.
-    (The kernel never restarts into the sequence carried into the chunk: in the first chunk, id 0.
-    The launcher hands it ids for that: with initial states, which belong to id 0 and, as in
-    mamba_ssm, decay from position 0 through any runs of negative ids before it, the negative ids
-    read as 0, so their runs and id 0's share one sum from the chunk's start; without them, no
-    sequence is special, and the ids read shifted to start at 1, so every boundary restarts.)
+    (With initial states, which belong to id 0 and, as in mamba_ssm, decay from position 0
+    through any runs of negative ids before it, the launcher hands the kernel negative ids as 0,
+    so those runs and id 0's share one sum from the first chunk's start.)
     The restart keeps a non-finite step out of the later sequences of its chunk (mamba_ssm's sums
     run across), and a long, strongly decaying sequence no longer costs the next one digits (a_t -
     a_s rounds to 2^-24 |a|, and |a| no longer carries the earlier sequences' decay).
-    The softplus is the identity past 20 (as in
-    torch and mamba_ssm) and accurate to float32 rounding below (:func:`..triton_ops.softplus`):
-    a step of 1e-5 is 1e-5, not 1e-5 give or take 6e-3 of it.
+    The softplus is the identity past 20 (as in torch and mamba_ssm) and accurate to float32
+    rounding below (:func:`..triton_ops.softplus`): a step of 1e-5 is 1e-5, not 1e-5 give or take
+    6e-3 of it.
     The backward twin (:func:`dt_backward`) first gathers d(dt'_k A) from the partial sums that
     the backward kernels left in slots of their own (:class:`.chunk_scan_bwd.DecayGradients`),
     adding the slots in a fixed order, the state terms through a reverse and a forward cumulative
@@ -95,17 +93,13 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
     if HAS_SEQ_IDX:
         # a position whose sequence differs from its predecessor's starts a run (not the chunk's
-        # first position, whose sum starts anyway; past L the ids read alike and dt' = 0), unless
-        # it is the sequence carried into the chunk: in the first chunk that is id 0, which the
-        # initial state belongs to (mamba_ssm's convention), and which may follow runs of negative
-        # ids; the state then decays from the chunk's start, through them, as in mamba_ssm
+        # first position, whose sum starts anyway; past L the ids read alike and dt' = 0)
         seq_row = seq_idx_ptr + pid_b.to(tl.int64) * stride_seq_b
         in_seq = t < length
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_seq, other=0)
         seq_before = tl.load(seq_row + (t - 1).to(tl.int64) * stride_seq_l,
                              mask=in_seq & (t > pid_c * CHUNK), other=0)
-        seq_carry = tl.load(seq_row + (pid_c * CHUNK - 1).to(tl.int64) * stride_seq_l, mask=pid_c > 0, other=0)
-        restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before) & (seq_t != seq_carry), 1, 0)
+        restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before), 1, 0)
         restarts = tl.broadcast_to(restarts[None, :], (BLOCK_H, CHUNK))
         dA_cumsum, _ = tl.associative_scan((dt * A[:, None], restarts), 1, add_or_restart)
     else:
@@ -223,12 +217,12 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
 def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                  seq_idx=None, initial_states=False):
     """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32;
-    with ``seq_idx`` (batch, L, nondecreasing) the sums restart where the sequence changes, except
-    into id 0 from negative ids when ``initial_states`` (see the module docstring).
+    with ``seq_idx`` (batch, L, nondecreasing) the sums restart where the sequence changes, but not
+    from negative ids into id 0 when ``initial_states`` (see the module docstring).
 
     A and dt_bias must be contiguous (the public function makes them so)."""
-    if seq_idx is not None:
-        seq_idx = seq_idx.clamp(min=0) if initial_states else seq_idx - seq_idx[:, :1] + 1
+    if seq_idx is not None and initial_states:
+        seq_idx = seq_idx.clamp(min=0)
     batch, length, heads = dt.shape
     n_chunks = cdiv(length, chunk_size)
     dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
