@@ -291,7 +291,7 @@ for ax in (left, right):
 plt.show()
 
 # %% [markdown]
-# In a run this short (600 steps, about ten million tokens) recall is only beginning. On the stored H100 run the Transformer and Mamba-2 answer about a quarter of the queries at $L = 64$ (4 pairs: 0.26 and 0.25) and the hybrid one in ten (0.11), all fewer as the sequence and the number of pairs grow, down to 2–3 % at $L = 512$, past the longest training length. Runs this short vary: on the previous H100 run the hybrid answered 0.26 at $L = 64$, and an earlier one on an H200 had Mamba-2 at one in twenty. Mamba-1 stays near chance (one value in 128, 0.008; it answers 0.009 at $L = 64$ and 0.005 to 0.008 at the longer lengths). MQAR is solved only with far longer training {cite}`arora2023zoology`: what a few minutes show is which models start to learn it, not how well each ends up.
+# In a run this short (600 steps, about ten million tokens) recall is only beginning. On the stored H100 run the Transformer and the hybrid answer about a quarter of the queries at $L = 64$ (4 pairs: 0.25 and 0.23) and Mamba-2 one in fourteen (0.07), all fewer as the sequence and the number of pairs grow, down to 1.5–3 % at $L = 512$, past the longest training length. Runs this short vary, and more than the kernels do: a run of the same code on the same H100 minutes earlier had Mamba-2 at 0.25 and the hybrid at 0.11. Which model has begun to recall by step 600 changes from run to run, so read the table as a snapshot of the start of learning, not as a ranking. Mamba-1 stays near chance (one value in 128, 0.008; it answers 0.014 at $L = 64$ and 0.008 to 0.013 at the longer lengths). MQAR is solved only with far longer training {cite}`arora2023zoology`: what a few minutes show is which models start to learn it, not how well each ends up.
 
 # %% [markdown]
 # ### Training on bytes of Python
@@ -333,7 +333,7 @@ for ax in (left, middle, right):
 plt.show()
 
 # %% [markdown]
-# On bytes the three models with state-space layers reach about 1.2 bits per byte on the held-out files (the hybrid lowest on the stored run) and the Transformer about 1.5: at this size it is the shallowest of the four (4 layers against 15 or 16) and, after 300 steps, it is behind. It is also the fastest to train, by a factor of 2.9 to 3.2 in tokens per second here: a 10 M model at $L = 512$ is bound by the number of kernels it launches, not by arithmetic, and the Transformer runs 4 wide layers where the others run 15 narrow ones. The Mamba-2 stacks need the most memory: each of their layers keeps its projections and the float32 intermediates of the plain-PyTorch gated norm for the backward pass.
+# On bytes the three models with state-space layers reach about 1.2 bits per byte on the held-out files (the hybrid lowest on the stored run) and the Transformer about 1.6: at this size it is the shallowest of the four (4 layers against 15 or 16) and, after 300 steps, it is behind. It is also the fastest to train, by a factor of 2.7 to 3.4 in tokens per second here: a 10 M model at $L = 512$ is bound by the number of kernels it launches, not by arithmetic, and the Transformer runs 4 wide layers where the others run 15 narrow ones. The Mamba-2 stacks need the most memory: each of their layers keeps its projections and the float32 intermediates of the plain-PyTorch gated norm for the backward pass.
 
 # %% [markdown]
 # ### Generating text
@@ -361,7 +361,7 @@ for batch in (1, runtime.size(64, 2)):
 print_table(decode_rows)
 
 # %% [markdown]
-# For every kind a decoded token costs hundreds of times what a prompt token costs in the prefill: each step is a full pass through every layer for one position, a few small kernels per layer whose time is mostly launching them. At batch 1 the four kinds decode at 61 to 153 tokens per second on the stored H100 run (the Transformer fastest, the hybrid slowest), set by how many kernels a token passes through; at batch 64 the steps do 64 times the work for about the same launches. The fixed-size state pays off where attention's cache grows large (the cache figure above): at a prompt of 512 tokens the Transformer's cache is still small, and its 4 layers make it the fastest decoder here.
+# For every kind a decoded token costs hundreds of times what a prompt token costs in the prefill: each step is a full pass through every layer for one position, a few small kernels per layer whose time is mostly launching them. At batch 1 the four kinds decode at 54 to 187 tokens per second on the stored H100 run (the Transformer fastest, the hybrid slowest), set by how many kernels a token passes through; at batch 64 the steps do 64 times the work for about the same launches. The fixed-size state pays off where attention's cache grows large (the cache figure above): at a prompt of 512 tokens the Transformer's cache is still small, and its 4 layers make it the fastest decoder here.
 
 # %% tags=["nbval-ignore-output"]
 if GPU:  # the record of this run, for the README and the closing notes

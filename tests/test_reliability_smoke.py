@@ -193,6 +193,18 @@ OPEN_GPU_SUM_CASES = {
                      dt="expanded", dt_rev="contiguous", x="contiguous", z="expanded"),
         opts=dict(B_rev=True, C_rev=True, D=None, cuts=[84], dt_bias=True, dt_dtype="float32", dt_limit=[0.01, 2.0],
                   dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
+    # the same defect, further past its bound: 4.6e-3 against 6.4e-4, twice mamba_ssm's 3.1e-4 plus the
+    # floor (H100 sweep,
+    # 2026-11-25; not shrunk, the device call's time ran out while shrinking). In the interpreter
+    # every gradient of this case (x, B, C, dt, A) is 3e-3 to 1e-2 off, against 1e-7 with the same
+    # bfloat16 values in float32. Storing the states and state gradients in float32 and widening
+    # the state terms' dots left dA at 2e-3 to 7e-3 over three seeds: the cause is not found.
+    "ssd_bfloat16_dA_on_gpu_initial_states": ("ssd_chunk_scan", 20339, dict(
+        dims=dict(L=62, batch=1, chunk=16, dstate=100, groups=2, headdim=37, heads=2), dtype="bfloat16",
+        layouts=dict(A="contiguous", B="transposed", C="expanded", D="contiguous", dt="contiguous",
+                     initial_states="contiguous", x="contiguous", z="offset"),
+        opts=dict(D="channel", cuts=[52, 54], dt_bias=True, dt_dtype="bfloat16", dt_limit=[0.01, 2.0],
+                  dt_softplus=False, initial_states=True, packing=None, return_final_states=False, z=False))),
 }
 
 # The same shapes in the interpreter, at seeds that fail there (of 40 seeds, 11 failed for SSD; of 25,
