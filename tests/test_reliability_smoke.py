@@ -120,6 +120,23 @@ def test_a_failure_is_saved_before_it_is_shrunk():
     assert before_shrinking["failures"] == 1 and before_shrinking["reproducers"][0]["shrunk"] is False
 
 
+def test_a_shrink_cut_off_by_the_deadline_keeps_its_smallest_failing_case(monkeypatch):
+    """An H100 sweep's SSD failure was reported as drawn: the device call's limit ended the process
+    in the middle of shrinking, and every smaller failing case found until then was lost."""
+    checks = iter([False] * 4 + [True] * 100)  # the sweep's check before shrinking, then three attempts
+    monkeypatch.setattr(sweep, "out_of_time", lambda deadline: next(checks))
+    op, saved = WrongScan(), []
+    args = sweep.parse_args(["--ops", "linear_scan", "--cases", "1", "--seed", "5"])
+    report = sweep.sweep_op(op, args, deadline=None, save=lambda r: saved.append(json.loads(json.dumps(r))))
+    drawn = cases.draw_case(op, 5, args.cases_per_variant)
+    kept = report["reproducers"][0]
+    assert report["failures"] == 1 and kept["shrunk"] == "partly" and kept["failures"]
+    params = json.loads(kept["command"].split("--params ")[1].strip("'"))
+    assert params != drawn and all(params["dims"][k] <= v for k, v in drawn["dims"].items())
+    assert cases.run_case(op, params, 5).failures  # the saved case still fails
+    assert saved[-1]["reproducers"][0] == kept  # and was saved as soon as it was found
+
+
 def test_the_gpu_sweeps_false_failures_stay_fixed():
     """The GPU sweeps (H100) failed 17 selective-scan cases whose delta_bias, drawn without softplus,
     made steps negative and states overflow; and attention cases with one or two keys and dropout,

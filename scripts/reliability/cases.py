@@ -848,16 +848,20 @@ def draw_case(op, seed, cases_per_variant=1):
     return op.fix(variant)
 
 
-def shrink(op, params, seed, still_fails, attempts=40):
+def shrink(op, params, seed, still_fails, attempts=40, found=lambda params: None, out_of_time=lambda: False):
     """Smaller sizes, options back to plain, views back to contiguous, while the case still fails:
-    each step halves or decrements one size, or resets one option or layout."""
+    each step halves or decrements one size, or resets one option or layout. ``found`` is told of
+    every smaller failing case as it is found, and shrinking stops when ``out_of_time()``: on a GPU
+    each attempt may compile and tune a new variant, and a device call's limit can end the process
+    in the middle (an H100 sweep once lost a whole shrink that way)."""
     for _ in range(attempts):
         for candidate in smaller(op, params):
             attempts -= 1
-            if attempts < 0:
+            if attempts < 0 or out_of_time():
                 return params
             if still_fails(candidate, seed):
                 params = candidate
+                found(params)
                 break
         else:
             return params

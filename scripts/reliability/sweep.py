@@ -5,7 +5,8 @@ Case i of an op has the seed ``--seed + i``: it draws the case's sizes, options 
 seeds its tensors, and is printed with it. Runs of ``--cases-per-variant`` seeds share their
 options, views and compiled sizes and differ in lengths, batch and heads: each variant is
 compiled and tuned once, which on a GPU is most of a case's time. A failing case is shrunk
-(smaller sizes, plain options, contiguous inputs, while it still fails) and printed as a one-line
+(smaller sizes, plain options, contiguous inputs, while it still fails, until the time budget runs
+out; each smaller failing case is saved in the report as it is found) and printed as a one-line
 reproducer:
 
     python scripts/reliability/sweep.py --ops ssd_chunk_scan --cases 1000 --time-budget 540
@@ -73,11 +74,8 @@ def sweep_op(op, args, deadline, save=lambda report: None):
         report["reproducers"].append(dict(seed=seed, failures=verdict.failures, command=reproducer(op, params, seed),
                                           shrunk=False))
         save(report)
-        if not args.no_shrink and (deadline is None or time.monotonic() < deadline):  # shrinking reruns it
-            params = shrink(op, params, seed, lambda p, s: bool(run_case(op, p, s).failures))
-            verdict = run_case(op, params, seed)
-            report["reproducers"][-1] = dict(seed=seed, failures=verdict.failures,
-                                             command=reproducer(op, params, seed), shrunk=True)
+        if not args.no_shrink and not out_of_time(deadline):  # shrinking reruns it
+            params, verdict = shrink_and_save(op, params, seed, verdict, deadline, report, save)
         line = report["reproducers"][-1]["command"]
         print(f"  minimal: {'; '.join(verdict.failures) or 'passes once shrunk: flaky?'}\n  REPRO: {line}",
               flush=True)
@@ -87,6 +85,35 @@ def sweep_op(op, args, deadline, save=lambda report: None):
             break
     save(report)
     return report
+
+
+def out_of_time(deadline):
+    return deadline is not None and time.monotonic() > deadline
+
+
+def shrink_and_save(op, params, seed, verdict, deadline, report, save):
+    """Shrink a failing case until the deadline, saving each smaller failing case as it is found
+    (``shrunk: "partly"``); when time is left, rerun the smallest once more, which tells a flaky
+    failure (``shrunk: True``). Returns the smallest case and its verdict."""
+    latest = {"failing": verdict, "tried": verdict}
+
+    def still_fails(p, s):
+        latest["tried"] = run_case(op, p, s)
+        return bool(latest["tried"].failures)
+
+    def found(p):
+        latest["failing"] = latest["tried"]
+        report["reproducers"][-1] = dict(seed=seed, failures=latest["failing"].failures,
+                                         command=reproducer(op, p, seed), shrunk="partly")
+        save(report)
+
+    params = shrink(op, params, seed, still_fails, found=found, out_of_time=lambda: out_of_time(deadline))
+    if out_of_time(deadline):
+        return params, latest["failing"]
+    verdict = run_case(op, params, seed)
+    report["reproducers"][-1] = dict(seed=seed, failures=verdict.failures, command=reproducer(op, params, seed),
+                                     shrunk=True)
+    return params, verdict
 
 
 def main(argv=None):
