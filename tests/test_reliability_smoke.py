@@ -123,7 +123,8 @@ def test_a_failure_is_saved_before_it_is_shrunk():
 def test_a_shrink_cut_off_by_the_deadline_keeps_its_smallest_failing_case(monkeypatch):
     """An H100 sweep's SSD failure was reported as drawn: the device call's limit ended the process
     in the middle of shrinking, and every smaller failing case found until then was lost."""
-    checks = iter([False] * 4 + [True] * 100)  # the sweep's check before shrinking, then three attempts
+    # the loop's check before the case, the check before shrinking, then three attempts
+    checks = iter([False] * 5 + [True] * 100)
     monkeypatch.setattr(sweep, "out_of_time", lambda deadline: next(checks))
     op, saved = WrongScan(), []
     args = sweep.parse_args(["--ops", "linear_scan", "--cases", "1", "--seed", "5"])

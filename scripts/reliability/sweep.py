@@ -54,7 +54,7 @@ def sweep_op(op, args, deadline, save=lambda report: None):
     report = dict(cases=0, failures=0, unjudged=0, largest={}, reproducers=[], stopped_early=False)
     for i in range(1 if args.params else args.cases):
         save(report)
-        if deadline is not None and time.monotonic() > deadline:
+        if out_of_time(deadline):
             report["stopped_early"] = True
             break
         seed = args.seed + i
