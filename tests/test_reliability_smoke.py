@@ -138,6 +138,25 @@ def test_a_shrink_cut_off_by_the_deadline_keeps_its_smallest_failing_case(monkey
     assert saved[-1]["reproducers"][0] == kept  # and was saved as soon as it was found
 
 
+def test_a_shrunk_case_still_fails_the_way_the_drawn_one_failed_first(monkeypatch):
+    """An H100 sweep's bidirectional case had a wrong output and NaN gradients; shrinking kept any
+    failing case and ended at a 16-bit dA case (another, known defect), losing the wrong output.
+    Here the output is wrong only from L = 8 on and grad a fails at every size: the shrunk case
+    must keep the wrong output."""
+    def judged(op, params, seed):
+        wrong_out = ["out: relative error 1e+00"] if params["dims"]["L"] >= 8 else []
+        return cases.Verdict(failures=wrong_out + ["grad a: error 1e-03 above 2 x ..."])
+
+    monkeypatch.setattr(sweep, "run_case", judged)
+    op = cases.OPS["linear_scan"]
+    params = dict(dims=dict(rows=3, L=50), dtype="float32", lead=1, opts=dict(op.defaults),
+                  layouts=dict(a="contiguous", b="contiguous", h0="contiguous"))
+    report = dict(reproducers=[{}])
+    smallest, verdict = sweep.shrink_and_save(op, params, 1, judged(op, params, 1), None, report, lambda r: None)
+    assert smallest["dims"] == {"rows": 1, "L": 8}
+    assert sweep.failing_names(verdict)[0] == "out" and report["reproducers"][0]["shrunk"] is True
+
+
 def test_the_gpu_sweeps_false_failures_stay_fixed():
     """The GPU sweeps (H100) failed 17 selective-scan cases whose delta_bias, drawn without softplus,
     made steps negative and states overflow; and attention cases with one or two keys and dropout,

@@ -91,15 +91,26 @@ def out_of_time(deadline):
     return deadline is not None and time.monotonic() > deadline
 
 
+def failing_names(verdict):
+    """The outputs and gradients a verdict failed, in its order ("out", "grad A", ...)."""
+    return [failure.split(":")[0] for failure in verdict.failures]
+
+
 def shrink_and_save(op, params, seed, verdict, deadline, report, save):
     """Shrink a failing case until the deadline, saving each smaller failing case as it is found
     (``shrunk: "partly"``); when time is left, rerun the smallest once more, which tells a flaky
-    failure (``shrunk: True``). Returns the smallest case and its verdict."""
+    failure (``shrunk: True``). Returns the smallest case and its verdict.
+
+    A smaller case counts only if it still fails the way the drawn case failed first (its first
+    failing output or gradient): an H100 sweep's bidirectional case with a wrong output and NaN
+    gradients shrank to a 16-bit dA case, a different and known defect, and the wrong output was
+    lost."""
     latest = {"failing": verdict, "tried": verdict}
+    first = failing_names(verdict)[0]
 
     def still_fails(p, s):
         latest["tried"] = run_case(op, p, s)
-        return bool(latest["tried"].failures)
+        return first in failing_names(latest["tried"])
 
     def found(p):
         latest["failing"] = latest["tried"]
