@@ -487,6 +487,24 @@ def test_fused_views_forward_and_gradients(shift):
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
 
 
+@pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): wrong reverse scores on an H100")
+def test_scores_of_a_time_major_B_rev_at_an_odd_length():
+    """An H100 sweep case (seed 30671) gave a wrong output and NaN gradients: its B' was stored time
+    major, strides (1, 1, L, L), at L = 1021. On the H100 the scores kernel computed wrong reverse
+    scores for it (largest difference 58 against entries up to 43), with Triton's launch and ours
+    alike, while the chunk states read the same B' correctly; at L = 512 and 256 (strides multiples
+    of 16) the case passed, and with B' contiguous too. The scores must not depend on how B' is
+    laid out (bfloat16, as the case)."""
+    from mamba_annotated.bidirectional.chunk_scores import chunk_scores
+
+    length, dstate, chunk = 1021, 100, 32
+    C, B, C_rev = (randn(1, length, 1, dstate, dtype=torch.bfloat16) for _ in range(3))
+    B_rev = randn(1, dstate, 1, length, dtype=torch.bfloat16).permute(0, 3, 2, 1)  # strides (1, 1, L, L)
+    G, Gd = chunk_scores(C, B, C_rev, B_rev, chunk, shift=False)
+    G_want, Gd_want = chunk_scores(C, B, C_rev, B_rev.contiguous(), chunk, shift=False)
+    assert torch.equal(G, G_want) and torch.equal(Gd, Gd_want)
+
+
 @pytest.mark.parametrize("shift", [False, True])
 def test_sequence_labels_do_not_matter(shift):
     """Ids are compared for equality only: packed_ids and packed_ids - 1 give the same bits, with
