@@ -23,7 +23,8 @@
 # CASES (sweep cases per op, default 1000), SHARDS (sweep processes per op, splitting CASES;
 # default 1), TIME_BUDGET (seconds per sweep or reproducible process, default 540),
 # SANITIZE_TIMEOUT (seconds per sanitized run, default 900), SEED (default 0),
-# REPORTS (default /tmp/reliability), SUMMARY_JSON (default book/data/reliability.json).
+# REPORTS (default /tmp/reliability), SUMMARY_JSON (default book/data/reliability.json), ABOUT (what the
+# JSON says the reports come from; default: the GPU's name, torch and Triton versions).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -87,6 +88,7 @@ run_all() {  # entries..., at most $1 at once
 run_all "${JOBS:-1}" "${parallel[@]}"
 run_all 1 "${serial[@]}"
 if [[ " $steps " == *" summary "* ]]; then
-  python3 $here/summary.py "$reports"/*.json --json "${SUMMARY_JSON:-book/data/reliability.json}" || status=1
+  about=${ABOUT:-$(python3 -c 'import torch, triton; print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")')}
+  python3 $here/summary.py "$reports"/*.json --json "${SUMMARY_JSON:-book/data/reliability.json}" --about "$about" || status=1
 fi
 exit $status

@@ -19,6 +19,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="*", help="JSON reports of the steps (several sweep files are added up)")
     parser.add_argument("--json", default=None, help="write the merged report here")
+    parser.add_argument("--about", default=None,
+                        help="where the reports come from (device, commit, date), kept in the JSON beside the table")
     return parser.parse_args(argv)
 
 
@@ -99,7 +101,7 @@ def main(argv=None):
                 print(f"{item} {op}: {line if isinstance(line, str) else line['command']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(table=rows, reports=merged), indent=1))
+        Path(args.json).write_text(json.dumps(dict(about=args.about, table=rows, reports=merged), indent=1))
     any_failed = any(failed(item, r) for item, ops in merged.items() for r in ops.values())
     return 1 if any_failed else 0
 
