@@ -18,7 +18,7 @@ from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_seq_idx, quasiseparable_matrix,
                                                      reverse_within_sequences, shift_within_sequences)
-from mamba_annotated.runtime import DEVICE, INTERPRETED
+from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.ssd.reference import process_dt
 from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_close, assert_gradients_close,
                                      assert_within_same_computation, gradients, randn, same_computation_error,
@@ -503,6 +503,25 @@ def test_scores_of_a_time_major_B_rev_at_an_odd_length():
     G, Gd = chunk_scores(C, B, C_rev, B_rev, chunk, shift=False)
     G_want, Gd_want = chunk_scores(C, B, C_rev, B_rev.contiguous(), chunk, shift=False)
     assert torch.equal(G, G_want) and torch.equal(Gd, Gd_want)
+
+
+def test_a_time_major_B_rev_gives_what_a_contiguous_one_gives():
+    """The op copies a B' (or B, C, C') whose dstate is strided, which avoids the scores kernel's
+    defect above: outputs and gradients the same bits as with B' contiguous (the H100 sweep case
+    had a wrong output and NaN gradients)."""
+    length = size(gpu=1021, cpu=61)
+    x, z = (randn(1, length, 2, 16, dtype=torch.bfloat16) for _ in range(2))
+    dt = uniform(1, length, 2, low=0.05, high=0.5)
+    A = -uniform(2, low=0.5, high=1.5)
+    B, C, C_rev = (randn(1, length, 1, 100, dtype=torch.bfloat16) for _ in range(3))
+    time_major = randn(1, 100, 1, length, dtype=torch.bfloat16).permute(0, 3, 2, 1)  # strides (1, 1, L, L)
+    results = []
+    for B_rev in (time_major, time_major.contiguous()):
+        leaves = [t.detach().requires_grad_() for t in (x, B_rev)]
+        out = bidirectional_chunk_scan(leaves[0], dt, A, B, C, 32, z=z, B_rev=leaves[1], C_rev=C_rev)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), leaves)))
+    for name, got, want in zip(("out", "dx", "dB_rev"), *results):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize("shift", [False, True])

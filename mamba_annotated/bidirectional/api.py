@@ -148,6 +148,15 @@ bidirectional_chunk_scan_op = define_op("bidirectional_chunk_scan", bidirectiona
                                         fake_bidirectional_backward, save_bidirectional, bidirectional_grads)
 
 
+def unit_dstate_stride(t):
+    """``t``, or a contiguous copy of it where its last dimension (dstate) is strided. On an H100 the
+    scores kernel read a B' stored time major (strides (1, 1, L, L)) wrongly at L = 1021, with
+    either launch path (issue 14; the cause is not found, and
+    ``test_scores_of_a_time_major_B_rev_at_an_odd_length`` holds it), while a contiguous copy gave
+    the right outputs and gradients. mamba_ssm's chunk scan copies its B and C the same way."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False, *,
                              dt_limit=(0.0, math.inf), seq_idx=None, cu_seqlens=None, shift=False, dt_rev=None,
                              B_rev=None, C_rev=None):
@@ -179,6 +188,7 @@ def bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     chunk_size = check_bidirectional_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, seq_idx, cu_seqlens,
                                             dt_rev, B_rev, C_rev)
     seq_idx = packed_seq_idx(seq_idx, cu_seqlens, x.shape[1])
+    B, C, B_rev, C_rev = (unit_dstate_stride(t) for t in (B, C, B_rev, C_rev))
     out, *_ = bidirectional_chunk_scan_op(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, bool(dt_softplus),
                                           float(dt_limit[0]), float(dt_limit[1]), bool(shift), dt_rev, B_rev, C_rev)
     return out
