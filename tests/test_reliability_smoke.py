@@ -231,8 +231,7 @@ OPEN_GPU_SUM_CASES = {
         opts=dict(B_rev=True, C_rev=True, D=None, cuts=[84], dt_bias=True, dt_dtype="float32", dt_limit=[0.01, 2.0],
                   dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
     # the same defect, further past its bound: 4.6e-3 against 6.4e-4, twice mamba_ssm's 3.1e-4 plus the
-    # floor (H100 sweep,
-    # 2026-11-25; not shrunk, the device call's time ran out while shrinking). In the interpreter
+    # floor (H100 sweep, 2026-11-25; not shrunk, the device call's time ran out while shrinking). In the interpreter
     # every gradient of this case (x, B, C, dt, A) is 3e-3 to 1e-2 off, against 1e-7 with the same
     # bfloat16 values in float32. dA's share comes from the state path: with the chunk-state
     # products, the stored states and state gradients, and the state terms' dots all in float32,
