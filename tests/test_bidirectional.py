@@ -490,11 +490,10 @@ def test_fused_views_forward_and_gradients(shift):
 @pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): wrong reverse scores on an H100")
 def test_scores_of_a_time_major_B_rev_at_an_odd_length():
     """An H100 sweep case (seed 30671) gave a wrong output and NaN gradients: its B' was stored time
-    major, strides (1, 1, L, L), at L = 1021. On the H100 the scores kernel computed wrong reverse
-    scores for it (largest difference 58 against entries up to 43), with Triton's launch and ours
-    alike, while the chunk states read the same B' correctly; at L = 512 and 256 (strides multiples
-    of 16) the case passed, and with B' contiguous too. The scores must not depend on how B' is
-    laid out (bfloat16, as the case)."""
+    major, strides (1, 1, L, L), at L = 1021, and the scores kernel computed wrong reverse scores for
+    it. On the H100 the fault needs a length that is not a multiple of 16, chunk 32 with 4 warps, a
+    dstate with a masked tail (100 here) and the kernel's two products (README, "Using the kernels");
+    the op copies such a B' (next test). The scores must not depend on how B' is laid out."""
     from mamba_annotated.bidirectional.chunk_scores import chunk_scores
 
     length, dstate, chunk = 1021, 100, 32
@@ -508,7 +507,7 @@ def test_scores_of_a_time_major_B_rev_at_an_odd_length():
 def test_a_time_major_B_rev_gives_what_a_contiguous_one_gives():
     """The op copies a B' (or B, C, C') whose dstate is strided, which avoids the scores kernel's
     defect above: outputs and gradients the same bits as with B' contiguous (the H100 sweep case
-    had a wrong output and NaN gradients)."""
+    had a wrong output and NaN gradients; with the copy, the same bits on the H100)."""
     length = size(gpu=1021, cpu=61)
     x, z = (randn(1, length, 2, 16, dtype=torch.bfloat16) for _ in range(2))
     dt = uniform(1, length, 2, low=0.05, high=0.5)

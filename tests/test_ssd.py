@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.runtime.interpreter
 
-from mamba_annotated.runtime import DEVICE, INTERPRETED
+from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.ssd import ssd_chunk_scan
 from mamba_annotated.ssd.api import ssd_chunk_scan_op
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum
@@ -299,6 +299,26 @@ def test_gradients_of_views_equal_those_of_contiguous_copies():
     want = grads_of({k: v.contiguous() for k, v in views.items()})
     for name in want:
         assert_close(got[name], want[name], 1e-6, f"grad {name}")
+
+
+def test_time_major_B_and_C_give_what_contiguous_ones_give():
+    """Mamba-2's block passes B and C time major (its convolution's output transposed back: dstate
+    strided). The op reads copies of such a B and C (the bidirectional scores kernel read that layout
+    wrongly on an H100 at lengths that are not multiples of 16, tests/test_bidirectional.py): outputs
+    and gradients the same bits as with contiguous B and C, at an odd length, a dstate that leaves a
+    masked tail, chunk 32 and bfloat16, where the bidirectional fault showed."""
+    length = size(gpu=1021, cpu=61)
+    x = randn(1, length, 2, 32, dtype=torch.bfloat16)
+    dt = uniform(1, length, 2, low=0.05, high=0.5)
+    A = -uniform(2, low=0.5, high=1.5)
+    time_major = [randn(1, 100, 1, length, dtype=torch.bfloat16).permute(0, 3, 2, 1) for _ in range(2)]
+    results = []
+    for B, C in (time_major, [t.contiguous() for t in time_major]):
+        leaves = [t.detach().requires_grad_() for t in (x, B, C)]
+        out = ssd_chunk_scan(leaves[0], dt, A, leaves[1], leaves[2], 32)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), leaves)))
+    for name, got, want in zip(("out", "dx", "dB", "dC"), *results):
+        assert torch.equal(got, want), name
 
 
 def varlen_case(length, cuts, heads=2, dtype=torch.float32):

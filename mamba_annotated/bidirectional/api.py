@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from ..library import absent, define_op, traced_or_captured
-from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, contiguous, gate_backward
+from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, contiguous, gate_backward, unit_dstate_stride
 from ..triton_ops import cdiv
 from ..validation import check_same, check_same_device, check_tensor
 from .backward import bidirectional_backward
@@ -146,15 +146,6 @@ def bidirectional_grads(ctx, run_backward, d_out, *_):
 bidirectional_chunk_scan_op = define_op("bidirectional_chunk_scan", bidirectional_forward_op,
                                         fake_bidirectional_forward, bidirectional_backward_op,
                                         fake_bidirectional_backward, save_bidirectional, bidirectional_grads)
-
-
-def unit_dstate_stride(t):
-    """``t``, or a contiguous copy of it where its last dimension (dstate) is strided. On an H100 the
-    scores kernel read a B' stored time major (strides (1, 1, L, L)) wrongly at L = 1021, with
-    either launch path (issue 14; the cause is not found, and
-    ``test_scores_of_a_time_major_B_rev_at_an_odd_length`` holds it), while a contiguous copy gave
-    the right outputs and gradients. mamba_ssm's chunk scan copies its B and C the same way."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False, *,
