@@ -1,0 +1,69 @@
+"""Time the gated RMS norm kernel (mamba_annotated.gated_norm) beside its peers in one run.
+
+Shapes: a Mamba-2 block's norm at d_model 768 (d_inner 1536, one group and eight), 16384 rows
+(batch 8 x 2048), x and z bfloat16, the weight float32; forward, and forward + backward.
+    ours            the Triton kernel, ``rmsnorm_fn``
+    torch float32   :func:`mamba_annotated.modules.layers.rms_norm`, the torch ops it replaces
+    mamba_ssm       mamba_ssm 2.3.2.post1's ``rmsnorm_fn`` (ops/triton/layernorm_gated.py)
+% of floor: the bytes that must move (forward: read x, z, write out; backward: read x, z, dy,
+write dx, dz) over the measured copy bandwidth.
+
+Usage: python benchmarks/bench_gated_norm.py [--json book/data/gated_norm_bench.json]
+"""
+import argparse
+import json
+import pathlib
+import sys
+
+from mamba_annotated import bench  # first: decides interpreter or GPU before triton is imported
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from peers import mamba_ssm_module  # noqa: E402
+
+from mamba_annotated.gated_norm import rmsnorm_fn  # noqa: E402
+from mamba_annotated.modules.layers import rms_norm  # noqa: E402
+from mamba_annotated.runtime import DEVICE, device_name, size  # noqa: E402
+
+ROWS, WIDTH = size(gpu=(16384, 1536), cpu=(64, 96))
+
+
+def implementations():
+    torch_norm = lambda x, w, z, group, before: rms_norm(x, w, 1e-5, z, group, before)  # noqa: E731
+    impls = {"ours": lambda x, w, z, group, before: rmsnorm_fn(x, w, None, z, 1e-5, group, before),
+             "torch float32": torch_norm}
+    peer = mamba_ssm_module("mamba_ssm.ops.triton.layernorm_gated")
+    if peer is not None:
+        impls["mamba_ssm"] = lambda x, w, z, group, before: peer.rmsnorm_fn(x, w, None, z, 1e-5, group, before)
+    return impls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=pathlib.Path)
+    args = parser.parse_args()
+    rows, impls = [], implementations()
+    for groups in (1, 8):
+        for before in (False, True):
+            x = torch.randn(ROWS, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            z = torch.randn(ROWS, WIDTH, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            w = (1 + 0.1 * torch.randn(WIDTH, device=DEVICE)).requires_grad_()
+            dy = torch.randn(ROWS, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+            size_ = x.numel() * x.element_size()
+            for name, norm in impls.items():
+                run = lambda: norm(x, w, z, WIDTH // groups, before)  # noqa: E731
+                fwd = bench.median_ms(lambda: run())
+                both = bench.median_ms(lambda: torch.autograd.grad(run(), [x, w, z], dy))
+                for pass_, ms, nbytes in (("fwd", fwd, 3 * size_), ("fwd+bwd", both, 8 * size_)):
+                    rows.append(dict(impl=name, groups=groups, norm_before_gate=before, pass_=pass_, ms=ms,
+                                     GBps=bench.gbps(nbytes, ms),
+                                     pct_floor=100 * bench.memory_floor_ms(nbytes) / ms))
+            bench.print_table([r for r in rows if r["groups"] == groups and r["norm_before_gate"] == before])
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=device_name(), rows=ROWS, width=WIDTH, dtype="bfloat16",
+                                             copy_GBps=bench.copy_bandwidth_gbps(), results=rows), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

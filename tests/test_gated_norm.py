@@ -1,0 +1,100 @@
+"""The gated RMS norm kernel (mamba_annotated.gated_norm.rmsnorm_fn) against a float64 formula:
+outputs and the gradients of x, weight, bias and z, every dtype, groups, both gate orders, odd
+widths, views; its op under torch.library's checks; bad arguments."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mamba_annotated.gated_norm import gated_rms_norm_op, rmsnorm_fn
+from mamba_annotated.runtime import size
+from mamba_annotated.testing import FLOAT_DTYPES, assert_close, assert_gradients_close, randn, tolerance
+
+
+def rms_norm_f64(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """The norm's formula in float64 (the module docstring), returned in float64."""
+    x, weight = x.double(), weight.double()
+    if z is not None and not norm_before_gate:
+        x = x * F.silu(z.double())
+    groups = x.unflatten(-1, (-1, group_size or x.shape[-1]))
+    out = (groups / (groups.square().mean(-1, keepdim=True) + eps).sqrt()).flatten(-2) * weight
+    if bias is not None:
+        out = out + bias.double()
+    if z is not None and norm_before_gate:
+        out = out * F.silu(z.double())
+    return out
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("gated, norm_before_gate", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("group_size, with_bias", [(None, False), (24, True)])
+def test_outputs_and_gradients_match_float64(dtype, gated, norm_before_gate, group_size, with_bias):
+    """Rows of an odd count and width 72 (not a power of two: masked lanes), one group or three;
+    the weight in float32 as a model keeps it under autocast, x and z in ``dtype``."""
+    rows, width = size(gpu=1001, cpu=37), 72
+    inputs = dict(x=randn(3, rows, width, dtype=dtype).requires_grad_(),
+                  weight=(1 + 0.5 * randn(width)).requires_grad_(),
+                  bias=(0.3 * randn(width)).requires_grad_() if with_bias else None,
+                  z=randn(3, rows, width, dtype=dtype).requires_grad_() if gated else None)
+    options = dict(eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
+    ours = lambda x, weight, bias=None, z=None: rmsnorm_fn(x, weight, bias, z, **options)  # noqa: E731
+    ref = lambda x, weight, bias=None, z=None: rms_norm_f64(x, weight, bias, z, **options)  # noqa: E731
+    out = ours(**inputs)
+    assert out.dtype == dtype and out.shape == inputs["x"].shape
+    assert_close(out, ref(**inputs), tolerance(dtype))
+    assert_gradients_close(ours, ref, inputs, tolerance(dtype))
+
+
+def test_views_give_what_contiguous_copies_give():
+    """x and z split from one projection (row stride wider than the width), a transposed upstream
+    gradient: the same bits as with contiguous copies, forward and backward."""
+    rows, width = size(gpu=515, cpu=21), 40
+    proj = randn(rows, 2 * width + 3)
+    x, z = proj[:, :width], proj[:, width + 3:]
+    weight = 1 + 0.5 * randn(width)
+    d_out = randn(width, rows).t()
+    results = []
+    for xs, zs, d in ((x, z, d_out), (x.contiguous(), z.contiguous(), d_out.contiguous())):
+        leaves = [t.detach().requires_grad_() for t in (xs, weight, zs)]
+        out = rmsnorm_fn(leaves[0], leaves[1], None, leaves[2], group_size=20, norm_before_gate=False)
+        results.append((out, *torch.autograd.grad(out, leaves, d)))
+    for name, got, want in zip(("out", "dx", "dweight", "dz"), *results):
+        assert torch.equal(got, want), name
+
+
+def test_gradients_are_the_same_bits_at_every_call():
+    """The weight's gradient adds per-band partial sums on the host, not by atomics."""
+    x = randn(size(gpu=4099, cpu=45), 64, dtype=torch.bfloat16).requires_grad_()
+    weight = randn(64).requires_grad_()
+    z = randn(*x.shape, dtype=torch.bfloat16)
+    grads = [torch.autograd.grad(rmsnorm_fn(x, weight, None, z).float().square().sum(), [x, weight])
+             for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_no_rows():
+    x = randn(0, 16).requires_grad_()
+    weight = randn(16).requires_grad_()
+    out = rmsnorm_fn(x, weight, None)
+    assert out.shape == (0, 16)
+    dx, dw = torch.autograd.grad(out.sum(), [x, weight], allow_unused=False)
+    assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_the_op_passes_torch_library_checks():
+    x, z = randn(2, 5, 24).requires_grad_(), randn(2, 5, 24).requires_grad_()
+    weight, bias = randn(24).requires_grad_(), randn(24).requires_grad_()
+    torch.library.opcheck(gated_rms_norm_op.op, (x, weight, bias, z, 1e-5, 12, False))
+    torch.library.opcheck(gated_rms_norm_op.op, (x, weight, None, None, 1e-6, 24, True))
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(group_size=7), ValueError),                          # does not divide 24
+    (dict(z=randn(2, 5, 24, dtype=torch.float16)), TypeError),  # z's dtype is not x's
+    (dict(weight=randn(23)), ValueError),
+    (dict(eps=-1.0), ValueError),
+])
+def test_bad_arguments_raise_before_any_launch(bad, error):
+    args = dict(x=randn(2, 5, 24), weight=randn(24), bias=None, z=None, eps=1e-6, group_size=None)
+    args.update(bad)
+    with pytest.raises(error):
+        rmsnorm_fn(**args)
