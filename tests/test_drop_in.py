@@ -215,6 +215,7 @@ def non_contiguous_op_args():
     """(op, arguments of its forward custom op) for every public op, inputs as strided views."""
     from mamba_annotated.attention.api import attention_op
     from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
+    from mamba_annotated.gated_norm import gated_rms_norm_op
     from mamba_annotated.ssd.api import ssd_chunk_scan_op
 
     def grad(*tensors):
@@ -236,6 +237,8 @@ def non_contiguous_op_args():
         ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
          (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
         ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None, 0.0, None)),
+        ("gated_rms_norm", gated_rms_norm_op,
+         (*grad(split_view(1, 17, 24)), *grad(randn(24), randn(24), split_view(1, 17, 24)), 1e-5, 12, False)),
     ]
 
 
@@ -357,3 +360,34 @@ def test_mamba2_call_site_matches_mamba_ssm(dtype):
     # in float32 ours (exact by default) and the peer differ by the peer's rounding (1e-3)
     assert_close(mine, want, tolerance(dtype), "ours against float64")
     assert rel_error(mine, want) <= 2 * rel_error(peer_out, want) + 1e-6
+
+
+@gpu_only
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_rmsnorm_fn_matches_mamba_ssm(norm_before_gate):
+    """Our gated norm takes mamba_ssm's rmsnorm_fn arguments (names, order, defaults) and is as close
+    to float64 as the peer or closer, output and gradients (bfloat16 x and z, float32 weight, as a
+    Mamba-2 block under autocast, 8 groups)."""
+    import inspect
+
+    from mamba_annotated import rmsnorm_fn
+    from mamba_annotated.modules.layers import rms_norm
+
+    peer = mamba_ssm_module("mamba_ssm.ops.triton.layernorm_gated")
+    if peer is None:
+        pytest.skip("mamba_ssm's Triton kernels are not importable")
+    assert inspect.signature(rmsnorm_fn) == inspect.signature(peer.rmsnorm_fn)
+    leaves = dict(x=randn(3, 129, 256, dtype=torch.bfloat16), weight=1 + 0.5 * randn(256),
+                  bias=randn(256), z=randn(3, 129, 256, dtype=torch.bfloat16))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    d_out = randn(3, 129, 256, dtype=torch.bfloat16)
+
+    def run(fn, inputs):
+        out = fn(inputs["x"], inputs["weight"], inputs["bias"], inputs["z"], 1e-5, 32, norm_before_gate)
+        return [out, *torch.autograd.grad(out, list(inputs.values()), d_out.to(out.dtype))]
+
+    f64 = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    want = run(lambda x, w, b, z, eps, group, before: rms_norm(x, w, eps, z, group, before, b), f64)
+    for name, mine, theirs, ref in zip(("out", "dx", "dweight", "dbias", "dz"), run(rmsnorm_fn, leaves),
+                                       run(peer.rmsnorm_fn, leaves), want):
+        assert rel_error(mine, ref) <= 2 * rel_error(theirs, ref) + 1e-6, name

@@ -3,25 +3,17 @@ outputs and the gradients of x, weight, bias and z, every dtype, groups, both ga
 widths, views; its op under torch.library's checks; bad arguments."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mamba_annotated.gated_norm import gated_rms_norm_op, rmsnorm_fn
+from mamba_annotated.modules.layers import rms_norm
 from mamba_annotated.runtime import size
 from mamba_annotated.testing import FLOAT_DTYPES, assert_close, assert_gradients_close, randn, tolerance
 
 
 def rms_norm_f64(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-    """The norm's formula in float64 (the module docstring), returned in float64."""
-    x, weight = x.double(), weight.double()
-    if z is not None and not norm_before_gate:
-        x = x * F.silu(z.double())
-    groups = x.unflatten(-1, (-1, group_size or x.shape[-1]))
-    out = (groups / (groups.square().mean(-1, keepdim=True) + eps).sqrt()).flatten(-2) * weight
-    if bias is not None:
-        out = out + bias.double()
-    if z is not None and norm_before_gate:
-        out = out * F.silu(z.double())
-    return out
+    """The torch-ops norm the model blocks run, on float64 copies: the reference."""
+    return rms_norm(x.double(), weight.double(), eps, z.double() if z is not None else None, group_size,
+                    norm_before_gate, bias.double() if bias is not None else None)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

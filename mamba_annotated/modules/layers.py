@@ -1,8 +1,10 @@
 """The small pieces every block shares, in plain PyTorch: RMS norms, depthwise convolutions along
 time (causal, centred, and their decoding step), rotary embeddings, and the decoding cache record.
 
-These are not the bottleneck of a block (the SSM or the attention is), so they stay in PyTorch:
-each is a few lines the reader can check against its formula.
+Each is a few lines the reader can check against its formula. They are not free: in eager
+training the norms' float32 intermediates cost a Mamba-2 model about a third of its step time and
+a third of its peak memory, which the gated norm's Triton kernel (:mod:`mamba_annotated.gated_norm`)
+saves (README, "Model blocks and decoding").
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -34,19 +36,23 @@ class InferenceParams:
             self.lengths_per_sample.zero_()
 
 
-def rms_norm(x, weight, eps, z=None, group_size=None, norm_before_gate=True):
-    """x / rms(x) * weight in float32, returned in x's dtype; the RMS is taken over groups of
-    ``group_size`` channels (None: all of them). With z, the gate silu(z) multiplies after the
-    norm (``norm_before_gate``) or before it. mamba_ssm's ``RMSNormGated`` (layernorm_gated.py)
-    computes exactly this in a Triton kernel."""
+def rms_norm(x, weight, eps, z=None, group_size=None, norm_before_gate=True, bias=None):
+    """x / rms(x) * weight (+ bias) in float32 (float64 for float64 inputs: the tests' reference),
+    returned in x's dtype; the RMS is taken over groups of ``group_size`` channels (None: all of
+    them). With z, the gate silu(z) multiplies after the norm (``norm_before_gate``) or before it.
+    mamba_ssm's ``rmsnorm_fn`` (layernorm_gated.py) and ours (:mod:`mamba_annotated.gated_norm`)
+    compute exactly this in a Triton kernel."""
     dtype = x.dtype
-    x = x.float()
+    compute = torch.promote_types(dtype, torch.float32)
+    x = x.to(compute)
     if z is not None and not norm_before_gate:
-        x = x * F.silu(z.float())
+        x = x * F.silu(z.to(compute))
     groups = x.unflatten(-1, (-1, group_size if group_size is not None else x.shape[-1]))
-    out = (groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)).flatten(-2) * weight.float()
+    out = (groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)).flatten(-2) * weight.to(compute)
+    if bias is not None:
+        out = out + bias.to(compute)
     if z is not None and norm_before_gate:
-        out = out * F.silu(z.float())
+        out = out * F.silu(z.to(compute))
     return out.to(dtype)
 
 
