@@ -126,6 +126,9 @@ def gated_rms_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, rstd_ptr, dy_ptr, dx_p
         tl.store(db_ptr + band.to(tl.int64) * width + cols, db, mask=ok)
 
 
+MAX_GROUP_BYTES = 65536  # mamba_ssm's bound too: one group of x held by one program
+
+
 def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     """t (..., width) as (rows, width) with unit channel stride (a copy only where needed)."""
     t = t.reshape(-1, width)
@@ -156,7 +159,7 @@ def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional
 
 
 def fake_gated_rms_norm_forward(x, weight, bias, z, eps, group_size, norm_before_gate):
-    return x.new_empty(x.shape), x.new_empty((x.numel() // max(x.shape[-1], 1), x.shape[-1] // group_size),
+    return x.new_empty(x.shape), x.new_empty((math.prod(x.shape[:-1]), x.shape[-1] // group_size),
                                              dtype=torch.float32)
 
 
@@ -231,6 +234,9 @@ def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_g
     group_size = width if group_size is None else int(group_size)
     if group_size <= 0 or width % group_size:
         raise ValueError(f"group_size must divide the last dimension of x ({width}); got {group_size}")
+    if group_size * x.element_size() > MAX_GROUP_BYTES:
+        raise ValueError(f"a group of x must fit in {MAX_GROUP_BYTES} bytes (one program holds it in registers, as "
+                         f"mamba_ssm's kernel does); got {group_size} channels of {x.dtype}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0; got {eps}")
     out, _ = gated_rms_norm_op(x, weight, bias, z, float(eps), group_size, bool(norm_before_gate))

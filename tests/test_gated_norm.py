@@ -84,6 +84,7 @@ def test_the_op_passes_torch_library_checks():
     (dict(z=randn(2, 5, 24, dtype=torch.float16)), TypeError),  # z's dtype is not x's
     (dict(weight=randn(23)), ValueError),
     (dict(eps=-1.0), ValueError),
+    (dict(x=randn(1, 40000), weight=randn(40000)), ValueError),  # a group past 64 KiB of float32
 ])
 def test_bad_arguments_raise_before_any_launch(bad, error):
     args = dict(x=randn(2, 5, 24), weight=randn(24), bias=None, z=None, eps=1e-6, group_size=None)
