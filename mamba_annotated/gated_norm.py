@@ -135,6 +135,10 @@ def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.contiguous() if t is not None else None
+
+
 def launch_options(group_size: int) -> dict:
     block = block_size(group_size)
     return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
@@ -145,6 +149,7 @@ def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like x, rstd (rows, groups) float32)."""
     width = x.shape[-1]
+    weight, bias = unit_stride(weight), unit_stride(bias)  # the kernels read them at the channel index
     x2, z2 = rows_of(x, width), rows_of(z, width) if z is not None else None
     rows, n_groups = x2.shape[0], width // group_size
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -168,6 +173,7 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
                             d_out: torch.Tensor) -> list[torch.Tensor]:
     """(dx, d weight, d bias, dz): like x, weight, bias, z (absent for a bias or z that is None)."""
     width = x.shape[-1]
+    weight, bias = unit_stride(weight), unit_stride(bias)
     x2, dy2 = rows_of(x, width), rows_of(d_out, width)
     z2 = rows_of(z, width) if z is not None else None
     rows, n_groups = x2.shape[0], width // group_size

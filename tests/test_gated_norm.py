@@ -37,19 +37,20 @@ def test_outputs_and_gradients_match_float64(dtype, gated, norm_before_gate, gro
 
 
 def test_views_give_what_contiguous_copies_give():
-    """x and z split from one projection (row stride wider than the width), a transposed upstream
-    gradient: the same bits as with contiguous copies, forward and backward."""
+    """x and z split from one projection (row stride wider than the width), the weight and bias
+    strided, a transposed upstream gradient: the same bits as with contiguous copies, forward and
+    backward."""
     rows, width = size(gpu=515, cpu=21), 40
     proj = randn(rows, 2 * width + 3)
     x, z = proj[:, :width], proj[:, width + 3:]
-    weight = 1 + 0.5 * randn(width)
+    weight, bias = (1 + 0.5 * randn(2 * width))[::2], randn(width, 3)[:, 1]
     d_out = randn(width, rows).t()
     results = []
-    for xs, zs, d in ((x, z, d_out), (x.contiguous(), z.contiguous(), d_out.contiguous())):
-        leaves = [t.detach().requires_grad_() for t in (xs, weight, zs)]
-        out = rmsnorm_fn(leaves[0], leaves[1], None, leaves[2], group_size=20, norm_before_gate=False)
-        results.append((out, *torch.autograd.grad(out, leaves, d)))
-    for name, got, want in zip(("out", "dx", "dweight", "dz"), *results):
+    for views in ((x, weight, bias, z, d_out), [t.contiguous() for t in (x, weight, bias, z, d_out)]):
+        leaves = [t.detach().requires_grad_() for t in views[:4]]
+        out = rmsnorm_fn(*leaves, group_size=20, norm_before_gate=False)
+        results.append((out, *torch.autograd.grad(out, leaves, views[4])))
+    for name, got, want in zip(("out", "dx", "dweight", "dbias", "dz"), *results):
         assert torch.equal(got, want), name
 
 
