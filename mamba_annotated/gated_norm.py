@@ -29,16 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .library import absent, define_op
+from .library import absent, contiguous, define_op
 from .runtime import DEVICE, sm_count
-from .triton_ops import block_size, cdiv
+from .triton_ops import block_size, cdiv, sigmoid
 from .validation import check_same, check_same_device, check_tensor
 
 
 @triton.jit
 def silu_and_slope(z):
     """(silu(z), silu'(z)) in float32."""
-    sig = tl.sigmoid(z)
+    sig = sigmoid(z)
     return z * sig, sig * (1.0 + z * (1.0 - sig))
 
 
@@ -135,10 +135,6 @@ def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def unit_stride(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t.contiguous() if t is not None else None
-
-
 def launch_options(group_size: int) -> dict:
     block = block_size(group_size)
     return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
@@ -149,7 +145,7 @@ def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like x, rstd (rows, groups) float32)."""
     width = x.shape[-1]
-    weight, bias = unit_stride(weight), unit_stride(bias)  # the kernels read them at the channel index
+    weight, bias = contiguous(weight), contiguous(bias)  # the kernels read them at the channel index
     x2, z2 = rows_of(x, width), rows_of(z, width) if z is not None else None
     rows, n_groups = x2.shape[0], width // group_size
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -173,7 +169,7 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
                             d_out: torch.Tensor) -> list[torch.Tensor]:
     """(dx, d weight, d bias, dz): like x, weight, bias, z (absent for a bias or z that is None)."""
     width = x.shape[-1]
-    weight, bias = unit_stride(weight), unit_stride(bias)
+    weight, bias = contiguous(weight), contiguous(bias)
     x2, dy2 = rows_of(x, width), rows_of(d_out, width)
     z2 = rows_of(z, width) if z is not None else None
     rows, n_groups = x2.shape[0], width // group_size

@@ -37,6 +37,11 @@ def absent(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def contiguous(t):
+    """An optional input as the kernels that index it densely read it: contiguous, or None."""
+    return t.contiguous() if t is not None else None
+
+
 def define_op(name, forward, fake_forward, backward, fake_backward, save, grads):
     """Register ``mamba_annotated::name`` and ``name_backward``; return ``apply(*inputs)``, which
     runs the op (eagerly through an ``autograd.Function``, or as the custom op under torch.compile).

@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, define_op, traced_or_captured
-from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, contiguous, gate_backward, unit_dstate_stride
+from ..library import absent, contiguous, define_op, traced_or_captured
+from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, gate_backward, unit_dstate_stride
 from ..triton_ops import cdiv
 from ..validation import check_same, check_same_device, check_tensor
 from .backward import bidirectional_backward

@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, define_op
+from ..library import absent, contiguous, define_op
 from ..validation import check_same, check_same_device, check_tensor
 from .blocked import linear_scan_backward, linear_scan_forward
 from .selective import selective_scan_backward, selective_scan_forward
@@ -133,10 +133,6 @@ def check_selective_scan_inputs(u, delta, A, B, C, D, z, delta_bias):
     if z is not None:
         check_tensor("z", z)
         check_same("z", z, "u", u)
-
-
-def contiguous(x):
-    return x.contiguous() if x is not None else None
 
 
 def as_groups(M):

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, define_op, traced_or_captured
+from ..library import absent, contiguous, define_op, traced_or_captured
 from ..validation import check_same, check_same_device, check_tensor
 from ..triton_ops import cdiv
 from .backward import ssd_backward
@@ -91,10 +91,6 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     if state_dtype is not None and state_dtype not in STATE_DTYPES:
         raise TypeError(f"state_dtype must be None or one of float32, float16, bfloat16; got {state_dtype!r}")
     return chunk_size
-
-
-def contiguous(t):
-    return t.contiguous() if t is not None else None
 
 
 def unit_dstate_stride(t):

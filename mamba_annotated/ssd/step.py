@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
+from ..library import contiguous
 from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, state_rows
 from ..validation import check_same_device, check_tensor
 from .chunk_cumsum import step_and_slope
@@ -150,7 +151,6 @@ def ssd_state_update_impl(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor
                           dt_bias: torch.Tensor | None, dt_softplus: bool, dt_min: float,
                           dt_max: float) -> torch.Tensor:
     """The launch on checked inputs (the body of the registered op)."""
-    contiguous = (lambda t: t.contiguous() if t is not None else None)
     return ssd_state_update_launch(state, x, dt, A.contiguous(), B, C, contiguous(D), z, contiguous(dt_bias),
                                    dt_softplus, (dt_min, dt_max))
 
