@@ -3,7 +3,7 @@
 Shapes: a Mamba-2 block's norm at d_model 768 (d_inner 1536, one group and eight), 16384 rows
 (batch 8 x 2048), x and z bfloat16, the weight float32; forward, and forward + backward.
     ours            the Triton kernel, ``rmsnorm_fn``
-    torch float32   :func:`mamba_annotated.modules.layers.rms_norm`, the torch ops it replaces
+    torch float32   :func:`mamba_annotated.gated_norm.rmsnorm_ref`, the same formula in torch ops
     mamba_ssm       mamba_ssm 2.3.2.post1's ``rmsnorm_fn`` (ops/triton/layernorm_gated.py)
 % of floor: the bytes that must move (forward: read x, z, write out; backward: read x, z, dy,
 write dx, dz) over the measured copy bandwidth.
@@ -22,17 +22,15 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from peers import mamba_ssm_module  # noqa: E402
 
-from mamba_annotated.gated_norm import rmsnorm_fn  # noqa: E402
-from mamba_annotated.modules.layers import rms_norm  # noqa: E402
+from mamba_annotated.gated_norm import rmsnorm_fn, rmsnorm_ref  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name, size  # noqa: E402
 
 ROWS, WIDTH = size(gpu=(16384, 1536), cpu=(64, 96))
 
 
 def implementations():
-    torch_norm = lambda x, w, z, group, before: rms_norm(x, w, 1e-5, z, group, before)  # noqa: E731
     impls = {"ours": lambda x, w, z, group, before: rmsnorm_fn(x, w, None, z, 1e-5, group, before),
-             "torch float32": torch_norm}
+             "torch float32": lambda x, w, z, group, before: rmsnorm_ref(x, w, None, z, 1e-5, group, before)}
     peer = mamba_ssm_module("mamba_ssm.ops.triton.layernorm_gated")
     if peer is not None:
         impls["mamba_ssm"] = lambda x, w, z, group, before: peer.rmsnorm_fn(x, w, None, z, 1e-5, group, before)

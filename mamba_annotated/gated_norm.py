@@ -26,6 +26,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -216,6 +217,24 @@ def gated_rms_norm_grads(ctx, run_backward, d_out, _):
 gated_rms_norm_op = define_op("gated_rms_norm", gated_rms_norm_forward, fake_gated_rms_norm_forward,
                               gated_rms_norm_backward, fake_gated_rms_norm_backward, save_gated_rms_norm,
                               gated_rms_norm_grads)
+
+
+def rmsnorm_ref(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """The formula of the module docstring in torch ops: float32 arithmetic (float64 for float64
+    inputs, the tests' reference), returned in x's dtype. The benchmarks' torch baseline."""
+    dtype = x.dtype
+    compute = torch.promote_types(dtype, torch.float32)
+    u = x.to(compute)
+    gate = F.silu(z.to(compute)) if z is not None else None
+    if gate is not None and not norm_before_gate:
+        u = u * gate
+    groups = u.unflatten(-1, (-1, group_size if group_size is not None else u.shape[-1]))
+    out = (groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)).flatten(-2) * weight.to(compute)
+    if bias is not None:
+        out = out + bias.to(compute)
+    if gate is not None and norm_before_gate:
+        out = out * gate
+    return out.to(dtype)
 
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):

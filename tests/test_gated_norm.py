@@ -4,16 +4,15 @@ widths, views; its op under torch.library's checks; bad arguments."""
 import pytest
 import torch
 
-from mamba_annotated.gated_norm import gated_rms_norm_op, rmsnorm_fn
-from mamba_annotated.modules.layers import rms_norm
+from mamba_annotated.gated_norm import gated_rms_norm_op, rmsnorm_fn, rmsnorm_ref
 from mamba_annotated.runtime import size
 from mamba_annotated.testing import FLOAT_DTYPES, assert_close, assert_gradients_close, randn, tolerance
 
 
 def rms_norm_f64(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
-    """The torch-ops norm the model blocks run, on float64 copies: the reference."""
-    return rms_norm(x.double(), weight.double(), eps, z.double() if z is not None else None, group_size,
-                    norm_before_gate, bias.double() if bias is not None else None)
+    """The torch-ops formula on float64 copies: the reference."""
+    return rmsnorm_ref(x.double(), weight.double(), bias.double() if bias is not None else None,
+                       z.double() if z is not None else None, eps, group_size, norm_before_gate)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from mamba_annotated.attention.reference import attention_ref
 from mamba_annotated.bidirectional.reference import bidirectional_ref
+from mamba_annotated.gated_norm import rmsnorm_ref
 from mamba_annotated.modules import MHA, BiMamba2, Hydra, InferenceParams, Mamba, Mamba2
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.scan.reference import selective_scan_ref
@@ -54,15 +55,6 @@ def conv_ref(x, weight, bias, left, seq_idx=None):
     return out + bias if bias is not None else out
 
 
-def rms_ref(x, weight, eps, z=None, group_size=None, norm_before_gate=True):
-    if z is not None and not norm_before_gate:
-        x = x * F.silu(z)
-    size = group_size or x.shape[-1]
-    groups = x.unflatten(-1, (-1, size))
-    out = (groups / (groups.pow(2).mean(-1, keepdim=True) + eps).sqrt()).flatten(-2) * weight
-    return out * F.silu(z) if z is not None and norm_before_gate else out
-
-
 def mamba2_ref(m, P, u, seq_idx=None):
     """mamba_ssm's Mamba2.forward (its unfused path) in float64, on ssd_quadratic_ref."""
     zxbcdt = linear(u.double(), P, "in_proj")
@@ -77,7 +69,7 @@ def mamba2_ref(m, P, u, seq_idx=None):
                           z=None if m.rmsnorm else heads(z), dt_bias=P["dt_bias"], seq_idx=seq_idx, dt_softplus=True,
                           dt_limit=m.dt_limit).flatten(-2)
     if m.rmsnorm:
-        y = rms_ref(y, P["norm.weight"], 1e-5, z, m.d_ssm // m.ngroups, m.norm_before_gate)
+        y = rmsnorm_ref(y, P["norm.weight"], None, z, 1e-5, m.d_ssm // m.ngroups, m.norm_before_gate)
     if d_mlp:
         y = torch.cat([F.silu(z0) * x0, y], dim=-1)
     return linear(y, P, "out_proj")
@@ -118,7 +110,7 @@ def hydra_ref(m, P, u):
     y = y[:batch] + y[batch:].flip(1)
     skip = (x_og @ P["fc_D.weight"].T + P["D"]).repeat_interleave(m.headdim, dim=-1)
     y = y + x_og * skip
-    return linear(rms_ref(y, P["norm.weight"], 1e-5, z), P, "out_proj")
+    return linear(rmsnorm_ref(y, P["norm.weight"], None, z, 1e-5), P, "out_proj")
 
 
 def bidirectional_block_ref(m, P, u, seq_idx=None):
@@ -145,7 +137,7 @@ def bidirectional_block_ref(m, P, u, seq_idx=None):
                           dt_softplus=True, dt_limit=m.dt_limit, seq_idx=seq_idx, **extra)
     if hydra:
         y = y + x * (parts[0] @ P["fc_D.weight"].T)[..., None]
-    return linear(rms_ref(y.flatten(-2), P["norm.weight"], 1e-5, z), P, "out_proj")
+    return linear(rmsnorm_ref(y.flatten(-2), P["norm.weight"], None, z, 1e-5), P, "out_proj")
 
 
 def rotary_ref(x, dim, base, interleaved, offset=0):

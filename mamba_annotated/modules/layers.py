@@ -1,10 +1,11 @@
-"""The small pieces every block shares, in plain PyTorch: RMS norms, depthwise convolutions along
-time (causal, centred, and their decoding step), rotary embeddings, and the decoding cache record.
+"""The small pieces every block shares: RMS norms (modules around the gated-norm kernel of
+:mod:`mamba_annotated.gated_norm`), and in plain PyTorch depthwise convolutions along time (causal,
+centred, and their decoding step), rotary embeddings, and the decoding cache record.
 
-Each is a few lines the reader can check against its formula. They are not free: in eager
-training the norms' float32 intermediates cost a Mamba-2 model about a third of its step time and
-a third of its peak memory, which the gated norm's Triton kernel (:mod:`mamba_annotated.gated_norm`)
-saves (README, "Model blocks and decoding").
+The norms are a kernel rather than torch ops because, written with torch ops, their float32
+intermediates cost a Mamba-2 model about a third of its eager training step time and a third of its
+peak memory (README, "Model blocks and decoding"). The rest are a few lines the reader can check
+against their formulas.
 """
 from dataclasses import dataclass, field
 from typing import Optional
@@ -12,6 +13,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from ..gated_norm import rmsnorm_fn
 
 
 @dataclass
@@ -36,26 +39,6 @@ class InferenceParams:
             self.lengths_per_sample.zero_()
 
 
-def rms_norm(x, weight, eps, z=None, group_size=None, norm_before_gate=True, bias=None):
-    """x / rms(x) * weight (+ bias) in float32 (float64 for float64 inputs: the tests' reference),
-    returned in x's dtype; the RMS is taken over groups of ``group_size`` channels (None: all of
-    them). With z, the gate silu(z) multiplies after the norm (``norm_before_gate``) or before it.
-    mamba_ssm's ``rmsnorm_fn`` (layernorm_gated.py) and ours (:mod:`mamba_annotated.gated_norm`)
-    compute exactly this in a Triton kernel."""
-    dtype = x.dtype
-    compute = torch.promote_types(dtype, torch.float32)
-    x = x.to(compute)
-    if z is not None and not norm_before_gate:
-        x = x * F.silu(z.to(compute))
-    groups = x.unflatten(-1, (-1, group_size if group_size is not None else x.shape[-1]))
-    out = (groups * torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)).flatten(-2) * weight.to(compute)
-    if bias is not None:
-        out = out + bias.to(compute)
-    if z is not None and norm_before_gate:
-        out = out * F.silu(z.to(compute))
-    return out.to(dtype)
-
-
 class CachedStates:
     """For blocks whose decoding state is the (conv_state, ssm_state) pair of their
     ``allocate_inference_cache``, kept in ``inference_params`` under their ``layer_idx``."""
@@ -76,7 +59,7 @@ class CachedStates:
 
 class RMSNorm(nn.Module):
     """RMS normalization (no bias), float32 inside: mamba_ssm's ``RMSNorm`` (its state_dict holds
-    ``weight`` only)."""
+    ``weight`` only), run by the gated-norm kernel without a gate."""
 
     def __init__(self, hidden_size, eps=1e-5, device=None, dtype=None):
         super().__init__()
@@ -85,12 +68,12 @@ class RMSNorm(nn.Module):
         self.register_parameter("bias", None)
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return rmsnorm_fn(x, self.weight, None, eps=self.eps)
 
 
 class RMSNormGated(nn.Module):
     """mamba_ssm's gated ``RMSNorm`` (ops/triton/layernorm_gated.py), same arguments and
-    state_dict (``weight``), written with torch ops in float32 (:func:`rms_norm`):
+    state_dict (``weight``), run by the gated-norm kernel (:func:`mamba_annotated.gated_norm.rmsnorm_fn`):
     norm(x) * silu(z) if ``norm_before_gate`` else norm(x * silu(z)); the RMS over groups of
     ``group_size`` channels (None: one group)."""
 
@@ -105,7 +88,7 @@ class RMSNormGated(nn.Module):
         self.norm_before_gate = norm_before_gate
 
     def forward(self, x, z=None):
-        return rms_norm(x, self.weight, self.eps, z, self.group_size, self.norm_before_gate)
+        return rmsnorm_fn(x, self.weight, None, z, self.eps, self.group_size, self.norm_before_gate)
 
 
 def windows(x, left, width, seq_idx):
