@@ -33,7 +33,7 @@ import triton.language as tl
 from .library import absent, contiguous, define_op
 from .runtime import DEVICE, sm_count
 from .triton_ops import block_size, cdiv, sigmoid
-from .validation import check_same, check_same_device, check_tensor
+from .validation import check_same_device, check_tensor
 
 
 @triton.jit
@@ -239,9 +239,10 @@ def rmsnorm_ref(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
     """mamba_ssm's ``rmsnorm_fn`` (ops/triton/layernorm_gated.py): same arguments, defaults and
-    return (see the module docstring). x, z (..., N) in one float dtype, any strides; weight and
-    bias (N,) (bias may be None); group_size divides N. Returns a tensor like x. Differentiable in
-    x, weight, bias and z."""
+    return (see the module docstring). x and z (..., N) in float dtypes, z's may differ from x's (a
+    decoding step under autocast gates a float32 x by a bfloat16 z), any strides; weight and bias
+    (N,) (bias may be None); group_size divides N. Returns a tensor like x. Differentiable in x,
+    weight, bias and z (each gradient in its input's dtype)."""
     check_tensor("x", x, min_ndim=1)
     width = x.shape[-1] if x.dim() else 0
     check_tensor("weight", weight, shape=(width,))
@@ -250,8 +251,8 @@ def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_g
         check_tensor("bias", bias, shape=(width,))
         check_same_device("bias", bias, "x", x)
     if z is not None:
-        check_tensor("z", z)
-        check_same("z", z, "x", x)
+        check_tensor("z", z, shape=tuple(x.shape))
+        check_same_device("z", z, "x", x)
     group_size = width if group_size is None else int(group_size)
     if group_size <= 0 or width % group_size:
         raise ValueError(f"group_size must divide the last dimension of x ({width}); got {group_size}")

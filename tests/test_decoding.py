@@ -221,6 +221,23 @@ def test_attention_decoding_under_bf16_autocast():
     assert_close(decoded, whole, tolerance(torch.bfloat16), "steps from a float32 cache under bf16 autocast")
 
 
+@pytest.mark.parametrize("name", [name for name in BLOCKS if not name.startswith("mha")])
+@torch.no_grad()
+def test_ssm_decoding_under_bf16_autocast(name):
+    """Under autocast the projections come out in bfloat16 while a step's state and SSM output stay
+    float32: the gated norm then takes a float32 y with a bfloat16 z. Generating with a Mamba-2
+    model under autocast failed with "z must have the dtype of x" before."""
+    block, u = block_and_input(name)
+    params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        outs = [block(u[:, :4], inference_params=params)]
+        for t in range(4, u.shape[1]):
+            params.seqlen_offset = t
+            outs.append(block(u[:, t:t + 1], inference_params=params))
+        whole = block(u)
+    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16), f"{name}: prefill + steps under bf16 autocast")
+
+
 @torch.no_grad()
 def test_mamba2_packed_prefill_then_steps():
     """A prefill of two packed sequences (batch 1, cu_seqlens and seq_idx) leaves each one's conv

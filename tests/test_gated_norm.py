@@ -35,6 +35,24 @@ def test_outputs_and_gradients_match_float64(dtype, gated, norm_before_gate, gro
     assert_gradients_close(ours, ref, inputs, tolerance(dtype))
 
 
+@pytest.mark.parametrize("x_dtype, z_dtype", [(torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
+def test_a_gate_in_another_dtype_than_x(x_dtype, z_dtype):
+    """mamba_ssm takes z in its own dtype, and a Mamba-2 decoding step under bf16 autocast passes a
+    float32 x with a bf16 z: the output comes in x's dtype, each gradient in its input's."""
+    x = randn(2, size(gpu=301, cpu=9), 48, dtype=x_dtype).requires_grad_()
+    z = randn(*x.shape, dtype=z_dtype).requires_grad_()
+    weight = (1 + 0.5 * randn(48)).requires_grad_()
+    ours = lambda x, weight, z: rmsnorm_fn(x, weight, None, z, 1e-5, 16)  # noqa: E731
+    ref = lambda x, weight, z: rms_norm_f64(x, weight, None, z, 1e-5, 16)  # noqa: E731
+    tol = tolerance(torch.bfloat16 if torch.bfloat16 in (x_dtype, z_dtype) else torch.float16)  # the coarser input
+    out = ours(x, weight, z)
+    assert out.dtype == x_dtype
+    assert_close(out, ref(x, weight, z), tol)
+    grads = torch.autograd.grad(out, [x, weight, z], randn(*x.shape, dtype=x_dtype))
+    assert [g.dtype for g in grads] == [x_dtype, torch.float32, z_dtype]
+    assert_gradients_close(ours, ref, dict(x=x, weight=weight, z=z), tol)
+
+
 def test_views_give_what_contiguous_copies_give():
     """x and z split from one projection (row stride wider than the width), the weight and bias
     strided, a transposed upstream gradient: the same bits as with contiguous copies, forward and
@@ -81,7 +99,8 @@ def test_the_op_passes_torch_library_checks():
 
 @pytest.mark.parametrize("bad, error", [
     (dict(group_size=7), ValueError),                          # does not divide 24
-    (dict(z=randn(2, 5, 24, dtype=torch.float16)), TypeError),  # z's dtype is not x's
+    (dict(z=randn(2, 5, 12)), ValueError),                    # z's shape is not x's
+    (dict(z=torch.ones(2, 5, 24, dtype=torch.int32)), TypeError),
     (dict(weight=randn(23)), ValueError),
     (dict(eps=-1.0), ValueError),
     (dict(x=randn(1, 40000), weight=randn(40000)), ValueError),  # a group past 64 KiB of float32
