@@ -235,7 +235,8 @@ def test_ssm_decoding_under_bf16_autocast(name):
             params.seqlen_offset = t
             outs.append(block(u[:, t:t + 1], inference_params=params))
         whole = block(u)
-    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16), f"{name}: prefill + steps under bf16 autocast")
+    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16),
+                 f"{name}: prefill + steps under bf16 autocast")
 
 
 @torch.no_grad()
