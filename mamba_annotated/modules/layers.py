@@ -4,7 +4,7 @@ centred, and their decoding step), rotary embeddings, and the decoding cache rec
 
 The norms are a kernel rather than torch ops because, written with torch ops, their float32
 intermediates cost a Mamba-2 model about a third of its eager training step time and a third of its
-peak memory (README, "Model blocks and decoding"). The rest are a few lines the reader can check
+peak memory (README, "Using the kernels"). The rest are a few lines the reader can check
 against their formulas.
 """
 from dataclasses import dataclass, field
