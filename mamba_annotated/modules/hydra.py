@@ -97,8 +97,8 @@ class Hydra(BidirectionalBase):
     (non-causal) depthwise conv of odd width d_conv and SiLU; the two directions share x, A and
     dt_bias and have their own step, B and C; each direction's output is shifted by one step
     (position t sees strictly the past, or the future); the skip is input-dependent,
-    y += x * (fc_D(x) + D) per head; the gated RMS norm (norm(y) * silu(z), one group, plain torch
-    in float32) and out_proj. The reference runs the two directions as one batch of twice the size
+    y += x * (fc_D(x) + D) per head; the gated RMS norm (norm(y) * silu(z), one group, the
+    gated-norm kernel) and out_proj. The reference runs the two directions as one batch of twice the size
     through mamba_chunk_scan_combined; here one fused op does both.
 
     Differences from the reference, each deliberate:

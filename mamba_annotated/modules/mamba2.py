@@ -29,8 +29,8 @@ class Mamba2(CachedStates, nn.Module):
     padded and sliced: mamba_ssm's path without the causal_conv1d package; with seq_idx the conv
     does not reach across packed sequences, as causal_conv1d's); x, B, C go to
     :func:`~mamba_annotated.ssd_chunk_scan` (dt_bias, softplus, dt_limit); the gated RMS norm
-    (group size d_ssm / ngroups, ``norm_before_gate``; :class:`.layers.RMSNormGated`, plain torch in
-    float32) or, with ``rmsnorm=False``, the gate silu(z) inside the scan; out_proj.
+    (group size d_ssm / ngroups, ``norm_before_gate``; :class:`.layers.RMSNormGated`, the
+    gated-norm kernel) or, with ``rmsnorm=False``, the gate silu(z) inside the scan; out_proj.
 
     Differences from mamba_ssm, each deliberate:
       * ``use_mem_eff_path``: mamba_ssm's fused path (``mamba_split_conv1d_scan_combined``) computes
