@@ -40,7 +40,8 @@ DECODING = [dict(batch=1, prompt_len=512, new_tokens=128), dict(batch=64, prompt
 QUICK_MODEL = dict(d_model=256, n_layer=4, vocab_size=1024, head_dim=64, d_state=64, chunk_size=128)
 QUICK_TRAINING = [dict(batch=2, seq_len=1024)]
 QUICK_DECODING = [dict(batch=4, prompt_len=128, new_tokens=32)]
-TRAIN_STEPS = 32  # 30 timed (the first two pay for compiling and autotuning: train's untimed_steps): a few seconds of timing per model
+# 30 timed steps, a few seconds per model (the first two pay for compiling and autotuning: train's untimed_steps)
+TRAIN_STEPS = 32
 
 
 def build_models(shape, peer_module):
