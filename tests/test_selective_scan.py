@@ -82,15 +82,17 @@ def test_gradient_through_the_last_state():
                            leaves, tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("fwd_block_l, bwd_block_d, bwd_block_l, bwd_warps",
-                         [(16, 1, 16, 1), (32, 4, 16, 2), (64, 2, 32, 4), (64, 8, 64, 2)])
-def test_every_block_size_the_sweeps_may_pick(monkeypatch, fwd_block_l, bwd_block_d, bwd_block_l, bwd_warps):
-    """The block sizes are module constants that benchmarks/sweep_selective_scan.py changes: the
-    kernels must be right for any of them (a chunk of one or several backward chunks, one channel
-    or several per program, in a group of 4 channels), through the last state too."""
+@pytest.mark.parametrize("fwd_block_l, fwd_block_d, bwd_block_d, bwd_block_l, bwd_warps",
+                         [(16, 1, 1, 16, 1), (32, 4, 4, 16, 2), (64, 1, 2, 32, 4), (64, 2, 8, 64, 2)])
+def test_every_block_size_the_sweeps_may_pick(monkeypatch, fwd_block_l, fwd_block_d, bwd_block_d, bwd_block_l,
+                                              bwd_warps):
+    """The block sizes are module constants that benchmarks/sweep_selective_scan.py changes (and the
+    interpreter sets apart from the GPU's): the kernels must be right for any of them (a chunk of one
+    or several backward chunks, one channel or several per program, in a group of 4 channels),
+    through the last state too."""
     from mamba_annotated.scan import selective
-    for name, value in dict(FWD_BLOCK_L=fwd_block_l, BWD_MAX_BLOCK_D=bwd_block_d, BWD_BLOCK_L=bwd_block_l,
-                            BWD_NUM_WARPS=bwd_warps).items():
+    for name, value in dict(FWD_BLOCK_L=fwd_block_l, FWD_MAX_BLOCK_D=fwd_block_d, BWD_MAX_BLOCK_D=bwd_block_d,
+                            BWD_BLOCK_L=bwd_block_l, BWD_NUM_WARPS=bwd_warps).items():
         monkeypatch.setattr(selective, name, value)
     length = 2 * fwd_block_l + 5
     inputs, flags = make_inputs(2, 8, 3, length, groups=2, **ALL_OPTIONS)

@@ -68,8 +68,9 @@ from .combine import first_order_combine
 # they are written), chunks of 64 steps, 2 warps: the fastest in the sweep, though it too spills
 # registers on an H200. In the interpreter the chunks are short, so tiny CPU tests still cross
 # several chunk boundaries, and a forward program takes up to 16 channels: programs run one after
-# another there, and fewer of them halve the model chapter's time on CPU.
-FWD_BLOCK_L = 32 if INTERPRETED else 1024
+# another there, and these two settings halve the model chapter's time on CPU. The block-size test
+# in tests/test_selective_scan.py runs one channel per program, as on the GPU, in the interpreter.
+FWD_BLOCK_L = 16 if INTERPRETED else 1024
 FWD_MAX_BLOCK_D = 16 if INTERPRETED else 1
 FWD_NUM_WARPS = 4
 BWD_BLOCK_L = 16 if INTERPRETED else 64
