@@ -24,6 +24,10 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     )
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:  # the interpreter's associative_scan, one combine call per step instead of per element
+    from . import interpreter_scan
+
+    interpreter_scan.install()
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRETED else "cpu")
 
 
