@@ -26,13 +26,14 @@ def scan_by_slices(self, inputs):
     data = [arg.handle.data for arg in inputs]
     dtypes = [arg.dtype for arg in inputs]
     results = [np.empty_like(d) for d in data]
-    for k in range(data[0].shape[self.axis]):
-        here = (slice(None),) * self.axis + (k,)
+    axis = self.axis % data[0].ndim  # a kernel may scan along axis -1 (Triton's own method mishandles it)
+    for k in range(data[0].shape[axis]):
+        here = (slice(None),) * axis + (k,)
         if k == 0:
             for result, d in zip(results, data):
                 result[here] = d[here]
             continue
-        before = (slice(None),) * self.axis + (k - 1,)
+        before = (slice(None),) * axis + (k - 1,)
         running = [self.to_tensor(r[before], t) for r, t in zip(results, dtypes)]
         new = [self.to_tensor(d[here], t) for d, t in zip(data, dtypes)]
         combined = self.combine_fn.fn(*running, *new)

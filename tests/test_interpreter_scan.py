@@ -3,12 +3,15 @@ per-element scan: 1-D tiles forward and reversed (chapter 2's tuple scan), a bit
 operand (chapter 3), and 2-D tiles scanned along their second axis (the selective scan)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime import interpreter
 
 from mamba_annotated import selective_scan
 from mamba_annotated.interpreter_scan import per_element_scan, scan_by_slices
 from mamba_annotated.runtime import INTERPRETED
 from mamba_annotated.scan.associative import tuple_scan_forward
+from mamba_annotated.scan.combine import first_order_combine
 from mamba_annotated.scan.packed import packed_scan_forward
 from mamba_annotated.testing import randn, uniform
 
@@ -52,3 +55,27 @@ def test_selective_scan_forward_and_backward(monkeypatch):
 
     for theirs, ours in zip(*results_of_both(monkeypatch, run)):
         assert torch.equal(theirs, ours)
+
+
+@triton.jit
+def scan_rows_kernel(a_ptr, b_ptr, h_ptr, ROWS: tl.constexpr, COLS: tl.constexpr, AXIS: tl.constexpr):
+    """h = the first-order scan of each row of a (ROWS, COLS) tile, along AXIS (1 or -1)."""
+    offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    _, h = tl.associative_scan((tl.load(a_ptr + offsets), tl.load(b_ptr + offsets)), AXIS, first_order_combine)
+    tl.store(h_ptr + offsets, h)
+
+
+def test_a_scan_along_axis_minus_one(monkeypatch):
+    """Axis -1 is axis 1 here. (Triton 3.9's per-element scan gets axis -1 wrong: it never finds the
+    previous element along a negative axis, so it is compared at axis 1.)"""
+    a, b = uniform(4, 16, low=0.5, high=1.0), randn(4, 16)
+
+    def run(axis):
+        h = torch.empty_like(a)
+        scan_rows_kernel[(1,)](a, b, h, ROWS=4, COLS=16, AXIS=axis)
+        return h
+
+    monkeypatch.setattr(interpreter.ScanOps, "generic_scan", per_element_scan)
+    theirs = run(1)
+    monkeypatch.setattr(interpreter.ScanOps, "generic_scan", scan_by_slices)
+    assert torch.equal(theirs, run(-1))
