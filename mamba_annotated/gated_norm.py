@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .library import absent, contiguous, define_op
+from .library import absent, contiguous, define_op, last_dim_contiguous
 from .runtime import DEVICE, sm_count
 from .triton_ops import block_size, cdiv, sigmoid
 from .validation import check_same_device, check_tensor
@@ -132,8 +132,7 @@ MAX_GROUP_BYTES = 65536  # mamba_ssm's bound too: one group of x held by one pro
 
 def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     """t (..., width) as (rows, width) with unit channel stride (a copy only where needed)."""
-    t = t.reshape(-1, width)
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return last_dim_contiguous(t.reshape(-1, width))
 
 
 def launch_options(group_size: int) -> dict:

@@ -42,6 +42,12 @@ def contiguous(t):
     return t.contiguous() if t is not None else None
 
 
+def last_dim_contiguous(t):
+    """``t``, or a contiguous copy where its last stride is not 1 (the kernels that take the other
+    strides as arguments still address the last dimension densely); None stays None."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def define_op(name, forward, fake_forward, backward, fake_backward, save, grads):
     """Register ``mamba_annotated::name`` and ``name_backward``; return ``apply(*inputs)``, which
     runs the op (eagerly through an ``autograd.Function``, or as the custom op under torch.compile).

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..library import NAMESPACE, define_op
+from ..library import NAMESPACE, define_op, last_dim_contiguous
 from ..validation import check_tensor
 from .backward import attention_backward
 from .forward import attention_forward
@@ -108,11 +108,6 @@ def draw_dropout_seed(dropout_p: float, device: torch.device) -> Optional[torch.
     if dropout_p == 0.0:
         return None
     return torch.randint(2 ** 62, (1,), dtype=torch.int64, device=device)
-
-
-def last_dim_contiguous(t):
-    """``t``, or a contiguous copy where its last stride is not 1 (what the kernels address)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def attention_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, window_left: int,

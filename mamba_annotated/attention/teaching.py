@@ -22,9 +22,9 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .. import outputs
+from ..library import last_dim_contiguous
 from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
-from .api import (attention, attention_gradients, attention_outputs, check_attention_inputs, check_real,
-                  last_dim_contiguous)
+from .api import attention, attention_gradients, attention_outputs, check_attention_inputs, check_real
 from .backward import backward_config, backward_preprocess, batch_row_head_strides, dkdv_program, dq_program
 
 

@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, contiguous, define_op, traced_or_captured
-from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, gate_backward, unit_dstate_stride
+from ..library import absent, contiguous, define_op, last_dim_contiguous, traced_or_captured
+from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, gate_backward
 from ..triton_ops import cdiv
 from ..validation import check_same, check_same_device, check_tensor
 from .backward import bidirectional_backward
@@ -179,7 +179,7 @@ def bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     chunk_size = check_bidirectional_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_limit, seq_idx, cu_seqlens,
                                             dt_rev, B_rev, C_rev)
     seq_idx = packed_seq_idx(seq_idx, cu_seqlens, x.shape[1])
-    B, C, B_rev, C_rev = (unit_dstate_stride(t) for t in (B, C, B_rev, C_rev))
+    B, C, B_rev, C_rev = (last_dim_contiguous(t) for t in (B, C, B_rev, C_rev))  # why: ssd_chunk_scan
     out, *_ = bidirectional_chunk_scan_op(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, bool(dt_softplus),
                                           float(dt_limit[0]), float(dt_limit[1]), bool(shift), dt_rev, B_rev, C_rev)
     return out

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..library import absent, contiguous, define_op, traced_or_captured
+from ..library import absent, contiguous, define_op, last_dim_contiguous, traced_or_captured
 from ..validation import check_same, check_same_device, check_tensor
 from ..triton_ops import cdiv
 from .backward import ssd_backward
@@ -91,17 +91,6 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     if state_dtype is not None and state_dtype not in STATE_DTYPES:
         raise TypeError(f"state_dtype must be None or one of float32, float16, bfloat16; got {state_dtype!r}")
     return chunk_size
-
-
-def unit_dstate_stride(t):
-    """``t``, or a contiguous copy of it where its last dimension (dstate) is strided, as mamba_ssm's
-    chunk scan copies its B and C. What Mamba-2 and Hydra blocks pass is such a view: the
-    convolution's output transposed back, time major. On an H100 under Triton 3.6 the bidirectional
-    scores kernel read a B (or B') of that layout wrongly at lengths that are not multiples of 16
-    (``test_scores_of_a_time_major_B_rev_at_an_odd_length``), and the fault moved from one operand to
-    the other as the kernel's code was rearranged; a copy is read right. A dstate-strided operand is
-    also read with scalar loads where a contiguous one is read in vectors."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def ssd_forward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -264,8 +253,14 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     """
     chunk_size = check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                                   dt_limit, return_varlen_states, state_dtype)
+    # A B or C strided along dstate is copied, as mamba_ssm's chunk scan copies them. Mamba-2 and Hydra
+    # blocks pass such views (the convolution's output transposed back, time major). On an H100 under
+    # Triton 3.6 the bidirectional scores kernel read a B (or B') of that layout wrongly at lengths that
+    # are not multiples of 16 (test_scores_of_a_time_major_B_rev_at_an_odd_length), the fault moving
+    # from one operand to the other as the kernel's code was rearranged; a copy is read right. A
+    # dstate-strided operand is also read with scalar loads where a contiguous one is read in vectors.
     out, final_states, _, varlen_states, *_ = ssd_chunk_scan_op(
-        x, dt, A, unit_dstate_stride(B), unit_dstate_stride(C), chunk_size, D, z, dt_bias, initial_states, seq_idx,
+        x, dt, A, last_dim_contiguous(B), last_dim_contiguous(C), chunk_size, D, z, dt_bias, initial_states, seq_idx,
         cu_seqlens if return_varlen_states else None, bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]),
         state_dtype)
     if not return_varlen_states:
