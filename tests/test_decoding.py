@@ -186,18 +186,24 @@ def test_step_by_step_equals_forward(name):
     assert_close(decoded, block(u), TOL, f"{name}: steps from an empty cache")
 
 
-@pytest.mark.parametrize("name", BLOCKS)
-@pytest.mark.parametrize("prefill", [1, 6])
-@torch.no_grad()
-def test_prefill_then_steps_equals_forward(name, prefill):
-    """forward with InferenceParams: a chunked prefill fills the cache, then one token per call."""
-    block, u = block_and_input(name)
+def prefill_then_steps(block, u, prefill):
+    """forward with InferenceParams: a chunked prefill of ``prefill`` tokens fills the cache, then one
+    token per call. Returns (the outputs along the sequence, the InferenceParams)."""
     params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
     outs = [block(u[:, :prefill], inference_params=params)]
     for t in range(prefill, u.shape[1]):
         params.seqlen_offset = t
         outs.append(block(u[:, t:t + 1], inference_params=params))
-    assert_close(torch.cat(outs, dim=1), block(u), TOL, f"{name}: prefill of {prefill}, then steps")
+    return torch.cat(outs, dim=1), params
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("prefill", [1, 6])
+@torch.no_grad()
+def test_prefill_then_steps_equals_forward(name, prefill):
+    block, u = block_and_input(name)
+    decoded, _ = prefill_then_steps(block, u, prefill)
+    assert_close(decoded, block(u), TOL, f"{name}: prefill of {prefill}, then steps")
 
 
 @torch.no_grad()
@@ -206,15 +212,11 @@ def test_attention_decoding_under_bf16_autocast():
     bfloat16: the cache must hold (or be read in) q's dtype. Generating with a Transformer in a
     bf16-autocast training script failed with "k must have the dtype of q" before."""
     block, u = block_and_input("mha-gqa-rotary")
-    params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        outs = [block(u[:, :4], inference_params=params)]
-        for t in range(4, u.shape[1]):
-            params.seqlen_offset = t
-            outs.append(block(u[:, t:t + 1], inference_params=params))
+        decoded, params = prefill_then_steps(block, u, 4)
         whole = block(u)
     assert params.key_value_memory_dict[0][0].dtype == torch.bfloat16
-    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16), "prefill + steps under bf16 autocast")
+    assert_close(decoded, whole, tolerance(torch.bfloat16), "prefill + steps under bf16 autocast")
     by_hand = block.allocate_inference_cache(u.shape[0], u.shape[1], dtype=torch.float32)  # a float32 cache
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         decoded = torch.cat([step(block, u[:, t:t + 1], by_hand, t) for t in range(u.shape[1])], dim=1)
@@ -228,15 +230,10 @@ def test_ssm_decoding_under_bf16_autocast(name):
     float32: the gated norm then takes a float32 y with a bfloat16 z. Generating with a Mamba-2
     model under autocast failed with "z must have the dtype of x" before."""
     block, u = block_and_input(name)
-    params = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0])
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        outs = [block(u[:, :4], inference_params=params)]
-        for t in range(4, u.shape[1]):
-            params.seqlen_offset = t
-            outs.append(block(u[:, t:t + 1], inference_params=params))
+        decoded, _ = prefill_then_steps(block, u, 4)
         whole = block(u)
-    assert_close(torch.cat(outs, dim=1), whole, tolerance(torch.bfloat16),
-                 f"{name}: prefill + steps under bf16 autocast")
+    assert_close(decoded, whole, tolerance(torch.bfloat16), f"{name}: prefill + steps under bf16 autocast")
 
 
 @torch.no_grad()
