@@ -90,6 +90,23 @@ def test_sweep_hands_its_report_over_after_every_case():
     assert seen == [0, 1, 2, 3]
 
 
+def test_sweep_keeps_why_an_output_went_unjudged(monkeypatch, tmp_path):
+    """An H100 shard left 50 of its 59 cases' bfloat16 dA unjudged, and its report could not say why."""
+    reasons = iter(["grad A (mamba_ssm could not run this case)", "grad A (mamba_ssm could not run this case)",
+                    "grad dt_bias (another reason)"])
+    monkeypatch.setattr(sweep, "run_case", lambda op, params, seed: cases.Verdict(unjudged=[next(reasons)]))
+    args = sweep.parse_args(["--ops", "linear_scan", "--cases", "3", "--seed", "7"])
+    report = sweep.sweep_op(cases.OPS["linear_scan"], args, deadline=None)
+    assert report["unjudged"] == 3
+    assert report["unjudged_reasons"] == {"grad A (mamba_ssm could not run this case)": 7,
+                                          "grad dt_bias (another reason)": 9}
+    shard = tmp_path / "shard.json"
+    shard.write_text(json.dumps(dict(item="sweep", ops={"linear_scan": report})))
+    merged = summary.merge([json.loads(shard.read_text()), json.loads(shard.read_text())])
+    assert merged["sweep"]["linear_scan"]["unjudged"] == 6
+    assert merged["sweep"]["linear_scan"]["unjudged_reasons"] == report["unjudged_reasons"]
+
+
 class WrongScan(cases.FirstOrderScan):
     """linear_scan with its last step dropped: the sweep must catch and shrink it."""
 

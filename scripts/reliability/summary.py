@@ -37,6 +37,8 @@ def merge(reports):
             for key in ("cases", "failures", "unjudged"):
                 old[key] += r[key]
             old["reproducers"] += r["reproducers"]
+            for reason, seed in r.get("unjudged_reasons", {}).items():  # absent from reports before it was kept
+                old.setdefault("unjudged_reasons", {}).setdefault(reason, seed)
             for key, value in r["largest"].items():
                 old["largest"][key] = max(old["largest"].get(key, value), value)
     return merged
@@ -97,6 +99,8 @@ def main(argv=None):
                         print(f"sanitize {op} {tool}: {line}")
             if item in ("sanitize", "leaks"):
                 continue
+            for reason, seed in r.get("unjudged_reasons", {}).items():
+                print(f"{item} {op}: unjudged (first at seed {seed}): {reason}")
             for line in r.get("reproducers") or r.get("problems") or r.get("failures") or []:
                 print(f"{item} {op}: {line if isinstance(line, str) else line['command']}")
     if args.json:

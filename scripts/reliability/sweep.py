@@ -51,7 +51,8 @@ def grow(largest, measured):
 def sweep_op(op, args, deadline, save=lambda report: None):
     """Run the cases of one op until done or the deadline; returns its report, and hands it to
     ``save`` after every case (a process killed by the device's time limit keeps what it ran)."""
-    report = dict(cases=0, failures=0, unjudged=0, largest={}, reproducers=[], stopped_early=False)
+    report = dict(cases=0, failures=0, unjudged=0, unjudged_reasons={}, largest={}, reproducers=[],
+                  stopped_early=False)
     for i in range(1 if args.params else args.cases):
         save(report)
         if out_of_time(deadline):
@@ -62,6 +63,7 @@ def sweep_op(op, args, deadline, save=lambda report: None):
         verdict = run_case(op, params, seed)
         report["cases"] += 1
         report["unjudged"] += bool(verdict.unjudged)
+        note_unjudged(report["unjudged_reasons"], verdict.unjudged, seed)
         if args.verbose or verdict.failures:
             status = "FAIL " + "; ".join(verdict.failures) if verdict.failures else "ok"
             print(f"{op.name} seed={seed} {json.dumps(params, sort_keys=True)}: {status}", flush=True)
@@ -85,6 +87,18 @@ def sweep_op(op, args, deadline, save=lambda report: None):
             break
     save(report)
     return report
+
+
+MAX_UNJUDGED_REASONS = 8
+
+
+def note_unjudged(reasons, unjudged, seed):
+    """Keep why an output went unjudged, each distinct reason once with the first seed that gave it
+    (an H100 shard once left 50 of its 59 cases' bfloat16 dA unjudged, and its report could not say
+    why); at most MAX_UNJUDGED_REASONS of them."""
+    for reason in unjudged:
+        if reason not in reasons and len(reasons) < MAX_UNJUDGED_REASONS:
+            reasons[reason] = seed
 
 
 def out_of_time(deadline):
@@ -145,6 +159,8 @@ def main(argv=None):
         print(f"sweep {name}: {r['cases']} cases, {r['failures']} failed, {r['unjudged']} with an unjudged output, "
               f"{r['seconds']} s{' (stopped by the time budget)' if r['stopped_early'] else ''}; "
               f"largest passed {r['largest']}", flush=True)
+        for reason, seed in r["unjudged_reasons"].items():
+            print(f"  unjudged (first at seed {seed}): {reason}", flush=True)
     write_report(args.json, "sweep", reports, seed=args.seed)
     return 1 if any(r["failures"] for r in reports.values()) else 0
 
