@@ -590,3 +590,28 @@ def test_a_peer_that_cannot_run_a_case_leaves_it_unjudged(monkeypatch):
     verdict = cases.Verdict()
     op.against_peer(params, leaves, 0, outputs, "A", torch.zeros(1), torch.zeros(1), verdict)
     assert not verdict.failures and "mamba_ssm could not run this case: AssertionError" in verdict.unjudged[0]
+
+
+def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_variant():
+    """benchmarks/state_precision.py compares the chunked ops as shipped with their states stored in
+    float32; a patch that missed a call would compare the shipped code with itself."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import state_precision
+    from mamba_annotated.ssd.forward import ssd_forward
+
+    g = torch.Generator().manual_seed(0)
+    x, B, C = (torch.randn(1, 40, n, 16, generator=g).to(torch.bfloat16) for n in (2, 1, 1))
+    dt, A = torch.rand(1, 40, 2, generator=g), -torch.rand(2, generator=g)
+
+    def stored_dtypes():  # the states the forward pass saves, the state gradients the backward pass emits
+        states = ssd_forward(x, dt, A, B, C, 16).saved.states_in
+        state_grads, _ = state_precision.ssd_backward.state_passing(
+            torch.zeros(1, 3, 2, 16, 16), torch.zeros(1, 2, 3, 16), length=40, reverse=True, out_dtype=x.dtype)
+        return states.dtype, state_grads.dtype
+
+    assert stored_dtypes() == (torch.bfloat16, torch.bfloat16)
+    with state_precision.float32_states():
+        assert stored_dtypes() == (torch.float32, torch.float32)
+        assert all(m.state_passing.__name__ == "<lambda>" for m in state_precision.PIPELINE_MODULES)
+    assert stored_dtypes() == (torch.bfloat16, torch.bfloat16)
+    assert all(m.state_passing.__name__ == "state_passing" for m in state_precision.PIPELINE_MODULES)
