@@ -29,6 +29,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "reliability"), str(ROOT / "tests")]
 import cases  # noqa: E402
+from bench_ssd import make_inputs  # noqa: E402  (the SSD benchmark's inputs: bfloat16, D, dt_bias)
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.bidirectional import backward as bidirectional_backward  # noqa: E402
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
@@ -97,19 +98,8 @@ def verdicts(failures, extra_seeds, max_length):
 
 
 def speed_inputs(op):
-    batch, length, heads, headdim, dstate = SPEED_SHAPE
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, device=DEVICE, generator=g) * scale).to(torch.bfloat16)
-
-    inputs = dict(x=rnd(batch, length, heads, headdim), dt=torch.randn(batch, length, heads, device=DEVICE, generator=g) - 1,
-                  A=-torch.rand(heads, device=DEVICE, generator=g) * 4 - 1,
-                  B=rnd(batch, length, 1, dstate, scale=0.3), C=rnd(batch, length, 1, dstate, scale=0.3),
-                  D=torch.randn(heads, device=DEVICE, generator=g),
-                  dt_bias=torch.randn(heads, device=DEVICE, generator=g) * 0.5)
     scan = ssd_chunk_scan if op == "ssd_chunk_scan" else bidirectional_chunk_scan
-    return scan, inputs
+    return scan, make_inputs(*SPEED_SHAPE)
 
 
 def speeds():
