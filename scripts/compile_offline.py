@@ -13,8 +13,15 @@ configurations its launcher uses on the GPU (attention: ``forward_config``; SSD 
 autotuned configuration, and its checked kernel). STACK > 0 means ptxas spilled registers to local
 memory; compare it before and after a change (``--json`` keeps the report). The numbers are the
 compiler's, not measurements: speed still needs the GPU.
+
+The ``scores`` family compiles the bidirectional scores kernel as the launcher launches it (its
+arguments specialized by Triton's own binder: an integer equal to 1 becomes a constant, pointers
+and integers divisible by 16 are marked so) for the configurations the H100 runs of issue 14 found
+right or wrong with a time-major B' (README, "Using the kernels"), and prints each cubin's hash:
+which of them are one binary.
 """
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -53,14 +60,55 @@ def resource_usage(cubin: bytes) -> dict:
                                    ("REG", "STACK", "SHARED"))}
 
 
-def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+def usage(compiled) -> dict:
+    """Resource usage, Triton's shared memory and the cubin's hash (equal hashes: one binary)."""
+    cubin = compiled.asm["cubin"]
+    return dict(resource_usage(cubin), triton_shared=compiled.metadata.shared,
+                cubin_md5=hashlib.md5(cubin).hexdigest()[:8])
+
+
+def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
     """Compile ``kernel`` for sm_90: parameters named in ``constexprs`` take those values, the others
-    the type in ``types`` (default i32). Returns its resource usage and Triton's shared memory."""
+    the type in ``types`` (default i32)."""
     fn = jit_function(kernel)
     signature = {p.name: "constexpr" if p.name in constexprs else types.get(p.name, "i32") for p in fn.params}
     source = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
-    return dict(resource_usage(compiled.asm["cubin"]), triton_shared=compiled.metadata.shared)
+    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: keeps the arguments of each launch instead of launching."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def launched_arguments(module, kernel_name: str, launcher, *inputs, **options):
+    """The (args, kwargs) that ``launcher(*inputs, **options)`` passes to ``module.kernel_name``."""
+    recorder, kernel = LaunchRecorder(), getattr(module, kernel_name)
+    setattr(module, kernel_name, recorder)
+    try:
+        launcher(*inputs, **options)
+    finally:
+        setattr(module, kernel_name, kernel)
+    return recorder.launches[0]
+
+
+def compile_as_launched(kernel, args, kwargs):
+    """Compile for sm_90 what ``kernel[grid](*args, **kwargs)`` would compile, its arguments
+    specialized by Triton's binder (Triton 3.6's internal interface, as its JIT calls it)."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = jit_function(kernel)
+    backend = make_backend(TARGET)
+    kwargs = dict(kwargs, debug=False, instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+    bound, specialization, options = create_function_from_signature(fn.signature, fn.params, backend)(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
 def attention_cases():
@@ -76,8 +124,8 @@ def attention_cases():
             constexprs = dict(WINDOW_LEFT=False, WINDOW_RIGHT=causal, SOFTCAP=0, ALIBI=False, DROPOUT=False,
                               SCALE_FIRST=False, EVEN_M=True, EVEN_N=True, EVEN_D=True, PRECISION="tf32",
                               BLOCK_D=head_dim, **cfg)
-            yield (f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}", attention_fwd_kernel, types,
-                   constexprs, warps, stages)
+            yield (f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}",
+                   lambda: compile_kernel(attention_fwd_kernel, types, constexprs, warps, stages))
 
 
 def ssd_cases():
@@ -91,14 +139,45 @@ def ssd_cases():
         tag = "seq_idx" if packed else "plain"
         for cfg in module.CONFIGS:
             name = f"chunk_scan_kernel {tag} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
-            yield (f"{name} w{cfg.num_warps} s{cfg.num_stages}", module.chunk_scan_kernel, types,
-                   options | cfg.kwargs, cfg.num_warps, cfg.num_stages)
+            yield (f"{name} w{cfg.num_warps} s{cfg.num_stages}",
+                   lambda cfg=cfg, options=options: compile_kernel(module.chunk_scan_kernel, types, options | cfg.kwargs,
+                                                                   cfg.num_warps, cfg.num_stages))
         checked = module.checked_config(256)
         warps, stages = checked.pop("num_warps"), checked.pop("num_stages")
-        yield f"chunk_scan_checked_kernel {tag}", module.chunk_scan_checked_kernel, types, options | checked, warps, stages
+        yield (f"chunk_scan_checked_kernel {tag}",
+               lambda options=options: compile_kernel(module.chunk_scan_checked_kernel, types, options | checked,
+                                                      warps, stages))
 
 
-FAMILIES = {"attention": attention_cases, "ssd": ssd_cases}
+# (length, dstate, chunk, B' layout, num_warps, what the H100 computed): the configurations issue 14's
+# runs narrowed the wrong reverse scores to (README, "Using the kernels")
+SCORES_RUNS = [(1021, 100, 32, "time major", 4, "wrong"), (1000, 100, 32, "time major", 4, "wrong"),
+               (257, 100, 32, "time major", 4, "wrong"), (61, 100, 32, "time major", 4, "wrong"),
+               (1021, 40, 32, "time major", 4, "wrong"), (1021, 200, 32, "time major", 4, "wrong"),
+               (1008, 100, 32, "time major", 4, "right"), (1024, 100, 32, "time major", 4, "right"),
+               (512, 100, 32, "time major", 4, "right"), (1021, 16, 32, "time major", 4, "right"),
+               (1021, 64, 32, "time major", 4, "right"), (1021, 128, 32, "time major", 4, "right"),
+               (1021, 100, 64, "time major", 4, "right"), (1021, 100, 128, "time major", 4, "right"),
+               (1021, 100, 32, "time major", 2, "right"), (1021, 100, 32, "time major", 8, "right"),
+               (1021, 100, 32, "contiguous", 4, "right")]
+
+
+def scores_cases():
+    from mamba_annotated.bidirectional import chunk_scores as module
+
+    for length, dstate, chunk, layout, warps, seen in SCORES_RUNS:
+        C, B, C_rev = (torch.empty(1, length, 1, dstate, dtype=torch.bfloat16) for _ in range(3))
+        B_rev = torch.empty(1, dstate, 1, length, dtype=torch.bfloat16).permute(0, 3, 2, 1)  # strides (., 1, L, L)
+        if layout == "contiguous":
+            B_rev = B_rev.contiguous()
+        args, kwargs = launched_arguments(module, "chunk_scores_kernel", module.chunk_scores, C, B, C_rev, B_rev,
+                                          chunk, shift=False)
+        yield (f"chunk_scores_kernel L={length} dstate={dstate} chunk={chunk} B' {layout} w{warps} (H100: {seen})",
+               lambda args=args, kwargs=kwargs, warps=warps: compile_as_launched(
+                   module.chunk_scores_kernel, args, dict(kwargs, num_warps=warps)))
+
+
+FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases}
 
 
 def main(argv=None):
@@ -113,12 +192,12 @@ def main(argv=None):
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
     report = {}
     for family in args.families:
-        for i, (name, kernel, types, constexprs, warps, stages) in enumerate(FAMILIES[family]()):
+        for i, (name, compile_case) in enumerate(FAMILIES[family]()):
             if args.first and i:
                 break
-            report[name] = usage = compile_kernel(kernel, types, constexprs, warps, stages)
-            print(f"{name:<80} REG {usage['REG']:>3}  STACK {usage['STACK']:>5}  shared {usage['triton_shared']:>6}",
-                  flush=True)
+            report[name] = found = usage(compile_case())
+            print(f"{name:<80} REG {found['REG']:>3}  STACK {found['STACK']:>5}  shared {found['triton_shared']:>6}  "
+                  f"cubin {found['cubin_md5']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(triton=triton.__version__, kernels=report), indent=1))
     return 0

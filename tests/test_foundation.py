@@ -121,3 +121,21 @@ def test_compile_offline_reports_the_gpu_build_of_a_kernel(tmp_path):
     (name, usage), = kernels.items()
     assert name.startswith("chunk_scan_kernel plain")
     assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0 and usage["triton_shared"] > 0
+
+
+def test_compile_offline_compiles_the_scores_kernel_as_launched(tmp_path):
+    """Issue 14's wrong reverse scores showed on the H100 in six configurations of the bidirectional
+    scores kernel and in none of its neighbours; compiled as the launcher launches them (arguments
+    specialized by Triton's binder), the six are one binary and every neighbour another."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton ships no NVIDIA tools")
+    report = tmp_path / "report.json"
+    script = Path(__file__).resolve().parent.parent / "scripts" / "compile_offline.py"
+    subprocess.run([sys.executable, str(script), "scores", "--json", str(report)], capture_output=True,
+                   text=True, check=True, timeout=600)
+    kernels = json.loads(report.read_text())["kernels"]
+    wrong = {usage["cubin_md5"] for name, usage in kernels.items() if name.endswith("(H100: wrong)")}
+    right = {usage["cubin_md5"] for name, usage in kernels.items() if name.endswith("(H100: right)")}
+    assert len(kernels) == 17 and len(wrong) == 1 and not wrong & right
