@@ -140,8 +140,8 @@ def ssd_cases():
         for cfg in module.CONFIGS:
             name = f"chunk_scan_kernel {tag} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
             yield (f"{name} w{cfg.num_warps} s{cfg.num_stages}",
-                   lambda cfg=cfg, options=options: compile_kernel(module.chunk_scan_kernel, types, options | cfg.kwargs,
-                                                                   cfg.num_warps, cfg.num_stages))
+                   lambda cfg=cfg, options=options: compile_kernel(
+                       module.chunk_scan_kernel, types, options | cfg.kwargs, cfg.num_warps, cfg.num_stages))
         checked = module.checked_config(256)
         warps, stages = checked.pop("num_warps"), checked.pop("num_stages")
         yield (f"chunk_scan_checked_kernel {tag}",
