@@ -14,9 +14,11 @@ dtype; a patch of the state-passing calls, for this probe only), and prints, for
 2. forward and forward+backward time (``do_bench`` medians) and peak memory at the speed bars'
    shape, bfloat16, chunk 256 (GPU only).
 
-``--json PATH`` writes everything. Usage:
+``--json PATH`` writes everything. Most of the time goes to compiling kernels (each case's shape,
+each variant's state dtype), so on a GPU the two parts may need a device call each. Usage:
 
-    python benchmarks/state_precision.py [--json out.json] [--seeds 4] [--max-length 400]
+    python benchmarks/state_precision.py [--json out.json] [--parts verdicts,speeds] [--seeds 2]
+                                         [--max-length 400]
 """
 import argparse
 import contextlib
@@ -132,15 +134,21 @@ def speeds():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--seeds", type=int, default=4, help="seeds after each failure's own, same parameters")
+    parser.add_argument("--parts", default="verdicts,speeds", help="comma-separated: verdicts, speeds")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds after each failure's own, same parameters")
     parser.add_argument("--max-length", type=int, default=400 if INTERPRETED else None,
                         help="skip failures longer than this (default: 400 in the interpreter, none on a GPU)")
     parser.add_argument("--reliability", type=pathlib.Path, default=ROOT / "book" / "data" / "reliability.json")
     args = parser.parse_args(argv)
     print(f"device: {device_name()}")
-    report = dict(device=device_name(), speed_shape=SPEED_SHAPE, chunk=CHUNK,
-                  verdicts=verdicts(sixteen_bit_failures(args.reliability), args.seeds, args.max_length),
-                  speeds=[] if INTERPRETED else speeds())
+    parts = args.parts.split(",")
+    if not set(parts) <= {"verdicts", "speeds"}:
+        parser.error(f"--parts takes verdicts and/or speeds; got {args.parts!r}")
+    report = dict(device=device_name(), speed_shape=SPEED_SHAPE, chunk=CHUNK, verdicts=[], speeds=[])
+    if "verdicts" in parts:
+        report["verdicts"] = verdicts(sixteen_bit_failures(args.reliability), args.seeds, args.max_length)
+    if "speeds" in parts and not INTERPRETED:  # timings in the interpreter say nothing about a GPU
+        report["speeds"] = speeds()
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
