@@ -1,16 +1,19 @@
 """What storing the chunk states in float32 would buy and cost: the probe behind issue 14's 16-bit dA.
 
-The GPU sweep's open failures of ``ssd_chunk_scan`` and ``bidirectional_chunk_scan`` are 16-bit dA
-(and d dt_bias) past their bounds: 2 x mamba_ssm's error for SSD, 3 x the two-call foil's for the
-bidirectional op. Both ops store the states entering each chunk and the state gradients in the
-inputs' dtype, where mamba_ssm's backward recomputes the states in float32 and forms the carry term
-of dA (the sum over a state of dS_c * gamma_c H_c) from float32 states and state gradients. This
-script runs both ops as shipped and with those two stored in float32 (the kernels read either
-dtype; a patch of the state-passing calls, for this probe only), and prints, for each variant:
+The GPU sweep's open failures of ``ssd_chunk_scan`` and ``bidirectional_chunk_scan`` are mostly
+16-bit dA, d dt and d dt_bias past their bounds: in bfloat16 twice mamba_ssm's error for SSD (a
+fixed bound in float16), 3 x the two-call foil's for the bidirectional op. Both ops store the states
+entering each chunk and the state gradients in the inputs' dtype, where mamba_ssm's backward
+recomputes the states in float32 and forms the carry term of dA (the sum over a state of
+dS_c * gamma_c H_c) from float32 states and state gradients. This script runs each op as shipped and
+with those two stored in float32 (the kernels read either dtype; a patch of the op's own
+state-passing calls, for this probe only: the bidirectional op's foil, two calls of
+``ssd_chunk_scan``, stays as shipped), and prints, for each variant:
 
-1. the verdict of every 16-bit sweep failure kept in ``book/data/reliability.json`` (the sweep's
-   own judge, ``scripts/reliability/cases.py``, with the same seed and parameters), and of the same
-   parameters at ``--seeds`` more seeds; on a CPU only cases up to ``--max-length`` run;
+1. for every sweep failure kept in ``book/data/reliability.json`` whose failing outputs are all
+   step gradients (dA, d dt, d dt_bias), and for its parameters at ``--seeds`` more seeds: the
+   sweep's own verdict (``scripts/reliability/cases.py``, same seed and parameters) and the relative
+   errors of those gradients against float64; on a CPU only cases up to ``--max-length`` run;
 2. forward and forward+backward time (``do_bench`` medians) and peak memory at the speed bars'
    shape, bfloat16, chunk 256 (GPU only).
 
@@ -29,29 +32,37 @@ import sys
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "reliability"), str(ROOT / "tests")]
-import cases  # noqa: E402
-from bench_ssd import make_inputs  # noqa: E402  (the SSD benchmark's inputs: bfloat16, D, dt_bias)
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "reliability")]
+import cases  # noqa: E402  (puts tests/ on the path too)
+from bench_ssd import make_inputs, peak_mb  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.bidirectional import backward as bidirectional_backward  # noqa: E402
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
 from mamba_annotated.bidirectional import forward as bidirectional_forward  # noqa: E402
-from mamba_annotated.runtime import DEVICE, INTERPRETED, device_name  # noqa: E402
+from mamba_annotated.bidirectional.reference import bidirectional_ref  # noqa: E402
+from mamba_annotated.runtime import INTERPRETED, device_name  # noqa: E402
 from mamba_annotated.ssd import backward as ssd_backward  # noqa: E402
 from mamba_annotated.ssd import forward as ssd_forward  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
+from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
+from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
+from test_ssd import mamba_ssm_combined  # noqa: E402
 
 OPS = ("ssd_chunk_scan", "bidirectional_chunk_scan")
-PIPELINE_MODULES = (ssd_forward, ssd_backward, bidirectional_forward, bidirectional_backward)
+PIPELINE_MODULES = {"ssd_chunk_scan": (ssd_forward, ssd_backward),  # the modules that call state_passing
+                    "bidirectional_chunk_scan": (bidirectional_forward, bidirectional_backward)}
+REFERENCES = {"ssd_chunk_scan": ssd_quadratic_ref, "bidirectional_chunk_scan": bidirectional_ref}
+STEP_GRADIENTS = ("A", "dt", "dt_bias")
 SPEED_SHAPE = (4, 4096, 80, 64, 128)  # (batch, L, heads, headdim, dstate): the speed bars' first shape
 CHUNK = 256
 
 
 @contextlib.contextmanager
-def float32_states():
-    """Every state-passing call of both pipelines stores what it emits (the states entering each
+def float32_states(op):
+    """The state-passing calls of ``op``'s pipeline store what they emit (the states entering each
     chunk, the state gradients) in float32; the running carry is float32 either way."""
-    originals = {module: module.state_passing for module in PIPELINE_MODULES}
+    modules = PIPELINE_MODULES[op]
+    originals = {module: module.state_passing for module in modules}
 
     def patched(original):
         return lambda *args, **kwargs: original(*args, **{**kwargs, "out_dtype": torch.float32})
@@ -65,19 +76,33 @@ def float32_states():
             module.state_passing = original
 
 
-VARIANTS = {"as shipped": contextlib.nullcontext, "float32 states": float32_states}
+VARIANTS = {"as shipped": lambda op: contextlib.nullcontext(), "float32 states": float32_states}
 
 
-def sixteen_bit_failures(path):
-    """(op, seed, params) of each 16-bit failure the sweep kept, for the two chunked ops."""
+def step_gradient_failures(path):
+    """(op, seed, params) of each sweep failure of the two chunked ops in step gradients only."""
     sweep = json.loads(path.read_text())["reports"]["sweep"]
     found = []
     for op in OPS:
         for reproducer in sweep[op]["reproducers"]:
-            params = json.loads(reproducer["command"].split("--params ", 1)[1].strip("'"))
-            if params["dtype"] != "float32":
+            names = {failure.split(":")[0] for failure in reproducer["failures"]}
+            if names <= {f"grad {name}" for name in STEP_GRADIENTS}:
+                params = json.loads(reproducer["command"].split("--params ", 1)[1].strip("'"))
                 found.append((op, reproducer["seed"], params))
     return found
+
+
+def step_errors(op, params, seed):
+    """Relative errors of our step gradients against float64, on the inputs the sweep draws."""
+    seed_everything(seed)
+    case = cases.OPS[op]
+    leaves = case.inputs(params)
+    fn, ref_fn = case.ours(params), case.call(params, REFERENCES[op])
+    with torch.no_grad():
+        outputs = fn(**case.views(params, leaves))
+    ours, want = cases.both_gradients(fn, ref_fn, case.views(params, leaves), case.views(params, cases.as64(leaves)),
+                                      seed, outputs)
+    return {name: float(rel_error(ours[name], want[name])) for name in STEP_GRADIENTS if name in want}
 
 
 def verdicts(failures, extra_seeds, max_length):
@@ -87,15 +112,16 @@ def verdicts(failures, extra_seeds, max_length):
             continue
         for s in range(seed, seed + 1 + extra_seeds):
             row = dict(op=op, seed=s, drawn_seed=seed, dtype=params["dtype"], dims=params["dims"])
-            for variant, context in VARIANTS.items():
-                with context():
-                    verdict = cases.run_case(cases.OPS[op], params, s)
-                row[variant] = verdict.failures or (["unjudged: " + "; ".join(verdict.unjudged)]
-                                                    if verdict.unjudged else [])
-            rows.append(row)
             print(f"{op} seed {s} ({params['dtype']}, {params['dims']}):", flush=True)
-            for variant in VARIANTS:
-                print(f"    {variant:15s} {'; '.join(row[variant]) or 'pass'}", flush=True)
+            for variant, context in VARIANTS.items():
+                with context(op):
+                    verdict = cases.run_case(cases.OPS[op], params, s)
+                    errors = step_errors(op, params, s)
+                judged = verdict.failures or [f"unjudged: {reason}" for reason in verdict.unjudged]
+                row[variant] = dict(verdict=judged, errors=errors)
+                print(f"    {variant:15s} " + "  ".join(f"d{k} {v:.1e}" for k, v in errors.items())
+                      + f"  {'; '.join(judged) or 'pass'}", flush=True)
+            rows.append(row)
     return rows
 
 
@@ -118,16 +144,12 @@ def speeds():
             torch.autograd.backward(forward(), grad_out)
 
         for variant, context in VARIANTS.items():
-            with context():
+            with context(op):
                 row = dict(op=op, variant=variant, fwd_ms=bench.median_ms(forward),
-                           fwd_bwd_ms=bench.median_ms(forward_backward))
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                forward_backward()
-                row["peak_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                           fwd_bwd_ms=bench.median_ms(forward_backward), peak_MB=peak_mb(forward_backward))
             rows.append(row)
             print(f"{op:26s} {variant:15s} fwd {row['fwd_ms']:.3f} ms  fwd+bwd {row['fwd_bwd_ms']:.3f} ms  "
-                  f"peak {row['peak_MiB']:.0f} MiB", flush=True)
+                  f"peak {row['peak_MB']:.0f} MB", flush=True)
     return rows
 
 
@@ -144,9 +166,11 @@ def main(argv=None):
     parts = args.parts.split(",")
     if not set(parts) <= {"verdicts", "speeds"}:
         parser.error(f"--parts takes verdicts and/or speeds; got {args.parts!r}")
+    if not INTERPRETED and mamba_ssm_combined() is None:  # the bfloat16 SSD rule's yardstick
+        print("WARNING: mamba_ssm is missing: SSD's bfloat16 dA and d dt_bias will be unjudged", flush=True)
     report = dict(device=device_name(), speed_shape=SPEED_SHAPE, chunk=CHUNK, verdicts=[], speeds=[])
     if "verdicts" in parts:
-        report["verdicts"] = verdicts(sixteen_bit_failures(args.reliability), args.seeds, args.max_length)
+        report["verdicts"] = verdicts(step_gradient_failures(args.reliability), args.seeds, args.max_length)
     if "speeds" in parts and not INTERPRETED:  # timings in the interpreter say nothing about a GPU
         report["speeds"] = speeds()
     if args.json:

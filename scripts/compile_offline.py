@@ -125,7 +125,8 @@ def attention_cases():
                               SCALE_FIRST=False, EVEN_M=True, EVEN_N=True, EVEN_D=True, PRECISION="tf32",
                               BLOCK_D=head_dim, **cfg)
             yield (f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}",
-                   lambda: compile_kernel(attention_fwd_kernel, types, constexprs, warps, stages))
+                   lambda constexprs=constexprs, warps=warps, stages=stages: compile_kernel(
+                       attention_fwd_kernel, types, constexprs, warps, stages))
 
 
 def ssd_cases():
@@ -145,8 +146,8 @@ def ssd_cases():
         checked = module.checked_config(256)
         warps, stages = checked.pop("num_warps"), checked.pop("num_stages")
         yield (f"chunk_scan_checked_kernel {tag}",
-               lambda options=options: compile_kernel(module.chunk_scan_checked_kernel, types, options | checked,
-                                                      warps, stages))
+               lambda options=options, checked=checked, warps=warps, stages=stages: compile_kernel(
+                   module.chunk_scan_checked_kernel, types, options | checked, warps, stages))
 
 
 # (length, dstate, chunk, B' layout, num_warps, what the H100 computed): the configurations issue 14's

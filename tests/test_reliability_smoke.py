@@ -2,7 +2,9 @@
 per op at interpreter sizes, so CI proves the script works before it meets a GPU. The pieces
 that need CUDA (compute-sanitizer, memory_allocated, CUDA graphs) skip here, saying why, after
 their argument parsing and case generation are tested."""
+import importlib
 import json
+import pkgutil
 import random
 import sys
 from pathlib import Path
@@ -90,21 +92,32 @@ def test_sweep_hands_its_report_over_after_every_case():
     assert seen == [0, 1, 2, 3]
 
 
-def test_sweep_keeps_why_an_output_went_unjudged(monkeypatch, tmp_path):
+def test_sweep_keeps_why_an_output_went_unjudged(monkeypatch):
     """An H100 shard left 50 of its 59 cases' bfloat16 dA unjudged, and its report could not say why."""
-    reasons = iter(["grad A (mamba_ssm could not run this case)", "grad A (mamba_ssm could not run this case)",
+    reasons = iter(["grad A (mamba_ssm could not run this case: AssertionError\nits second line)",
+                    "grad A (mamba_ssm could not run this case: AssertionError\nits second line)",
                     "grad dt_bias (another reason)"])
     monkeypatch.setattr(sweep, "run_case", lambda op, params, seed: cases.Verdict(unjudged=[next(reasons)]))
     args = sweep.parse_args(["--ops", "linear_scan", "--cases", "3", "--seed", "7"])
     report = sweep.sweep_op(cases.OPS["linear_scan"], args, deadline=None)
     assert report["unjudged"] == 3
-    assert report["unjudged_reasons"] == {"grad A (mamba_ssm could not run this case)": 7,
+    assert report["unjudged_reasons"] == {"grad A (mamba_ssm could not run this case: AssertionError": 7,
                                           "grad dt_bias (another reason)": 9}
-    shard = tmp_path / "shard.json"
-    shard.write_text(json.dumps(dict(item="sweep", ops={"linear_scan": report})))
-    merged = summary.merge([json.loads(shard.read_text()), json.loads(shard.read_text())])
-    assert merged["sweep"]["linear_scan"]["unjudged"] == 6
-    assert merged["sweep"]["linear_scan"]["unjudged_reasons"] == report["unjudged_reasons"]
+
+
+def test_the_summary_merges_why_outputs_went_unjudged():
+    """Reports from before the reasons were kept have none; a reason found by several shards keeps
+    its lowest seed."""
+    def shard(unjudged, reasons=None):
+        report = dict(cases=5, failures=0, unjudged=unjudged, largest={}, reproducers=[], stopped_early=False)
+        if reasons is not None:
+            report["unjudged_reasons"] = reasons
+        return dict(item="sweep", ops={"ssd_chunk_scan": report})
+
+    merged = summary.merge([shard(0), shard(2, {"grad A (a)": 70, "grad A (b)": 71}), shard(1, {"grad A (a)": 12})])
+    ssd = merged["sweep"]["ssd_chunk_scan"]
+    assert ssd["cases"] == 15 and ssd["unjudged"] == 3
+    assert ssd["unjudged_reasons"] == {"grad A (a)": 12, "grad A (b)": 71}
 
 
 class WrongScan(cases.FirstOrderScan):
@@ -592,26 +605,42 @@ def test_a_peer_that_cannot_run_a_case_leaves_it_unjudged(monkeypatch):
     assert not verdict.failures and "mamba_ssm could not run this case: AssertionError" in verdict.unjudged[0]
 
 
-def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_variant():
-    """benchmarks/state_precision.py compares the chunked ops as shipped with their states stored in
-    float32; a patch that missed a call would compare the shipped code with itself."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_variant(monkeypatch):
+    """benchmarks/state_precision.py compares each chunked op as shipped with its states stored in
+    float32; a patch that missed a call would compare the shipped code with itself, and one that
+    reached the other op would move the bidirectional op's yardstick (two calls of the SSD op)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import state_precision
+    from mamba_annotated.bidirectional import state_passing as bidirectional_state_passing
+    from mamba_annotated.bidirectional.forward import bidirectional_forward
+    from mamba_annotated.ssd import state_passing as ssd_state_passing
     from mamba_annotated.ssd.forward import ssd_forward
+
+    for package in ("mamba_annotated.ssd", "mamba_annotated.bidirectional"):  # every module, imported or not yet
+        for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+            importlib.import_module(f"{package}.{info.name}")
+    originals = {ssd_state_passing.state_passing, bidirectional_state_passing.state_passing}
+    callers = {module for name, module in sys.modules.items()
+               if name.startswith(("mamba_annotated.ssd.", "mamba_annotated.bidirectional."))
+               and getattr(module, "state_passing", None) in originals
+               and module not in (ssd_state_passing, bidirectional_state_passing)}
+    assert callers == {m for modules in state_precision.PIPELINE_MODULES.values() for m in modules}
 
     g = torch.Generator().manual_seed(0)
     x, B, C = (torch.randn(1, 40, n, 16, generator=g).to(torch.bfloat16) for n in (2, 1, 1))
     dt, A = torch.rand(1, 40, 2, generator=g), -torch.rand(2, generator=g)
 
-    def stored_dtypes():  # the states the forward pass saves, the state gradients the backward pass emits
-        states = ssd_forward(x, dt, A, B, C, 16).saved.states_in
+    def stored_dtypes():  # the states each forward pass saves, the state gradients SSD's backward emits
+        ssd_states = ssd_forward(x, dt, A, B, C, 16).saved.states_in
         state_grads, _ = state_precision.ssd_backward.state_passing(
             torch.zeros(1, 3, 2, 16, 16), torch.zeros(1, 2, 3, 16), length=40, reverse=True, out_dtype=x.dtype)
-        return states.dtype, state_grads.dtype
+        bidirectional_states = bidirectional_forward(x, dt, A, B, C, 16)[2].states_in
+        return ssd_states.dtype, state_grads.dtype, bidirectional_states.dtype
 
-    assert stored_dtypes() == (torch.bfloat16, torch.bfloat16)
-    with state_precision.float32_states():
-        assert stored_dtypes() == (torch.float32, torch.float32)
-        assert all(m.state_passing.__name__ == "<lambda>" for m in state_precision.PIPELINE_MODULES)
-    assert stored_dtypes() == (torch.bfloat16, torch.bfloat16)
-    assert all(m.state_passing.__name__ == "state_passing" for m in state_precision.PIPELINE_MODULES)
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert stored_dtypes() == (bf16, bf16, bf16)
+    with state_precision.float32_states("ssd_chunk_scan"):
+        assert stored_dtypes() == (f32, f32, bf16)
+    with state_precision.float32_states("bidirectional_chunk_scan"):
+        assert stored_dtypes() == (bf16, bf16, f32)
+    assert stored_dtypes() == (bf16, bf16, bf16)

@@ -37,8 +37,9 @@ def merge(reports):
             for key in ("cases", "failures", "unjudged"):
                 old[key] += r[key]
             old["reproducers"] += r["reproducers"]
-            for reason, seed in r.get("unjudged_reasons", {}).items():  # absent from reports before it was kept
-                old.setdefault("unjudged_reasons", {}).setdefault(reason, seed)
+            reasons = old.setdefault("unjudged_reasons", {})
+            for reason, seed in r.get("unjudged_reasons", {}).items():  # absent from reports before they were kept
+                reasons[reason] = min(seed, reasons.get(reason, seed))
             for key, value in r["largest"].items():
                 old["largest"][key] = max(old["largest"].get(key, value), value)
     return merged

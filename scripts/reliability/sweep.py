@@ -93,10 +93,11 @@ MAX_UNJUDGED_REASONS = 8
 
 
 def note_unjudged(reasons, unjudged, seed):
-    """Keep why an output went unjudged, each distinct reason once with the first seed that gave it
-    (an H100 shard once left 50 of its 59 cases' bfloat16 dA unjudged, and its report could not say
-    why); at most MAX_UNJUDGED_REASONS of them."""
+    """Keep why an output went unjudged (the first line of each reason), each distinct reason once
+    with the first seed that gave it (an H100 shard once left 50 of its 59 cases' bfloat16 dA
+    unjudged, and its report could not say why); at most MAX_UNJUDGED_REASONS of them."""
     for reason in unjudged:
+        reason = reason.splitlines()[0]
         if reason not in reasons and len(reasons) < MAX_UNJUDGED_REASONS:
             reasons[reason] = seed
 
