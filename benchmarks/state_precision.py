@@ -12,8 +12,9 @@ state-passing calls, for this probe only: the bidirectional op's foil, two calls
 
 1. for every sweep failure kept in ``book/data/reliability.json`` whose failing outputs are all
    step gradients (dA, d dt, d dt_bias), and for its parameters at ``--seeds`` more seeds: the
-   sweep's own verdict (``scripts/reliability/cases.py``, same seed and parameters) and the relative
-   errors of those gradients against float64; on a CPU only cases up to ``--max-length`` run;
+   sweep's own verdict (``scripts/reliability/cases.py``, same seed and parameters) with the
+   relative errors of those gradients against float64 that it measured; on a CPU only cases up to
+   ``--max-length`` run;
 2. forward and forward+backward time (``do_bench`` medians) and peak memory at the speed bars'
    shape, bfloat16, chunk 256 (GPU only).
 
@@ -39,20 +40,16 @@ from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.bidirectional import backward as bidirectional_backward  # noqa: E402
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
 from mamba_annotated.bidirectional import forward as bidirectional_forward  # noqa: E402
-from mamba_annotated.bidirectional.reference import bidirectional_ref  # noqa: E402
 from mamba_annotated.runtime import INTERPRETED, device_name  # noqa: E402
 from mamba_annotated.ssd import backward as ssd_backward  # noqa: E402
 from mamba_annotated.ssd import forward as ssd_forward  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
-from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
-from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
 from test_ssd import mamba_ssm_combined  # noqa: E402
 
 OPS = ("ssd_chunk_scan", "bidirectional_chunk_scan")
 PIPELINE_MODULES = {"ssd_chunk_scan": (ssd_forward, ssd_backward),  # the modules that call state_passing
                     "bidirectional_chunk_scan": (bidirectional_forward, bidirectional_backward)}
-REFERENCES = {"ssd_chunk_scan": ssd_quadratic_ref, "bidirectional_chunk_scan": bidirectional_ref}
-STEP_GRADIENTS = ("A", "dt", "dt_bias")
+STEP_GRADIENTS = ("grad A", "grad dt", "grad dt_bias")
 SPEED_SHAPE = (4, 4096, 80, 64, 128)  # (batch, L, heads, headdim, dstate): the speed bars' first shape
 CHUNK = 256
 
@@ -86,23 +83,10 @@ def step_gradient_failures(path):
     for op in OPS:
         for reproducer in sweep[op]["reproducers"]:
             names = {failure.split(":")[0] for failure in reproducer["failures"]}
-            if names <= {f"grad {name}" for name in STEP_GRADIENTS}:
+            if names <= set(STEP_GRADIENTS):
                 params = json.loads(reproducer["command"].split("--params ", 1)[1].strip("'"))
                 found.append((op, reproducer["seed"], params))
     return found
-
-
-def step_errors(op, params, seed):
-    """Relative errors of our step gradients against float64, on the inputs the sweep draws."""
-    seed_everything(seed)
-    case = cases.OPS[op]
-    leaves = case.inputs(params)
-    fn, ref_fn = case.ours(params), case.call(params, REFERENCES[op])
-    with torch.no_grad():
-        outputs = fn(**case.views(params, leaves))
-    ours, want = cases.both_gradients(fn, ref_fn, case.views(params, leaves), case.views(params, cases.as64(leaves)),
-                                      seed, outputs)
-    return {name: float(rel_error(ours[name], want[name])) for name in STEP_GRADIENTS if name in want}
 
 
 def verdicts(failures, extra_seeds, max_length):
@@ -116,10 +100,10 @@ def verdicts(failures, extra_seeds, max_length):
             for variant, context in VARIANTS.items():
                 with context(op):
                     verdict = cases.run_case(cases.OPS[op], params, s)
-                    errors = step_errors(op, params, s)
+                errors = {name: verdict.errors[name] for name in STEP_GRADIENTS if name in verdict.errors}
                 judged = verdict.failures or [f"unjudged: {reason}" for reason in verdict.unjudged]
                 row[variant] = dict(verdict=judged, errors=errors)
-                print(f"    {variant:15s} " + "  ".join(f"d{k} {v:.1e}" for k, v in errors.items())
+                print(f"    {variant:15s} " + "  ".join(f"{k} {v:.1e}" for k, v in errors.items())
                       + f"  {'; '.join(judged) or 'pass'}", flush=True)
             rows.append(row)
     return rows

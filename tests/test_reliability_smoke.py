@@ -605,6 +605,18 @@ def test_a_peer_that_cannot_run_a_case_leaves_it_unjudged(monkeypatch):
     assert not verdict.failures and "mamba_ssm could not run this case: AssertionError" in verdict.unjudged[0]
 
 
+def test_a_verdict_keeps_the_errors_it_judged():
+    """benchmarks/state_precision.py reads the step gradients' errors from the verdict rather than
+    computing the case twice; each judged output and gradient has its error against float64, and a
+    failure's message quotes it."""
+    op = cases.OPS["linear_scan"]
+    verdict = cases.run_case(op, op.small()[0], 0)
+    assert {"h", "grad a", "grad b"} <= set(verdict.errors) and not verdict.failures
+    assert all(0 <= error < 1e-3 for error in verdict.errors.values())
+    wrong = cases.run_case(WrongScan(), op.small()[0], 0)
+    assert f"{wrong.errors['h']:.3e}" in wrong.failures[0]
+
+
 def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_variant(monkeypatch):
     """benchmarks/state_precision.py compares each chunked op as shipped with its states stored in
     float32; a patch that missed a call would compare the shipped code with itself, and one that

@@ -134,6 +134,7 @@ def draw_layouts(rng, names, often=0.5):
 class Verdict:
     failures: list = field(default_factory=list)
     unjudged: list = field(default_factory=list)  # outputs no rule of the tests bounds here
+    errors: dict = field(default_factory=dict)    # output or gradient -> relative error against float64
 
 
 SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -151,7 +152,7 @@ def same_bits(a, b):
 
 
 def compare(verdict, name, out, ref, tol):
-    err = rel_error(out, ref)
+    err = verdict.errors[name] = float(rel_error(out, ref))
     if not err < tol:
         verdict.failures.append(f"{name}: relative error {err:.3e} not below {tol:.0e}")
 
@@ -535,6 +536,7 @@ class SSDChunkScan(ChunkedSSM):
         return verdict
 
     def against_peer(self, params, leaves, seed, outputs, name, ours, want, verdict):
+        verdict.errors[f"grad {name}"] = float(rel_error(ours, want))
         peer = mamba_ssm_combined()
         if peer is None:
             verdict.unjudged.append(f"grad {name} (bfloat16: the rule needs mamba_ssm)")
@@ -630,6 +632,7 @@ class BidirectionalChunkScan(ChunkedSSM):
             foil = gradients_of_arguments(foil_fn, self.views(params, leaves),
                                           upstream(outputs[0].numel(), dtype, seed))
             for name in steps:
+                verdict.errors[f"grad {name}"] = float(rel_error(ours[name], want[name]))
                 try:
                     assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype,
                                                    factor=3.0)
