@@ -18,6 +18,10 @@ state-passing calls, for this probe only: the bidirectional op's foil, two calls
 2. forward and forward+backward time (``do_bench`` medians) and peak memory at the speed bars'
    shape, bfloat16, chunk 256 (GPU only).
 
+The kernels' dots round what they read to the inputs' dtype in both variants (as mamba_ssm's do),
+so the float32 variant changes the carry term of dA and the bytes moved, nothing else. The H100 run
+is in ``book/data/state_precision.json`` (README, "Using the kernels", says what it decided).
+
 ``--json PATH`` writes everything. Most of the time goes to compiling kernels (each case's shape,
 each variant's state dtype), so on a GPU the two parts may need a device call each. Usage:
 

@@ -487,13 +487,14 @@ def test_fused_views_forward_and_gradients(shift):
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
 
 
-@pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): wrong reverse scores on an H100")
+@pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): G stored astray on an H100 (Triton 3.6)")
 def test_scores_of_a_time_major_B_rev_at_an_odd_length():
     """An H100 sweep case (seed 30671) gave a wrong output and NaN gradients: its B' was stored time
-    major, strides (1, 1, L, L), at L = 1021, and the scores kernel computed wrong reverse scores for
-    it. On the H100 the fault needs a length that is not a multiple of 16, chunk 32 with 4 warps, a
-    dstate with a masked tail (100 here) and the kernel's two products (README, "Using the kernels");
-    the op copies such a B' (next test). The scores must not depend on how B' is laid out."""
+    major, strides (1, 1, L, L), at L = 1021, and the scores kernel's stores of G went to wrong
+    addresses (memcheck: writes out of bounds; scripts/reliability/scores_defect.py). On the H100 the
+    fault needs a length that is not a multiple of 16, chunk 32 with 4 warps, a dstate with a masked
+    tail (100 here) and the kernel's two products (README, "Using the kernels"); the op copies such a
+    B' (next test). The scores must not depend on how B' is laid out."""
     from mamba_annotated.bidirectional.chunk_scores import chunk_scores
 
     length, dstate, chunk = 1021, 100, 32

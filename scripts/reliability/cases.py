@@ -135,6 +135,11 @@ class Verdict:
     failures: list = field(default_factory=list)
     unjudged: list = field(default_factory=list)  # outputs no rule of the tests bounds here
     errors: dict = field(default_factory=dict)    # output or gradient -> relative error against float64
+    # a 16-bit step gradient of the chunked ops (judged by "k x the same computation's error") ->
+    # that computation's relative error against float64 (mamba_ssm's or the two-call foil's, without
+    # the floor). Such a rule compares two errors of a few scalars (dA: one per head), so it fails on
+    # the yardstick's luck as well as on ours; only the pairs over many cases say which
+    yardsticks: dict = field(default_factory=dict)
 
 
 SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -151,7 +156,17 @@ def same_bits(a, b):
     return torch.equal(a, b)
 
 
+# Every case draws inputs of order 1, so a float64 result whose norm is below VANISHING is an exact
+# zero that the reference's own rounding left nonzero: an interpreter sweep's bidirectional case
+# (seed 80397, every step but a few clamped to zero) had dA = -1.7e-20 in float64 and exactly 0 from
+# the kernels, a "relative error" of 1. Such a result is judged as rel_error judges an exact zero:
+# by the size of ours.
+VANISHING = 1e-12
+
+
 def compare(verdict, name, out, ref, tol):
+    if ref.detach().double().norm().item() < VANISHING:
+        ref = torch.zeros_like(ref)
     err = verdict.errors[name] = float(rel_error(out, ref))
     if not err < tol:
         verdict.failures.append(f"{name}: relative error {err:.3e} not below {tol:.0e}")
@@ -550,6 +565,7 @@ class SSDChunkScan(ChunkedSSM):
             verdict.unjudged.append(f"grad {name} (bfloat16: mamba_ssm could not run this case: "
                                     f"{type(e).__name__}: {e})")
             return
+        verdict.yardsticks[f"grad {name}"] = float(rel_error(theirs, want))
         try:
             assert_within_same_computation(f"grad {name}", ours, theirs, want, torch.bfloat16)
         except AssertionError as e:
@@ -633,6 +649,7 @@ class BidirectionalChunkScan(ChunkedSSM):
                                           upstream(outputs[0].numel(), dtype, seed))
             for name in steps:
                 verdict.errors[f"grad {name}"] = float(rel_error(ours[name], want[name]))
+                verdict.yardsticks[f"grad {name}"] = float(rel_error(foil[name], want[name]))
                 try:
                     assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype,
                                                    factor=3.0)

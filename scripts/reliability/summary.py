@@ -6,6 +6,8 @@ largest sizes passed; writes the merged report as JSON (for the issue's closing 
 """
 import argparse
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -42,7 +44,23 @@ def merge(reports):
                 reasons[reason] = min(seed, reasons.get(reason, seed))
             for key, value in r["largest"].items():
                 old["largest"][key] = max(old["largest"].get(key, value), value)
+            pairs = old.setdefault("yardsticks", {})
+            for name, more in r.get("yardsticks", {}).items():  # absent from reports before they were kept
+                pairs[name] = pairs.get(name, []) + more
     return merged
+
+
+def against_yardstick(name, pairs):
+    """One line on how our error compares with the same computation's over every case that kept
+    the pair ([seed, ours, theirs] each): the quartiles of the ratio, how often ours is the smaller,
+    and the largest ratio with its seed."""
+    ratios = sorted((ours / theirs if theirs > 0 else math.inf, seed) for seed, ours, theirs in pairs)
+    values = [ratio for ratio, _ in ratios]
+    q1, median, q3 = (statistics.quantiles(values, n=4) if len(values) > 1 else values * 3)
+    smaller = sum(ratio < 1 for ratio in values)
+    return (f"{name}: {len(values)} cases, our error / the same computation's: median {median:.2g} "
+            f"(quartiles {q1:.2g}-{q3:.2g}), ours the smaller in {smaller}, largest {values[-1]:.3g} "
+            f"(seed {ratios[-1][1]})")
 
 
 def cell(item, r):
@@ -102,6 +120,8 @@ def main(argv=None):
                 continue
             for reason, seed in r.get("unjudged_reasons", {}).items():
                 print(f"{item} {op}: unjudged (first at seed {seed}): {reason}")
+            for name, pairs in r.get("yardsticks", {}).items():
+                print(f"{item} {op}: {against_yardstick(name, pairs)}")
             for line in r.get("reproducers") or r.get("problems") or r.get("failures") or []:
                 print(f"{item} {op}: {line if isinstance(line, str) else line['command']}")
     if args.json:

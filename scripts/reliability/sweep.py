@@ -51,7 +51,7 @@ def grow(largest, measured):
 def sweep_op(op, args, deadline, save=lambda report: None):
     """Run the cases of one op until done or the deadline; returns its report, and hands it to
     ``save`` after every case (a process killed by the device's time limit keeps what it ran)."""
-    report = dict(cases=0, failures=0, unjudged=0, unjudged_reasons={}, largest={}, reproducers=[],
+    report = dict(cases=0, failures=0, unjudged=0, unjudged_reasons={}, largest={}, reproducers=[], yardsticks={},
                   stopped_early=False)
     for i in range(1 if args.params else args.cases):
         save(report)
@@ -64,6 +64,7 @@ def sweep_op(op, args, deadline, save=lambda report: None):
         report["cases"] += 1
         report["unjudged"] += bool(verdict.unjudged)
         note_unjudged(report["unjudged_reasons"], verdict.unjudged, seed)
+        note_yardsticks(report["yardsticks"], verdict, seed)
         if args.verbose or verdict.failures:
             status = "FAIL " + "; ".join(verdict.failures) if verdict.failures else "ok"
             print(f"{op.name} seed={seed} {json.dumps(params, sort_keys=True)}: {status}", flush=True)
@@ -100,6 +101,14 @@ def note_unjudged(reasons, unjudged, seed):
         reason = reason.splitlines()[0]
         if reason not in reasons and len(reasons) < MAX_UNJUDGED_REASONS:
             reasons[reason] = seed
+
+
+def note_yardsticks(pairs, verdict, seed):
+    """Keep, per output judged by "k x the same computation's error", one [seed, ours, the same
+    computation's] per case (relative errors against float64, 3 digits): the summary reads from them
+    how our error compares with the yardstick's over all the cases, not one case at a time."""
+    for name, theirs in verdict.yardsticks.items():
+        pairs.setdefault(name, []).append([seed, float(f"{verdict.errors[name]:.3g}"), float(f"{theirs:.3g}")])
 
 
 def out_of_time(deadline):
