@@ -19,6 +19,7 @@ import copy
 import json
 import math
 import random
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +36,8 @@ from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
 from mamba_annotated.ssd.api import CHUNK_SIZES, MAX_HEADDIM
 from mamba_annotated.ssd.reference import ssd_quadratic_ref
-from mamba_annotated.testing import (assert_within_same_computation, randn, rel_error, tolerance,
-                                     uniform)
+from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_within_same_computation, randn, rel_error,
+                                     tolerance, uniform)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -137,8 +138,8 @@ class Verdict:
     errors: dict = field(default_factory=dict)    # output or gradient -> relative error against float64
     # a 16-bit step gradient of the chunked ops (judged by "k x the same computation's error") ->
     # that computation's relative error against float64 (mamba_ssm's or the two-call foil's, without
-    # the floor). Such a rule compares two errors of a few scalars (dA: one per head), so it fails on
-    # the yardstick's luck as well as on ours; only the pairs over many cases say which
+    # the floor; like ``errors`` for these, the median over UPSTREAM_DRAWS upstream gradients): the
+    # pairs over many cases say how our error compares with the yardstick's
     yardsticks: dict = field(default_factory=dict)
 
 
@@ -197,6 +198,49 @@ def gradients_of_arguments(fn, args, grad_out):
     out = flat(fn(**args))
     wrt = [k for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
     return dict(zip(wrt, torch.autograd.grad(out, [args[k] for k in wrt], grad_out.to(out.dtype))))
+
+
+# The 16-bit step gradients of the chunked ops are judged on typical errors: each error against
+# float64 is the median over UPSTREAM_DRAWS upstream gradients (the case's own first). dA and
+# d dt_bias are one number per head, sums over every position of terms of both signs, and one draw's
+# relative error is a lottery ticket, ours and the yardstick's alike. On an H100 sweep judged on one
+# draw (seeds 71000+), our SSD dA error over mamba_ssm's had a median of 1.0 over 86 cases, quartiles
+# 0.69 and 1.5, up to 51, ours the smaller in 34; the bidirectional dA over the two-call foil's a
+# median of 1.0 over 161, up to 15. Of an interpreter sweep's 14 failures of the one-draw rule
+# (seeds 80000-80399), 12 are within it over five draws; the two left are tests
+# (tests/test_reliability_smoke.py, OPEN_INTERPRETER_CASES).
+UPSTREAM_DRAWS = 5
+
+
+def upstream_seeds(seed):
+    return [seed] + [seed + 1_000_003 * k for k in range(1, UPSTREAM_DRAWS)]
+
+
+def typical(errors):
+    """The median of the draws' errors; NaN if any is NaN (a NaN gradient is never typical)."""
+    return float("nan") if any(math.isnan(e) for e in errors) else statistics.median(errors)
+
+
+def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like, seed, dtype, factor):
+    """The rule "at most ``factor`` x the same computation's error (plus the floor of ``dtype``)",
+    with both errors the medians over UPSTREAM_DRAWS upstream gradients, for the gradients ``names``
+    of ``fn`` against ``same_fn`` (mamba_ssm, or the two-call foil) and the float64 ``ref_fn``. The
+    medians go into the verdict's errors and yardsticks."""
+    draws = {name: ([], []) for name in names}
+    for draw_seed in upstream_seeds(seed):
+        grad_out = upstream(like.numel(), like.dtype, draw_seed)
+        ours, same = gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(same_fn, args, grad_out)
+        want = gradients_of_arguments(ref_fn, args64, grad_out)
+        for name in names:
+            draws[name][0].append(rel_error(ours[name], want[name]))
+            draws[name][1].append(rel_error(same[name], want[name]))
+    for name in names:
+        error, theirs = (typical(errors) for errors in draws[name])
+        verdict.errors[f"grad {name}"], verdict.yardsticks[f"grad {name}"] = error, theirs
+        reference = theirs + SAME_COMPUTATION_FLOOR[dtype]
+        if not error <= factor * reference:
+            verdict.failures.append(f"grad {name}: error {error:.3e} above {factor:g} x the same computation's in "
+                                    f"{dtype} ({reference:.3e}), medians over {UPSTREAM_DRAWS} upstream gradients")
 
 
 def both_gradients(fn, ref_fn, args, args64, seed, outputs):
@@ -542,34 +586,27 @@ class SSDChunkScan(ChunkedSSM):
                 compare(verdict, name, out, ref, tolerance(dtype))
         ours, want = both_gradients(fn, ref_fn, self.views(params, leaves), self.views(params, as64(leaves)), seed,
                                     outputs)
+        by_peer = [name for name in ("A", "dt_bias") if name in want] if (
+            dtype == torch.bfloat16 and DEVICE.type == "cuda") else []
         for name in want:
-            if dtype == torch.bfloat16 and name in ("A", "dt_bias") and DEVICE.type == "cuda":
-                # tests/test_ssd.py bounds these by twice the peer's error (mamba_ssm), not a fixed bound
-                self.against_peer(params, leaves, seed, outputs, name, ours[name], want[name], verdict)
-            else:
+            if name not in by_peer:
                 compare(verdict, f"grad {name}", ours[name], want[name], ssd_grad_tol(name, dtype))
+        if by_peer:  # tests/test_ssd.py bounds these by twice the peer's error (mamba_ssm), not a fixed bound
+            self.against_peer(params, leaves, seed, outputs, by_peer, verdict)
         return verdict
 
-    def against_peer(self, params, leaves, seed, outputs, name, ours, want, verdict):
-        verdict.errors[f"grad {name}"] = float(rel_error(ours, want))
+    def against_peer(self, params, leaves, seed, outputs, names, verdict):
         peer = mamba_ssm_combined()
         if peer is None:
-            verdict.unjudged.append(f"grad {name} (bfloat16: the rule needs mamba_ssm)")
+            verdict.unjudged += [f"grad {name} (bfloat16: the rule needs mamba_ssm)" for name in names]
             return
-        fn = self.call(params, peer.mamba_chunk_scan_combined)
-        like = flat(outputs)
         try:
-            theirs = gradients_of_arguments(fn, self.views(params, leaves),
-                                            upstream(like.numel(), like.dtype, seed))[name]
+            judge_typical_errors(verdict, names, self.ours(params), self.call(params, peer.mamba_chunk_scan_combined),
+                                 self.call(params, ssd_quadratic_ref), self.views(params, leaves),
+                                 self.views(params, as64(leaves)), flat(outputs), seed, torch.bfloat16, factor=2.0)
         except Exception as e:  # the peer's own checks (a bare assert, seen on the H100) are not our failure
-            verdict.unjudged.append(f"grad {name} (bfloat16: mamba_ssm could not run this case: "
-                                    f"{type(e).__name__}: {e})")
-            return
-        verdict.yardsticks[f"grad {name}"] = float(rel_error(theirs, want))
-        try:
-            assert_within_same_computation(f"grad {name}", ours, theirs, want, torch.bfloat16)
-        except AssertionError as e:
-            verdict.failures.append(str(e))
+            verdict.unjudged += [f"grad {name} (bfloat16: mamba_ssm could not run this case: {type(e).__name__}: {e})"
+                                 for name in names]
 
 
 class BidirectionalChunkScan(ChunkedSSM):
@@ -644,17 +681,9 @@ class BidirectionalChunkScan(ChunkedSSM):
             if name not in steps:
                 compare(verdict, f"grad {name}", ours[name], want[name], fused_grad_tol(name, dtype))
         if steps:  # tests/test_bidirectional.py: 16-bit step gradients within 3x the two-call foil's error
-            foil_fn = self.call(params, bidirectional_two_calls)
-            foil = gradients_of_arguments(foil_fn, self.views(params, leaves),
-                                          upstream(outputs[0].numel(), dtype, seed))
-            for name in steps:
-                verdict.errors[f"grad {name}"] = float(rel_error(ours[name], want[name]))
-                verdict.yardsticks[f"grad {name}"] = float(rel_error(foil[name], want[name]))
-                try:
-                    assert_within_same_computation(f"grad {name}", ours[name], foil[name], want[name], dtype,
-                                                   factor=3.0)
-                except AssertionError as e:
-                    verdict.failures.append(str(e))
+            judge_typical_errors(verdict, steps, fn, self.call(params, bidirectional_two_calls), ref_fn,
+                                 self.views(params, leaves), self.views(params, as64(leaves)), flat(outputs), seed,
+                                 dtype, factor=3.0)
         return verdict
 
 

@@ -52,9 +52,10 @@ def merge(reports):
 
 def against_yardstick(name, pairs):
     """One line on how our error compares with the same computation's over every case that kept
-    the pair ([seed, ours, theirs] each): the quartiles of the ratio, how often ours is the smaller,
-    and the largest ratio with its seed."""
-    ratios = sorted((ours / theirs if theirs > 0 else math.inf, seed) for seed, ours, theirs in pairs)
+    the pair ([seed, ours, theirs] each): the quartiles of the ratio (1 where both are exactly 0), how
+    often ours is the smaller, and the largest ratio with its seed."""
+    ratios = sorted((ours / theirs if theirs > 0 else (1.0 if ours == 0 else math.inf), seed)
+                    for seed, ours, theirs in pairs)
     values = [ratio for ratio, _ in ratios]
     q1, median, q3 = (statistics.quantiles(values, n=4) if len(values) > 1 else values * 3)
     smaller = sum(ratio < 1 for ratio in values)

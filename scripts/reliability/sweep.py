@@ -11,6 +11,8 @@ reproducer:
 
     python scripts/reliability/sweep.py --ops ssd_chunk_scan --cases 1000 --time-budget 540
     python scripts/reliability/sweep.py --ops attention --seed 17 --params '{"dims": ...}'   (one case)
+    python scripts/reliability/sweep.py --ops ssd_chunk_scan --rejudge book/data/reliability.json
+                                        (every recorded failure once more, at its seed)
 
 ``--time-budget`` stops early (the cases run so far are reported); ``--json`` writes the report
 that scripts/reliability/summary.py reads. Exit status 1 when a case failed.
@@ -38,6 +40,10 @@ def parse_args(argv=None):
     parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
     parser.add_argument("--verbose", action="store_true", help="print every case")
     parser.add_argument("--json", default=None, help="write the report here")
+    parser.add_argument("--rejudge", nargs="+", metavar="REPORT", default=None,
+                        help="instead of drawing cases, run each reproducer of these reports (sweep reports, or "
+                             "the summary's merged JSON) once at its seed, unshrunk: do they fail now?")
+    parser.add_argument("--shard", default="0/1", help="with --rejudge, k/n: every n-th reproducer from the k-th")
     args = parser.parse_args(argv)
     args.ops = comma_list(parser, args.ops, OPS, "--ops")
     return args
@@ -151,8 +157,40 @@ def shrink_and_save(op, params, seed, verdict, deadline, report, save):
     return params, verdict
 
 
+def recorded_reproducers(paths, ops):
+    """(op name, seed, params, failures then) of every reproducer in ``paths`` for ``ops``: sweep
+    reports ({"item": "sweep", "ops": ...}) or the summary's merged JSON ({"reports": {"sweep": ...}})."""
+    found = []
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        by_op = report["ops"] if report.get("item") == "sweep" else report["reports"]["sweep"]
+        for name in ops:
+            for r in by_op.get(name, {}).get("reproducers", []):
+                params = json.loads(r["command"].split("--params ", 1)[1].strip("'"))
+                found.append((name, r["seed"], params, r["failures"]))
+    return found
+
+
+def rejudge(args):
+    """Run the recorded reproducers again (``--rejudge``): after a fix, or a change of a rule."""
+    k, n = (int(part) for part in args.shard.split("/"))
+    rows = []
+    for name, seed, params, before in recorded_reproducers(args.rejudge, args.ops)[k::n]:
+        verdict = run_case(OPS[name], params, seed)
+        rows.append(dict(op=name, seed=seed, failures_then=before, failures_now=verdict.failures,
+                         unjudged=verdict.unjudged, errors=verdict.errors, yardsticks=verdict.yardsticks))
+        print(f"{name} seed {seed}: {'; '.join(verdict.failures) or 'passes'}"
+              f"{' (unjudged: ' + '; '.join(verdict.unjudged) + ')' if verdict.unjudged else ''}", flush=True)
+        write_report(args.json, "rejudge", rows)
+    still = sum(bool(row["failures_now"]) for row in rows)
+    print(f"rejudged {len(rows)} reproducers: {still} still fail", flush=True)
+    return 1 if still else 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.rejudge:
+        return rejudge(args)
     start = time.monotonic()
     deadline = start + args.time_budget if args.time_budget is not None else None
     reports = {}
