@@ -221,16 +221,24 @@ def typical(errors):
     return float("nan") if any(math.isnan(e) for e in errors) else statistics.median(errors)
 
 
+class YardstickFailed(Exception):
+    """The same computation (mamba_ssm, say) raised on a case: its failure, not ours."""
+
+
 def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like, seed, dtype, factor):
     """The rule "at most ``factor`` x the same computation's error (plus the floor of ``dtype``)",
     with both errors the medians over UPSTREAM_DRAWS upstream gradients, for the gradients ``names``
     of ``fn`` against ``same_fn`` (mamba_ssm, or the two-call foil) and the float64 ``ref_fn``. The
-    medians go into the verdict's errors and yardsticks."""
+    medians go into the verdict's errors and yardsticks. ``same_fn`` runs first: if it raises,
+    :class:`YardstickFailed` says so before ours runs again."""
+    grads_out = [upstream(like.numel(), like.dtype, draw_seed) for draw_seed in upstream_seeds(seed)]
+    try:
+        yardstick = [gradients_of_arguments(same_fn, args, grad_out) for grad_out in grads_out]
+    except Exception as e:
+        raise YardstickFailed(f"{type(e).__name__}: {e}") from e
     draws = {name: ([], []) for name in names}
-    for draw_seed in upstream_seeds(seed):
-        grad_out = upstream(like.numel(), like.dtype, draw_seed)
-        ours, same = gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(same_fn, args, grad_out)
-        want = gradients_of_arguments(ref_fn, args64, grad_out)
+    for grad_out, same in zip(grads_out, yardstick):
+        ours, want = gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(ref_fn, args64, grad_out)
         for name in names:
             draws[name][0].append(rel_error(ours[name], want[name]))
             draws[name][1].append(rel_error(same[name], want[name]))
@@ -604,9 +612,8 @@ class SSDChunkScan(ChunkedSSM):
             judge_typical_errors(verdict, names, self.ours(params), self.call(params, peer.mamba_chunk_scan_combined),
                                  self.call(params, ssd_quadratic_ref), self.views(params, leaves),
                                  self.views(params, as64(leaves)), flat(outputs), seed, torch.bfloat16, factor=2.0)
-        except Exception as e:  # the peer's own checks (a bare assert, seen on the H100) are not our failure
-            verdict.unjudged += [f"grad {name} (bfloat16: mamba_ssm could not run this case: {type(e).__name__}: {e})"
-                                 for name in names]
+        except YardstickFailed as e:  # the peer's own checks (a bare assert, seen on the H100) are not our failure
+            verdict.unjudged += [f"grad {name} (bfloat16: mamba_ssm could not run this case: {e})" for name in names]
 
 
 class BidirectionalChunkScan(ChunkedSSM):
