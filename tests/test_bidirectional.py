@@ -487,28 +487,11 @@ def test_fused_views_forward_and_gradients(shift):
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
 
 
-@pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): G stored astray on an H100 (Triton 3.6)")
-def test_scores_of_a_time_major_B_rev_at_an_odd_length():
-    """An H100 sweep case (seed 30671) gave a wrong output and NaN gradients: its B' was stored time
-    major, strides (1, 1, L, L), at L = 1021, and the scores kernel's stores of G went to wrong
-    addresses (memcheck: writes out of bounds; scripts/reliability/scores_defect.py). On the H100 the
-    fault needs a length that is not a multiple of 16, chunk 32 with 4 warps, a dstate with a masked
-    tail (100 here) and the kernel's two products (README, "Using the kernels"); the op copies such a
-    B' (next test). The scores must not depend on how B' is laid out."""
-    from mamba_annotated.bidirectional.chunk_scores import chunk_scores
-
-    length, dstate, chunk = 1021, 100, 32
-    C, B, C_rev = (randn(1, length, 1, dstate, dtype=torch.bfloat16) for _ in range(3))
-    B_rev = randn(1, dstate, 1, length, dtype=torch.bfloat16).permute(0, 3, 2, 1)  # strides (1, 1, L, L)
-    G, Gd = chunk_scores(C, B, C_rev, B_rev, chunk, shift=False)
-    G_want, Gd_want = chunk_scores(C, B, C_rev, B_rev.contiguous(), chunk, shift=False)
-    assert torch.equal(G, G_want) and torch.equal(Gd, Gd_want)
-
-
 def test_a_time_major_B_rev_gives_what_a_contiguous_one_gives():
     """The op copies a B' (or B, C, C') whose dstate is strided, which avoids the scores kernel's
-    defect above: outputs and gradients the same bits as with B' contiguous (the H100 sweep case
-    had a wrong output and NaN gradients; with the copy, the same bits on the H100)."""
+    H100 defect (test_scores_of_a_time_major_B_rev_at_an_odd_length in test_reliability_smoke.py):
+    outputs and gradients the same bits as with B' contiguous (the H100 sweep case had a wrong
+    output and NaN gradients; with the copy, the same bits on the H100)."""
     length = size(gpu=1021, cpu=61)
     x, z = (randn(1, length, 2, 16, dtype=torch.bfloat16) for _ in range(2))
     dt = uniform(1, length, 2, low=0.05, high=0.5)

@@ -7,6 +7,7 @@ import json
 import math
 import pkgutil
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -669,12 +670,19 @@ def test_a_verdict_keeps_the_errors_it_judged():
 
 
 @pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): G stored astray on an H100 (Triton 3.6)")
-def test_the_scores_probe_sees_no_difference_where_the_kernel_is_right(capsys):
-    """scripts/reliability/scores_defect.py's one run: in the interpreter the time-major B' gives the
-    contiguous one's scores, which match float64; on the H100 it reports the defect (exit 1)."""
-    assert scores_defect.once() == 0
-    out = capsys.readouterr().out
-    assert "time-major B': 0 of 32768 entries of G differ" in out and "Gd differs at 0 of 1024" in out
+def test_scores_of_a_time_major_B_rev_at_an_odd_length():
+    """An H100 sweep case (bidirectional seed 30671) gave a wrong output and NaN gradients: its B'
+    was stored time major, strides (1, 1, L, L), at L = 1021, and the scores kernel's stores of G
+    went to wrong addresses (memcheck: writes out of bounds). On the H100 the fault needs a length
+    that is not a multiple of 16, chunk 32 with 4 warps, a dstate with a masked tail (100 here) and
+    the kernel's two products (README, "Using the kernels"); the op copies such a B'
+    (tests/test_bidirectional.py). scripts/reliability/scores_defect.py's one run computes the
+    scores with that B' and with it contiguous, in a process of its own: on the GPU the kernel
+    writes out of bounds, which must not reach this process's tensors. The scores must not depend
+    on how B' is laid out (in the interpreter they do not; exit 1 reports the defect)."""
+    run = subprocess.run([sys.executable, str(Path(scores_defect.__file__)), "--once"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    assert "time-major B': 0 of 32768 entries of G differ" in run.stdout and "Gd differs at 0 of 1024" in run.stdout
 
 
 def test_rejudge_reruns_the_recorded_reproducers(tmp_path):
