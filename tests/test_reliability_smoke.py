@@ -146,11 +146,13 @@ def test_sweep_and_summary_keep_each_yardstick_pair(monkeypatch):
 
 
 class WrongScan(cases.FirstOrderScan):
-    """linear_scan with its last step dropped: the sweep must catch and shrink it."""
+    """linear_scan 10 % too large: the sweep must catch and shrink it. (With only its last step
+    dropped, as it once was, the case drawn on the H100 stayed within its bound: one wrong step among
+    many is a small relative error.)"""
 
     def __init__(self):
-        super().__init__("linear_scan", lambda a, b, h0=None, reverse=False: linear_scan(a, b, h0=h0, reverse=reverse)
-                         * (torch.arange(a.shape[-1], device=a.device) < a.shape[-1] - 1))
+        super().__init__("linear_scan", lambda a, b, h0=None, reverse=False: 1.1 * linear_scan(a, b, h0=h0,
+                                                                                               reverse=reverse))
 
 
 def test_sweep_catches_a_wrong_op_and_prints_a_shrunk_reproducer(capsys):
