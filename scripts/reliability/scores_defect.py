@@ -1,10 +1,9 @@
 """Where the bidirectional scores kernel's H100 defect comes from (issue 14; README, "Using the kernels").
 
 With B' stored time major (strides (1, 1, L, L)) at L = 1021, dstate 100, chunk 32 and 4 warps,
-``chunk_scores`` computed wrong reverse scores on the H100 with Triton 3.6 (a strict GPU xfail in
-tests/test_bidirectional.py holds it; the op copies such a B', so its users do not meet it). The
-configurations that fail compile to one binary (``scripts/compile_offline.py scores``). This probe
-asks the GPU three things about that binary:
+``chunk_scores`` computed wrong scores on the H100 with Triton 3.6 (the op copies such a B', so its
+users do not meet it). The configurations that fail compile to one binary
+(``scripts/compile_offline.py scores``). This probe asks the GPU three things about that binary:
 
 1. which entries are wrong: per chunk, per triangle (forward j <= i, reverse j > i, the reverse
    diagonal Gd), whether they are zero, and whether they equal the forward product (a branch's
@@ -16,6 +15,11 @@ asks the GPU three things about that binary:
 
     python scripts/reliability/scores_defect.py            (every variant, one process each)
     python scripts/reliability/scores_defect.py --once     (one run in this process's environment)
+
+On the H100 (2026-11-25) the stores of G went to wrong addresses: both triangles wrong, memcheck's
+out-of-bounds writes at the store, the same with either ptxas (README, "Using the kernels"). A
+strict GPU xfail, test_scores_of_a_time_major_B_rev_at_an_odd_length in
+tests/test_reliability_smoke.py, runs ``--once`` in a process of its own.
 """
 import argparse
 import os
