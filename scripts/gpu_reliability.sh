@@ -21,7 +21,8 @@
 # $REPORTS, and STEPS=summary prints the table at the end.
 # Environment: STEPS (default: all, in the order above), OPS (default: all six), JOBS (default 1),
 # CASES (sweep cases per op, default 1000), SHARDS (sweep processes per op, splitting CASES;
-# default 1), TIME_BUDGET (seconds per sweep or reproducible process, default 540),
+# default 1), TIME_BUDGET (seconds per sweep or reproducible process, default 540), SHRINK_BUDGET
+# (seconds of shrinking per sweep failure; default: the rest of TIME_BUDGET),
 # SANITIZE_TIMEOUT (seconds per sanitized run, default 900), SEED (default 0),
 # REPORTS (default /tmp/reliability), SUMMARY_JSON (default book/data/reliability.json), ABOUT (what the
 # JSON says the reports come from; default: the GPU's name, torch and Triton versions).
@@ -47,7 +48,7 @@ for step in $steps; do
         for (( k = 0; k < shards; k++ )); do
           seed=$(( ${SEED:-0} + k * per_shard ))
           parallel+=("sweep_${op}_seed$seed python3 $here/sweep.py --ops $op --cases $per_shard --seed $seed \
---time-budget $budget --json $reports/sweep_${op}_seed$seed.json")
+--time-budget $budget ${SHRINK_BUDGET:+--shrink-budget $SHRINK_BUDGET} --json $reports/sweep_${op}_seed$seed.json")
         done ;;
       sanitize) parallel+=("sanitize_$op python3 $here/sanitize.py --ops $op --log-dir $reports/sanitizer_logs \
 --timeout ${SANITIZE_TIMEOUT:-900} --json $reports/sanitize_$op.json") ;;

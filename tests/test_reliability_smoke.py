@@ -177,6 +177,15 @@ def test_a_failure_is_saved_before_it_is_shrunk():
     assert before_shrinking["failures"] == 1 and before_shrinking["reproducers"][0]["shrunk"] is False
 
 
+def test_a_shrink_budget_leaves_time_for_the_other_cases():
+    """An H100 sweep process spent its whole time budget shrinking its first failure and ran no
+    other case; with --shrink-budget each failure gets that long and the sweep goes on."""
+    args = sweep.parse_args(["--ops", "linear_scan", "--cases", "2", "--seed", "5", "--shrink-budget", "0"])
+    report = sweep.sweep_op(WrongScan(), args, deadline=None)
+    assert report["cases"] == 2 and report["failures"] == 2
+    assert [r["shrunk"] for r in report["reproducers"]] == [False, False]
+
+
 def test_a_shrink_cut_off_by_the_deadline_keeps_its_smallest_failing_case(monkeypatch):
     """An H100 sweep's SSD failure was reported as drawn: the device call's limit ended the process
     in the middle of shrinking, and every smaller failing case found until then was lost."""

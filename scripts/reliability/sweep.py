@@ -38,6 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for all ops together")
     parser.add_argument("--params", default=None, help="run this one case (JSON, as a reproducer prints it)")
     parser.add_argument("--no-shrink", action="store_true", help="report failures as drawn")
+    parser.add_argument("--shrink-budget", type=float, default=None,
+                        help="seconds of shrinking per failure (default: until the time budget): an H100 process "
+                             "once spent its whole 300 s shrinking its first case and ran no other")
     parser.add_argument("--verbose", action="store_true", help="print every case")
     parser.add_argument("--json", default=None, help="write the report here")
     parser.add_argument("--rejudge", nargs="+", metavar="REPORT", default=None,
@@ -84,7 +87,9 @@ def sweep_op(op, args, deadline, save=lambda report: None):
                                           shrunk=False))
         save(report)
         if not args.no_shrink and not out_of_time(deadline):  # shrinking reruns it
-            params, verdict = shrink_and_save(op, params, seed, verdict, deadline, report, save)
+            shrink_deadline = deadline if args.shrink_budget is None else min(
+                time.monotonic() + args.shrink_budget, deadline if deadline is not None else float("inf"))
+            params, verdict = shrink_and_save(op, params, seed, verdict, shrink_deadline, report, save)
         line = report["reproducers"][-1]["command"]
         print(f"  minimal: {'; '.join(verdict.failures) or 'passes once shrunk: flaky?'}\n  REPRO: {line}",
               flush=True)
