@@ -255,10 +255,9 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
                                   dt_limit, return_varlen_states, state_dtype)
     # A B or C strided along dstate is copied, as mamba_ssm's chunk scan copies them. Mamba-2 and Hydra
     # blocks pass such views (the convolution's output transposed back, time major). On an H100 under
-    # Triton 3.6 the bidirectional scores kernel, given a B (or B') of that layout at lengths that are
-    # not multiples of 16, stored its scores to wrong addresses (test_scores_of_a_time_major_B_rev_at_an_
-    # odd_length), the fault moving from one operand to the other as the kernel's code was rearranged;
-    # with a copy it is right. A
+    # Triton 3.6 the bidirectional scores kernel read a B (or B') of that layout wrongly at lengths that
+    # are not multiples of 16 (test_scores_of_a_time_major_B_rev_at_an_odd_length), the fault moving
+    # from one operand to the other as the kernel's code was rearranged; a copy is read right. A
     # dstate-strided operand is also read with scalar loads where a contiguous one is read in vectors.
     out, final_states, _, varlen_states, *_ = ssd_chunk_scan_op(
         x, dt, A, last_dim_contiguous(B), last_dim_contiguous(C), chunk_size, D, z, dt_bias, initial_states, seq_idx,
