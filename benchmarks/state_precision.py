@@ -48,6 +48,7 @@ from mamba_annotated.runtime import INTERPRETED, device_name  # noqa: E402
 from mamba_annotated.ssd import backward as ssd_backward  # noqa: E402
 from mamba_annotated.ssd import forward as ssd_forward  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
+from sweep import recorded_reproducers  # noqa: E402
 from test_ssd import mamba_ssm_combined  # noqa: E402
 
 OPS = ("ssd_chunk_scan", "bidirectional_chunk_scan")
@@ -81,16 +82,9 @@ VARIANTS = {"as shipped": lambda op: contextlib.nullcontext(), "float32 states":
 
 
 def step_gradient_failures(path):
-    """(op, seed, params) of each sweep failure of the two chunked ops in step gradients only."""
-    sweep = json.loads(path.read_text())["reports"]["sweep"]
-    found = []
-    for op in OPS:
-        for reproducer in sweep[op]["reproducers"]:
-            names = {failure.split(":")[0] for failure in reproducer["failures"]}
-            if names <= set(STEP_GRADIENTS):
-                params = json.loads(reproducer["command"].split("--params ", 1)[1].strip("'"))
-                found.append((op, reproducer["seed"], params))
-    return found
+    """(op, seed, params) of each recorded sweep failure of the two chunked ops in step gradients only."""
+    return [(op, seed, params) for op, seed, params, failures in recorded_reproducers([path], OPS)
+            if {failure.split(":")[0] for failure in failures} <= set(STEP_GRADIENTS)]
 
 
 def verdicts(failures, extra_seeds, max_length):

@@ -151,7 +151,7 @@ def ssd_cases():
 
 
 # (length, dstate, chunk, B' layout, num_warps, what the H100 computed): the configurations issue 14's
-# runs narrowed the wrong reverse scores to (README, "Using the kernels")
+# runs narrowed the wrong scores to (README, "Using the kernels")
 SCORES_RUNS = [(1021, 100, 32, "time major", 4, "wrong"), (1000, 100, 32, "time major", 4, "wrong"),
                (257, 100, 32, "time major", 4, "wrong"), (61, 100, 32, "time major", 4, "wrong"),
                (1021, 40, 32, "time major", 4, "wrong"), (1021, 200, 32, "time major", 4, "wrong"),

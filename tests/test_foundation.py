@@ -124,7 +124,7 @@ def test_compile_offline_reports_the_gpu_build_of_a_kernel(tmp_path):
 
 
 def test_compile_offline_compiles_the_scores_kernel_as_launched(tmp_path):
-    """Issue 14's wrong reverse scores showed on the H100 in six configurations of the bidirectional
+    """Issue 14's wrong scores showed on the H100 in six configurations of the bidirectional
     scores kernel and in none of its neighbours; compiled as the launcher launches them (arguments
     specialized by the installed Triton's binder), the six are one binary and each neighbour a
     binary of its own. It checks the script's specialization, with this machine's Triton: the README

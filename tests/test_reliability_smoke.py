@@ -760,6 +760,18 @@ def test_a_16bit_bidirectional_verdict_keeps_the_foils_errors_beside_its_own():
     assert all(0 < verdict.yardsticks[name] < 3e-2 and name in verdict.errors for name in verdict.yardsticks)
 
 
+def test_the_state_precision_probe_judges_the_recorded_step_gradient_failures_only(monkeypatch):
+    """It reads the recorded reproducers as sweep.py --rejudge does, keeping those that failed in
+    step gradients alone (not SSD seed 71461's final state, nor bidirectional seed 71006's grad x)."""
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "benchmarks"))
+    import state_precision
+
+    found = {(op, seed) for op, seed, _ in state_precision.step_gradient_failures(root / "book/data/reliability.json")}
+    assert {("ssd_chunk_scan", 20339), ("bidirectional_chunk_scan", 60144)} <= found
+    assert not found & {("ssd_chunk_scan", 71461), ("bidirectional_chunk_scan", 71006)}
+
+
 def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_variant(monkeypatch):
     """benchmarks/state_precision.py compares each chunked op as shipped with its states stored in
     float32; a patch that missed a call would compare the shipped code with itself, and one that

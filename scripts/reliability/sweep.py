@@ -87,8 +87,8 @@ def sweep_op(op, args, deadline, save=lambda report: None):
                                           shrunk=False))
         save(report)
         if not args.no_shrink and not out_of_time(deadline):  # shrinking reruns it
-            shrink_deadline = deadline if args.shrink_budget is None else min(
-                time.monotonic() + args.shrink_budget, deadline if deadline is not None else float("inf"))
+            budget_end = time.monotonic() + args.shrink_budget if args.shrink_budget is not None else None
+            shrink_deadline = min((end for end in (deadline, budget_end) if end is not None), default=None)
             params, verdict = shrink_and_save(op, params, seed, verdict, shrink_deadline, report, save)
         line = report["reproducers"][-1]["command"]
         print(f"  minimal: {'; '.join(verdict.failures) or 'passes once shrunk: flaky?'}\n  REPRO: {line}",
