@@ -130,18 +130,13 @@ print("packed float32 == tuple scan, bit for bit: True")
 #
 # For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every combine, so its state carries the rounding errors of all the combines that built it.
 #
-# The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One {term}`interpreter` fact: Triton's CPU interpreter has no bfloat16 type and *truncates* float32 to bfloat16, where a GPU rounds to nearest, so on CPU the yardstick truncates too.)
+# The fair yardstick for the packed scan is the same arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. (One {term}`interpreter` fact: Triton's CPU interpreter keeps bfloat16 as raw bits and, left alone, *truncates* float32 to bfloat16, where a GPU rounds to nearest even. `mamba_annotated` makes the interpreter round as the GPU does (`mamba_annotated/interpreter_rounding.py`), so one yardstick serves both.)
 
 # %% tags=["nbval-ignore-output"]
 def sixteen_bit_loop(a, b):
-    def round_like_the_kernel(x):
-        if a.dtype == torch.bfloat16 and runtime.INTERPRETED:
-            return (x.view(torch.int32) & -65536).view(torch.float32).to(a.dtype)
-        return x.to(a.dtype)
-
     h, states = torch.zeros_like(a[..., 0]), []
     for t in range(a.shape[-1]):
-        h = round_like_the_kernel(a[..., t].float() * h.float() + b[..., t].float())
+        h = (a[..., t].float() * h.float() + b[..., t].float()).to(a.dtype)
         states.append(h)
     return torch.stack(states, dim=-1)
 

@@ -404,7 +404,7 @@ show_fragment(dkdv_program, "# Query blocks [lo, hi) see some key", "dk_ptrs = (
 show_fragment(dkdv_program, "dk_ptrs = (dk_ptr")
 
 # %% [markdown]
-# The stores. The loop accumulated $dS^\top Q$ without the scale; $dK = \tau\, dS^\top Q$ is multiplied by $\tau$ once here, on one `BLOCK_N` × $d$ tile, not on every tile of $dS$. $dV = P^\top dO$ has no scale. `cast` rounds the float32 accumulators to the output dtype to nearest even, as a GPU does (the interpreter's float32 → bfloat16 cast truncates, so under it `cast` rounds on the bits first). The mask again applies only when the shape needs it.
+# The stores. The loop accumulated $dS^\top Q$ without the scale; $dK = \tau\, dS^\top Q$ is multiplied by $\tau$ once here, on one `BLOCK_N` × $d$ tile, not on every tile of $dS$. $dV = P^\top dO$ has no scale. `.to` rounds the float32 accumulators to the output dtype to nearest even. The mask again applies only when the shape needs it.
 
 # %% [markdown]
 # The dQ loop over key blocks, the forward's sweep with $dS K$ in place of $P V$:

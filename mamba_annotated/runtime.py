@@ -24,10 +24,12 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
     )
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRETED:  # the interpreter's associative_scan, one combine call per step instead of per element
-    from . import interpreter_scan
+if INTERPRETED:  # the interpreter's associative_scan, one combine call per step instead of per element,
+    # and its float32 -> bfloat16 conversions rounded to nearest even, as a GPU rounds them
+    from . import interpreter_rounding, interpreter_scan
 
     interpreter_scan.install()
+    interpreter_rounding.install()
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRETED else "cpu")
 
 

@@ -6,7 +6,8 @@
   ``torch.backends.cuda.matmul.allow_tf32 = True``). 16-bit tiles always use the tensor cores with
   float32 accumulation. Triton 3.9's interpreter gets bfloat16 dots wrong, so there bfloat16
   tiles are widened to float32 first ("widen"): the products of 16-bit numbers are exact in
-  float32, so the result is the one a GPU computes. :func:`cast` rounds the way a GPU does.
+  float32, so the result is the one a GPU computes. (Its float32 -> bfloat16 casts round as a GPU's
+  do once :mod:`.interpreter_rounding` is installed, which ``runtime`` does.)
 * exp2/log2 constants: kernels take exponentials base 2 (``exp2`` is one instruction; ``tl.exp``
   multiplies its argument by log2(e) first), with the factor folded into a scale computed once.
   They are constexpr: in a kernel ``x * LOG2E``, on the host ``x * LOG2E.value``.
@@ -47,19 +48,6 @@ def mm(a, b, PRECISION: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=PRECISION)
     return out
-
-
-@triton.jit
-def cast(x, dtype: tl.constexpr, PRECISION: tl.constexpr):
-    """``x.to(dtype)``, rounded to nearest even as a GPU rounds. The interpreter's float32 ->
-    bfloat16 cast truncates instead, so under "widen" (the interpreter, bfloat16) ``x`` is first
-    rounded to bfloat16's nearest even on the bits; its float16 casts round correctly."""
-    if PRECISION == "widen":
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-            x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit

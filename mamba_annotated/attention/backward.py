@@ -42,7 +42,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -139,14 +139,14 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
         dp_t = mm(v, tl.trans(do), PRECISION)
         if DROPOUT:  # out used the kept p / (1 - dropout_p): so do dV and the gradient of P
             keep_t = dropout_keep(seed, row_base, rows[None, :], offs_n[:, None], seqlen_k, dropout_p)
-            dv += mm(cast(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0), do.dtype, PRECISION), do, PRECISION)
+            dv += mm(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, PRECISION)
             dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
         else:
-            dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
+            dv += mm(p_t.to(do.dtype), do, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             ds_t = ds_t * dcap_t
-        dk += mm(cast(ds_t, q.dtype, PRECISION), q, PRECISION)
+        dk += mm(ds_t.to(q.dtype), q, PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         lse2_ptrs += BLOCK_M
@@ -225,11 +225,11 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
                + key_tile * stride_dvn + offs_d[None, :])
     dk = dk * softmax_scale
     if EVEN_N and EVEN_D:
-        tl.store(dk_ptrs, cast(dk, dk_ptr.dtype.element_ty, PRECISION))
-        tl.store(dv_ptrs, cast(dv, dv_ptr.dtype.element_ty, PRECISION))
+        tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty))
+        tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty))
     else:
-        tl.store(dk_ptrs, cast(dk, dk_ptr.dtype.element_ty, PRECISION), mask=key_mask)
-        tl.store(dv_ptrs, cast(dv, dv_ptr.dtype.element_ty, PRECISION), mask=key_mask)
+        tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=key_mask)
+        tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
 
 
 @triton.jit
@@ -268,7 +268,7 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mas
         ds = p * (dp - delta[:, None])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
             ds = ds * dcap
-        dq += mm(cast(ds, k.dtype, PRECISION), k, PRECISION)
+        dq += mm(ds.to(k.dtype), k, PRECISION)
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return dq
@@ -327,9 +327,9 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     dq_ptrs = dq_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh + row_tile * stride_dqm + offs_d[None, :]
     dq = dq * softmax_scale
     if EVEN_M and EVEN_D:
-        tl.store(dq_ptrs, cast(dq, dq_ptr.dtype.element_ty, PRECISION))
+        tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty))
     else:
-        tl.store(dq_ptrs, cast(dq, dq_ptr.dtype.element_ty, PRECISION), mask=row_mask)
+        tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
 @lean_launch

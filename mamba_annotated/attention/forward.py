@@ -67,7 +67,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LN2, any_nonfinite, block_size, cast, cdiv, dot_precision, drop_hidden_nonfinite, mm
+from ..triton_ops import LN2, any_nonfinite, block_size, cdiv, dot_precision, drop_hidden_nonfinite, mm
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -144,7 +144,7 @@ def attend_key_blocks(q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, l
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator sums every p, dropped or not
         if DROPOUT:  # the 1 / (1 - dropout_p) of the kept ones is applied to out at the end
             p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p), p, 0.0)
-        acc = acc * alpha[:, None] + mm(cast(p, v.dtype, PRECISION), v, PRECISION)
+        acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
@@ -225,9 +225,9 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
                 + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
     lse_ptrs = lse_ptr + tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
     if EVEN_M and EVEN_D:
-        tl.store(out_ptrs, cast(out, out_ptr.dtype.element_ty, PRECISION))
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
     else:
-        tl.store(out_ptrs, cast(out, out_ptr.dtype.element_ty, PRECISION), mask=row_mask)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     tl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
 
 

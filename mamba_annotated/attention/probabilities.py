@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import outputs
-from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
 from .scores import alibi_slope2, alibi_strides, dropout_keep, logit_scales, logits2, softcap_mode, visible
 
 BLOCK_M, BLOCK_N = 32, 32
@@ -50,7 +50,7 @@ def attention_probabilities_kernel(q_ptr, k_ptr, lse_ptr, alibi_ptr, seed_ptr, p
     p = tl.where(seen, tl.exp2(s - lse2[:, None]), 0.0)
     keep = dropout_keep(tl.load(seed_ptr), row_base, rows[:, None], keys[None, :], seqlen_k, dropout_p)
     probs_ptrs = probs_ptr + (row_base + rows[:, None]) * seqlen_k + keys[None, :]
-    tl.store(probs_ptrs, cast(tl.where(keep, p, -p), probs_ptr.dtype.element_ty, PRECISION),
+    tl.store(probs_ptrs, tl.where(keep, p, -p).to(probs_ptr.dtype.element_ty),
              mask=(rows[:, None] < seqlen_q) & (keys[None, :] < seqlen_k))
 
 

@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import outputs
 from ..library import last_dim_contiguous
-from ..triton_ops import LOG2E, block_size, cast, cdiv, dot_precision, mm
+from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
 from .api import attention, attention_gradients, attention_outputs, check_attention_inputs, check_real
 from .backward import backward_config, backward_preprocess, batch_row_head_strides, dkdv_program, dq_program
 
@@ -89,9 +89,9 @@ def dkdv_query_blocks_atomic_dq(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_
                 p_t = tl.where(offs_n[:, None] <= rows[None, :] + causal_offset, p_t, 0.0)
         if not EVEN_N:  # keys past the end: their dS feeds dq here, so their P must be 0, not exp2(-lse2)
             p_t = tl.where(offs_n[:, None] < seqlen_k, p_t, 0.0)
-        dv += mm(cast(p_t, do.dtype, PRECISION), do, PRECISION)
+        dv += mm(p_t.to(do.dtype), do, PRECISION)
         dp_t = mm(v, tl.trans(do), PRECISION)
-        ds_t = cast(p_t * (dp_t - delta[None, :]), q.dtype, PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
         dk += mm(ds_t, q, PRECISION)
         tl.atomic_add(dq_ptrs, mm(tl.trans(ds_t), k, PRECISION) * softmax_scale, mask=row_mask)
         q_ptrs += BLOCK_M * stride_qm
@@ -151,9 +151,9 @@ def attention_bwd_atomic_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_p
             stride_qm, stride_dom, stride_dqm,
             CAUSAL=CAUSAL, EVEN_M=EVEN_M, EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
     tl.store(dk_ptr + batch.to(tl.int64) * stride_dkb + kv_head * stride_dkh + key_rows * stride_dkn + offs_d[None, :],
-             cast(dk * softmax_scale, dk_ptr.dtype.element_ty, PRECISION), mask=key_mask)
+             (dk * softmax_scale).to(dk_ptr.dtype.element_ty), mask=key_mask)
     tl.store(dv_ptr + batch.to(tl.int64) * stride_dvb + kv_head * stride_dvh + key_rows * stride_dvn + offs_d[None, :],
-             cast(dv, dv_ptr.dtype.element_ty, PRECISION), mask=key_mask)
+             dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
 
 
 def attention_backward_fused(q, k, v, out, lse, dout, *, causal, softmax_scale, config=None):

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, softplus, state_rows
+from ..triton_ops import cdiv, next_power_of_2, sigmoid, softplus, state_rows
 from ..validation import check_same_device, check_tensor
 
 
@@ -45,7 +45,6 @@ def selective_state_update_kernel(
     stride_B_b, stride_B_g, stride_B_n, stride_C_b, stride_C_g, stride_C_n,
     stride_z_b, stride_z_h, stride_z_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    STATE_PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -75,7 +74,7 @@ def selective_state_update_kernel(
                 mask=mask, other=0.0).to(tl.float32)
 
     state = tl.exp(dt[:, None] * A) * state + (dt * x)[:, None] * B
-    tl.store(state_ptrs, cast(state, state_ptr.dtype.element_ty, STATE_PRECISION), mask=mask)
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
     y = tl.sum(state * C, axis=1)              # the float32 state, before its rounding into memory
     if HAS_D:
         y += tl.load(D_ptr + channel, mask=row_mask, other=0.0).to(tl.float32) * x
@@ -83,7 +82,7 @@ def selective_state_update_kernel(
         z = tl.load(z_ptr + b.to(tl.int64) * stride_z_b + h * stride_z_h + rows * stride_z_d,
                     mask=row_mask, other=0.0).to(tl.float32)
         y *= z * sigmoid(z)
-    tl.store(y_ptr + (b * heads + h).to(tl.int64) * dim + rows, cast(y, y_ptr.dtype.element_ty, OUT_PRECISION),
+    tl.store(y_ptr + (b * heads + h).to(tl.int64) * dim + rows, y.to(y_ptr.dtype.element_ty),
              mask=row_mask)
 
 
@@ -104,7 +103,6 @@ def selective_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softp
         heads, dim, dstate, heads * dim // groups,
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *z_strides,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        STATE_PRECISION=dot_precision(state.dtype), OUT_PRECISION=dot_precision(x.dtype),
         BLOCK_M=BLOCK_M, BLOCK_N=next_power_of_2(dstate), num_warps=4,
     )
     return y

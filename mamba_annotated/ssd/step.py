@@ -33,7 +33,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..library import contiguous
-from ..triton_ops import cast, cdiv, dot_precision, next_power_of_2, sigmoid, state_rows
+from ..triton_ops import cdiv, next_power_of_2, sigmoid, state_rows
 from ..validation import check_same_device, check_tensor
 from .chunk_cumsum import step_and_slope
 
@@ -48,7 +48,7 @@ def ssd_state_update_kernel(
     stride_B_b, stride_B_g, stride_B_n, stride_C_b, stride_C_g, stride_C_n,
     stride_z_b, stride_z_h, stride_z_p,
     HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, STATE_PRECISION: tl.constexpr, OUT_PRECISION: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_p, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -77,7 +77,7 @@ def ssd_state_update_kernel(
     C = tl.load(C_ptr + b64 * stride_C_b + g * stride_C_g + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
 
     state = decay * state + (dt * x)[:, None] * B[None, :]
-    tl.store(state_ptrs, cast(state, state_ptr.dtype.element_ty, STATE_PRECISION), mask=mask)
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
     y = tl.sum(state * C[None, :], axis=1)     # the float32 state, before its rounding into memory
     if HAS_D:
         if D_PER_CHANNEL:
@@ -87,7 +87,7 @@ def ssd_state_update_kernel(
     if HAS_Z:
         z = tl.load(z_ptr + b64 * stride_z_b + h * stride_z_h + p * stride_z_p, mask=p_mask, other=0.0).to(tl.float32)
         y *= z * sigmoid(z)
-    tl.store(y_ptr + (b * heads + h).to(tl.int64) * headdim + p, cast(y, y_ptr.dtype.element_ty, OUT_PRECISION),
+    tl.store(y_ptr + (b * heads + h).to(tl.int64) * headdim + p, y.to(y_ptr.dtype.element_ty),
              mask=p_mask)
 
 
@@ -107,7 +107,6 @@ def ssd_state_update_launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, d
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *z_strides,
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
-        STATE_PRECISION=dot_precision(state.dtype), OUT_PRECISION=dot_precision(x.dtype),
         BLOCK_P=BLOCK_P, BLOCK_N=next_power_of_2(dstate), num_warps=4,
     )
     return y
