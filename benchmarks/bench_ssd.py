@@ -26,7 +26,7 @@ from mamba_annotated.ssd.chunk_scan import chunk_scan  # noqa: E402
 from mamba_annotated.ssd import chunk_scan as chunk_scan_module, chunk_scan_bwd  # noqa: E402
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc, chunk_scan_bwd_dx  # noqa: E402
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
-from mamba_annotated.ssd.state_passing import state_passing  # noqa: E402
+from mamba_annotated.ssd.state_passing import state_passing, state_passing_backward  # noqa: E402
 from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
 
@@ -135,7 +135,7 @@ def breakdown(inp, dy):
     dA, dt_out, CB, H = saved.tensors()
     S = chunk_state(x, B, dA, dt_out, to_end=True)
     dH = chunk_state(dy, C, dA, dt_out, to_end=False)
-    dS, _ = state_passing(dH, dA, length=L, reverse=True, out_dtype=x.dtype)
+    dS, _, _ = state_passing_backward(dH, dA, H, length=L, out_dtype=x.dtype)
     _, decay = chunk_gradients(dy, x, B, C, saved, D=D)
     step = dict(dt_bias=bias, dt_softplus=True)
     stages = {
@@ -145,7 +145,7 @@ def breakdown(inp, dy):
         "fwd state_passing": lambda: state_passing(S, dA, length=L, out_dtype=x.dtype),
         "fwd chunk_scan": lambda: chunk_scan(CB, x, C, H, dA, dt_out, D=D),
         "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, to_end=False),
-        "bwd state_passing": lambda: state_passing(dH, dA, length=L, reverse=True, out_dtype=x.dtype),
+        "bwd state_passing": lambda: state_passing_backward(dH, dA, H, length=L, out_dtype=x.dtype),
         "bwd dx": lambda: chunk_scan_bwd_dx(CB, x, dy, B, dS, dA, dt_out, D=D),
         "bwd dCB + dB dC": lambda: chunk_scan_bwd_dbc(x, dy, B, C, CB, H, dS, dA, dt_out),
         "bwd dt (in-kernel rev cumsum)": lambda: dt_backward(dt, A, dt_out, decay, **step),

@@ -19,8 +19,11 @@ state-passing calls, for this probe only: the bidirectional op's foil, two calls
    shape, bfloat16, chunk 256 (GPU only).
 
 The kernels' dots round what they read to the inputs' dtype in both variants (as mamba_ssm's do),
-so the float32 variant changes the carry term of dA and the bytes moved, nothing else. The H100 run
-is in ``book/data/state_precision.json`` (README, "Using the kernels", says what it decided).
+so the float32 variant changes the carry term of dA and the bytes moved, nothing else. Since the
+reverse state passing forms that term itself, from the float32 state gradients and the initial
+states as given, what is left for the float32 variant to change is the stored H_c it reads. The
+H100 run (before that change) is in ``book/data/state_precision.json`` (README, "Using the
+kernels", says what it decided).
 
 ``--json PATH`` writes everything. Most of the time goes to compiling kernels (each case's shape,
 each variant's state dtype), so on a GPU the two parts may need a device call each. Usage:
@@ -52,8 +55,10 @@ from sweep import recorded_reproducers  # noqa: E402
 from test_ssd import mamba_ssm_combined  # noqa: E402
 
 OPS = ("ssd_chunk_scan", "bidirectional_chunk_scan")
-PIPELINE_MODULES = {"ssd_chunk_scan": (ssd_forward, ssd_backward),  # the modules that call state_passing
-                    "bidirectional_chunk_scan": (bidirectional_forward, bidirectional_backward)}
+# the state-passing calls of each pipeline: (module, the function's name there)
+STATE_PASSING_CALLS = {"ssd_chunk_scan": ((ssd_forward, "state_passing"), (ssd_backward, "state_passing_backward")),
+                       "bidirectional_chunk_scan": ((bidirectional_forward, "state_passing"),
+                                                    (bidirectional_backward, "state_passing_backward"))}
 STEP_GRADIENTS = ("grad A", "grad dt", "grad dt_bias")
 SPEED_SHAPE = (4, 4096, 80, 64, 128)  # (batch, L, heads, headdim, dstate): the speed bars' first shape
 CHUNK = 256
@@ -63,19 +68,18 @@ CHUNK = 256
 def float32_states(op):
     """The state-passing calls of ``op``'s pipeline store what they emit (the states entering each
     chunk, the state gradients) in float32; the running carry is float32 either way."""
-    modules = PIPELINE_MODULES[op]
-    originals = {module: module.state_passing for module in modules}
+    originals = {(module, name): getattr(module, name) for module, name in STATE_PASSING_CALLS[op]}
 
     def patched(original):
         return lambda *args, **kwargs: original(*args, **{**kwargs, "out_dtype": torch.float32})
 
-    for module, original in originals.items():
-        module.state_passing = patched(original)
+    for (module, name), original in originals.items():
+        setattr(module, name, patched(original))
     try:
         yield
     finally:
-        for module, original in originals.items():
-            module.state_passing = original
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
 
 
 VARIANTS = {"as shipped": lambda op: contextlib.nullcontext(), "float32 states": float32_states}

@@ -305,7 +305,7 @@ check("chunk_state", states, steps["states"], tolerance(torch.float32))
 # %% [markdown]
 # ### 4. Passing the state across chunks
 #
-# One program per (batch, head, block of the state) walks the chunks in order: emit $H_c$, then $H_{c+1} = e^{\ell_{\text{last}}(c)} H_c + S_c$. A `REVERSE` flag walks the other way for the backward pass.
+# One program per (batch, head, block of the state) walks the chunks in order: emit $H_c$, then $H_{c+1} = e^{\ell_{\text{last}}(c)} H_c + S_c$. A `REVERSE` flag walks the other way for the backward pass, where `CARRY` also forms each chunk's term of the decay gradients (the backward section below says which, and why here).
 
 # %%
 show_source(state_passing_kernel)
@@ -543,7 +543,9 @@ show_fragment(chunk_scan_bwd_dbc_kernel, "for i in range(heads_per_group):", "# 
 show_fragment(chunk_scan_bwd_dbc_kernel, "# the state terms' shares", "# diagonal blocks, once per group")
 
 # %% [markdown]
-# Each head's state terms of the step gradients, $C_r \cdot (e^{\ell_r} dy_r H_c)$ (`from_start`) and $B_r \cdot (e^{\ell_{\text{last}} - \ell_r}\Delta_r\, x_r\, dS_c)$ (`to_end`), summed over each slot's `SLOT_N` columns and stored in this program's slots, apart: `dt_backward` sums the first over $r \ge k$ and the second over $r < k$. The programs of the first row block also store, per slot, the carry's $\langle dS_c, \gamma_c H_c\rangle$ from the tiles of $H_c$ and $dS_c$ they loaded anyway. Then the head's terms join the group's sums `dC` and `dB`.
+# Each head's state terms of the step gradients, $C_r \cdot (e^{\ell_r} dy_r H_c)$ (`from_start`) and $B_r \cdot (e^{\ell_{\text{last}} - \ell_r}\Delta_r\, x_r\, dS_c)$ (`to_end`), summed over each slot's `SLOT_N` columns and stored in this program's slots, apart: `dt_backward` sums the first over $r \ge k$ and the second over $r < k$. Then the head's terms join the group's sums `dC` and `dB`.
+#
+# The carry's term $\langle dS_c, \gamma_c H_c\rangle$ is not formed here but in the reversed state passing, which holds $dS_c$ in float32 before rounding it to the inputs' dtype, and reads $H_0$ from `initial_states` as given rather than from the stored (rounded) $H_c$. Formed here from the two rounded tiles, it gave bfloat16 $dA$ at one position with float32 initial states 2.8 times the error of mamba_ssm's (the reliability sweep, on an H100), whose backward forms it from float32 states.
 
 # %%
 show_fragment(chunk_scan_bwd_dbc_kernel, "# diagonal blocks, once per group")

@@ -786,12 +786,13 @@ def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_vari
     for package in ("mamba_annotated.ssd", "mamba_annotated.bidirectional"):  # every module, imported or not yet
         for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
             importlib.import_module(f"{package}.{info.name}")
-    originals = {ssd_state_passing.state_passing, bidirectional_state_passing.state_passing}
-    callers = {module for name, module in sys.modules.items()
-               if name.startswith(("mamba_annotated.ssd.", "mamba_annotated.bidirectional."))
-               and getattr(module, "state_passing", None) in originals
+    names = ("state_passing", "state_passing_backward")
+    originals = {getattr(module, name) for module in (ssd_state_passing, bidirectional_state_passing) for name in names}
+    callers = {(module, name) for module_name, module in sys.modules.items() for name in names
+               if module_name.startswith(("mamba_annotated.ssd.", "mamba_annotated.bidirectional."))
+               and getattr(module, name, None) in originals
                and module not in (ssd_state_passing, bidirectional_state_passing)}
-    assert callers == {m for modules in state_precision.PIPELINE_MODULES.values() for m in modules}
+    assert callers == {call for calls in state_precision.STATE_PASSING_CALLS.values() for call in calls}
 
     g = torch.Generator().manual_seed(0)
     x, B, C = (torch.randn(1, 40, n, 16, generator=g).to(DEVICE, torch.bfloat16) for n in (2, 1, 1))
@@ -799,9 +800,9 @@ def test_the_state_precision_probe_stores_states_in_float32_only_inside_its_vari
 
     def stored_dtypes():  # the states each forward pass saves, the state gradients SSD's backward emits
         ssd_states = ssd_forward(x, dt, A, B, C, 16).saved.states_in
-        state_grads, _ = state_precision.ssd_backward.state_passing(
-            torch.zeros(1, 3, 2, 16, 16, device=DEVICE), torch.zeros(1, 2, 3, 16, device=DEVICE), length=40,
-            reverse=True, out_dtype=x.dtype)
+        state_grads, _, _ = state_precision.ssd_backward.state_passing_backward(
+            torch.zeros(1, 3, 2, 16, 16, device=DEVICE), torch.zeros(1, 2, 3, 16, device=DEVICE), ssd_states,
+            length=40, out_dtype=x.dtype)
         bidirectional_states = bidirectional_forward(x, dt, A, B, C, 16)[2].states_in
         return ssd_states.dtype, state_grads.dtype, bidirectional_states.dtype
 

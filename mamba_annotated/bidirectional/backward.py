@@ -20,7 +20,7 @@ import torch
 
 from .chunk_scan_bwd import DecaySlots, chunk_scan_bwd_dbc, chunk_scan_bwd_dx
 from .chunk_states import chunk_states
-from .state_passing import state_passing
+from .state_passing import state_passing_backward
 from .step_backward import step_backward
 
 
@@ -44,11 +44,12 @@ def bidirectional_backward(dy, x, dt, A, B, C, saved, *, D=None, dt_bias=None, s
     C_r = C if C_rev is None else C_rev
     steps = (saved.a, saved.dt_out, saved.b, saved.dt_rev_out)
     dH = chunk_states(dy, C, C_r, *steps, A, seq_idx=seq_idx, shift=shift, grad=True)
-    dS = state_passing(dH, saved.a, saved.b, length=x.shape[1], seq_idx=seq_idx, grad=True, out_dtype=x.dtype)
+    dS, carry = state_passing_backward(dH, saved.a, saved.b, saved.states_in, length=x.shape[1], seq_idx=seq_idx,
+                                       out_dtype=x.dtype)
     del dH
     dx, rows, dD = chunk_scan_bwd_dx(saved.G, saved.Gd, x, dy, B, B_r, dS[0], dS[1], *steps, A, D=D,
                                      seq_idx=seq_idx, shift=shift, shared_step=dt_rev is None)
-    dB, dC, dB_rev, dC_rev, (diag, state, carry) = chunk_scan_bwd_dbc(
+    dB, dC, dB_rev, dC_rev, (diag, state) = chunk_scan_bwd_dbc(
         x, dy, B, C, B_r, C_r, saved.G, saved.states_in[0], saved.states_in[1], dS[0], dS[1], *steps, A,
         seq_idx=seq_idx, shift=shift)
     if shift:

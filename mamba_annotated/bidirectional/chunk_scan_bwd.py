@@ -28,8 +28,9 @@ dBC kernel, for rows r and a block of dstate (q_r = C_r or C_{r-1}, q'_r = C'_r 
     dB_r  = sum_h exp(a_last - a_r) dt_r [own] x_r dS  +  sum_{t: forward} dG[t, r] q_t
     dB'_r = sum_h exp(e_r) dt'_r [own'] x_r dS'  +  sum_{t: reverse} dG[t, r] q'_t  (+ dGd_r q'_r)
     and per head the state terms of the row decays, d r_r += q_r . (its dq_r term), d rho_r -=
-    q'_r . (its dq'_r term) (which b_last gets with a plus sign), and the carries
-    <dS, exp(a_last) H>, <dS', exp(b_last) H'> (H_{c+1} = gamma_c H_c + S_c holds a_last(c)).
+    q'_r . (its dq'_r term) (which b_last gets with a plus sign). The carries' terms
+    <dS, exp(a_last) H>, <dS', exp(b_last) H'> (H_{c+1} = gamma_c H_c + S_c holds a_last(c)) come
+    from the reverse state passing (:mod:`.state_passing`), in float32.
 :mod:`.step_backward` turns these into the gradients of dt, dt_rev, A and dt_bias.
 
 Deterministic: no atomic adds. Every program writes its partial sums to slots of its own, whose
@@ -73,7 +74,7 @@ class DecaySlots:
     rows: torch.Tensor      # (4, batch, heads, chunks, Q): the dx kernel's (DIRECT ... STATE_COLUMN_REV)
     diag: torch.Tensor      # (4, batch, heads, chunks, Q // TILE, Q): the dG kernel's (PAIRS ... ROW_REV)
     state: torch.Tensor     # (2, batch, heads, chunks, n-blocks, Q): the dBC kernel's state terms of d r, d rho
-    carry: torch.Tensor     # (2, batch, heads, chunks, n-blocks): <dS, gamma H> and <dS', gamma' H'>
+    carry: torch.Tensor     # (2, batch, heads, chunks, blocks): <dS, gamma H> and <dS', gamma' H'> (state passing)
 
 
 @triton.jit
@@ -366,8 +367,8 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
                               dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
-                              dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, carry_ptr,
-                              carry_rev_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+                              dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr,
+                              length, heads, groups, n_chunks, headdim, dstate, n_slots,
                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                               stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
                               stride_b_b, stride_b_l, stride_b_g, stride_b_n,
@@ -433,16 +434,11 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         from_right = tl.exp(b_last - rho_r)
         to_end = tl.exp(a_last - a) * dt
         to_start = tl.exp(bb - A * dtr) * dtr
-        gamma = tl.exp(a_last)
-        gamma_r = tl.exp(b_last)
         if HAS_SEQ_IDX:
             from_left = tl.where(seq_r == seq_before, from_left, 0.0)
             from_right = tl.where(seq_r == seq_last, from_right, 0.0)
             to_end = tl.where(seq_r == seq_last, to_end, 0.0)
             to_start = tl.where(seq_r == seq_before, to_start, 0.0)
-            # chapter 5's state passing carries a state through chunk c only within one sequence
-            gamma = tl.where(seq_last == seq_before, gamma, 0.0)
-            gamma_r = tl.where(seq_last == seq_before, gamma_r, 0.0)
         dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
                       + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
         xr = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + r[:, None].to(tl.int64) * stride_x_l
@@ -461,9 +457,6 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         slot = chunk.to(tl.int64) * n_slots + pid_n
         tl.store(state_ptr + slot * CHUNK + m, tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1))
         tl.store(state_rev_ptr + slot * CHUNK + m, -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1))
-        if pid_m == 0:  # the carries, by the programs of the chunk's first rows
-            tl.store(carry_ptr + slot, gamma * tl.sum(rounded_product(H.to(tl.float32), dS.to(tl.float32))))
-            tl.store(carry_rev_ptr + slot, gamma_r * tl.sum(rounded_product(Hr.to(tl.float32), dSr.to(tl.float32))))
 
     # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'
     dG_base = dG_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
@@ -547,7 +540,7 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     """Returns (dB, dC, dB_rev or None, dC_rev or None, slots): the gradients of B, C (and of B',
     C' where they are not B, C), in B's shape and dtype, contiguous; with the shift dC and dC_rev
     are float32 query gradients that :mod:`.backward` moves one row over. ``slots``: the
-    (diag, state, carry) partial sums of :class:`DecaySlots`."""
+    (diag, state) partial sums of :class:`DecaySlots`."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = a.shape[2], a.shape[3]
@@ -573,7 +566,6 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     block_n = block_size(dstate, largest=16 if INTERPRETED else 32 if wide_float32 else 64)
     n_slots = cdiv(dstate, block_n)
     state = outputs.empty((2,) + tuple(a.shape[:3]) + (n_slots, chunk_size), torch.float32, x.device)
-    carry = outputs.empty((2,) + tuple(a.shape[:3]) + (n_slots,), torch.float32, x.device)
     query_dtype = torch.float32 if shift else C.dtype
     shared_b, shared_c = B_rev is B, C_rev is C
     dB = outputs.empty(B.shape, B.dtype, B.device)
@@ -586,11 +578,11 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     chunk_scan_bwd_dbc_kernel[(batch * n_chunks * groups, (chunk_size // rows) * n_slots)](
         x, dy, B, C, B_rev, C_rev, H, H_rev, dS, dS_rev, dG, dGd if dGd is not None else dG, a, dt_out, b,
         dt_rev_out, A, *seq_args, dB, dC, dB_rev if dB_rev is not None else dB, dC_rev if dC_rev is not None else dC,
-        state[0], state[1], carry[0], carry[1], length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        state[0], state[1], length, heads, groups, n_chunks, headdim, dstate, n_slots,
         *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *B_rev.stride(), *C_rev.stride(), *dB.stride(),
         *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_B=shared_b, SHARED_C=shared_c,
         CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
         num_warps=8,  # four accumulators (dq, dq', dB, dB') and two query tiles live through the loops
         num_stages=1 if wide_float32 else 3,
     )
-    return dB, dC, dB_rev, dC_rev, (diag, state, carry)
+    return dB, dC, dB_rev, dC_rev, (diag, state)

@@ -69,7 +69,8 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
                          stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
                          dt_min, dt_max, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
                          FORWARD: tl.constexpr, REVERSE: tl.constexpr, SHIFT: tl.constexpr,
-                         TILES: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                         TILES: tl.constexpr, SLOTS: tl.constexpr, CARRY_SLOTS: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
@@ -89,7 +90,7 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
             d_step += suffix_sum(slot_sum(state_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
         # the chunk state's exp(a_last - a_s), for s < k (the dx kernel stored d a_s = -T_s)
         d_step -= prefix_sum(slot_sum(state_column_ptr, chunk, k - 1, back, 1, CHUNK, BLOCK_H))
-        d_step += carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
+        d_step += carry_sum(carry_ptr, chunk, h_ok, CARRY_SLOTS, BLOCK_H)[:, None]
     if REVERSE:
         d_step += (slot_sum(pairs_rev_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
                    + spanned_tiles_reverse(pairs_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
@@ -102,7 +103,7 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
             d_step -= prefix_sum(slot_sum(state_rev_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
         # the reverse chunk state's exp(e_s), for s > k
         d_step += suffix_sum(slot_sum(state_column_rev_ptr, chunk, k + 1, on, 1, CHUNK, BLOCK_H))
-        d_step += carry_sum(carry_rev_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
+        d_step += carry_sum(carry_rev_ptr, chunk, h_ok, CARRY_SLOTS, BLOCK_H)[:, None]
     step_gradients(d_step, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr,
                    grad_A_part_ptr, grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
                    stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
@@ -120,7 +121,8 @@ def launch(dt, dt_out, A, dt_bias, slots, *, forward, reverse, shift, dt_softplu
         grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part, length, heads, n_chunks,
         *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, FORWARD=forward, REVERSE=reverse, SHIFT=int(shift),
-        TILES=slots.diag.shape[-2], SLOTS=slots.state.shape[-2], CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        TILES=slots.diag.shape[-2], SLOTS=slots.state.shape[-2], CARRY_SLOTS=slots.carry.shape[-1],
+        CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return grad_dt, grad_A_part.sum(dim=(0, 1)), grad_bias_part.sum(dim=(0, 1)) if dt_bias is not None else None
 

@@ -7,8 +7,9 @@ state-passing pass; keeping them costs less memory than the float32 chunk states
 them would allocate.
 
 1. dH_c: what chunk c's outputs send to the state entering it (chunk_state, FROM_START);
-2. state passing, reversed: dS_c (in the inputs' dtype: the matmuls that read it round it to that)
-   and d initial_states;
+2. state passing, reversed: dS_c (in the inputs' dtype: the matmuls that read it round it to that),
+   d initial_states, and the carry's term of the step gradients (from the float32 state gradients
+   and the initial states as given);
 3. dx and the direct d dt (chunk_scan_bwd_dx); dB, dC and the step gradients' terms in slots
    (chunk_scan_bwd_dbc);
 4. the slots -> d(dt' A) through in-register cumulative sums -> d dt, dA, d dt_bias (dt_backward).
@@ -21,7 +22,7 @@ import math
 from .chunk_cumsum import dt_backward
 from .chunk_scan_bwd import DecayGradients, chunk_scan_bwd_dbc, chunk_scan_bwd_dx
 from .chunk_state import chunk_state
-from .state_passing import state_passing
+from .state_passing import state_passing_backward
 
 
 def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=None, d_final=None):
@@ -29,15 +30,16 @@ def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=
     the :class:`~.chunk_scan_bwd.DecayGradients` that step 4 turns into those of dt, A, dt_bias."""
     dA_cumsum, dt_out = saved.dA_cumsum, saved.dt_out
     dH = chunk_state(dy, C, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=False)
-    dS, d_initial = state_passing(dH, dA_cumsum, length=x.shape[1], seq_idx=seq_idx, initial=d_final,
-                                  reverse=True, out_dtype=x.dtype)
+    dS, d_initial, carry = state_passing_backward(dH, dA_cumsum, saved.states_in, length=x.shape[1],
+                                                  seq_idx=seq_idx, d_final=d_final, initial_states=initial_states,
+                                                  out_dtype=x.dtype)
     del dH
     dx, d_step, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D=D, seq_idx=seq_idx)
-    dB, dC, slots = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum, dt_out,
-                                       seq_idx=seq_idx)
+    dB, dC, (pairs, from_start, to_end) = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum,
+                                                             dt_out, seq_idx=seq_idx)
     grads = dict(x=dx, B=dB, C=dC, D=dD,
                  initial_states=d_initial.to(initial_states.dtype) if initial_states is not None else None)
-    return grads, DecayGradients(d_step, *slots)
+    return grads, DecayGradients(d_step, pairs, from_start, to_end, carry)
 
 
 def step_gradients_by_name(d_dt, dA, d_bias, A, dt_bias):

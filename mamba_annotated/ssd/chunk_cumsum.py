@@ -145,7 +145,8 @@ def spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES: tl.constexpr, CHUNK: tl.cons
 
 @triton.jit
 def log_decay_step_gradient(pairs_ptr, from_start_ptr, to_end_ptr, carry_ptr, chunk, h_ok,
-                            TILES: tl.constexpr, SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                            TILES: tl.constexpr, SLOTS: tl.constexpr, CARRY_SLOTS: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
     """d(dt'_k A) of the chunks ``chunk`` (BLOCK_H of them, one per head), (BLOCK_H, CHUNK), from
     the slots of :class:`.chunk_scan_bwd.DecayGradients`, each kind summed over its own range of
     positions (none subtracted from another), the slots added in a fixed order."""
@@ -159,7 +160,7 @@ def log_decay_step_gradient(pairs_ptr, from_start_ptr, to_end_ptr, carry_ptr, ch
     # exp(a_last - a_r) for the steps k > r: a cumulative sum of the terms shifted one position on
     to_end = tl.associative_scan(slot_sum(to_end_ptr, chunk, k - 1, every & (k[None, :] >= 1), SLOTS, CHUNK,
                                           BLOCK_H), 1, add)
-    return pairs + from_start + to_end + carry_sum(carry_ptr, chunk, h_ok, SLOTS, BLOCK_H)[:, None]
+    return pairs + from_start + to_end + carry_sum(carry_ptr, chunk, h_ok, CARRY_SLOTS, BLOCK_H)[:, None]
 
 
 @triton.jit
@@ -199,7 +200,8 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
                        length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
                        stride_grad_b, stride_grad_l, stride_grad_h, dt_min, dt_max,
                        HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, TILES: tl.constexpr,
-                       SLOTS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                       SLOTS: tl.constexpr, CARRY_SLOTS: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
     """d(dt'_k A) gathered from its slots, with its cumulative sums in registers, then d dt and the
     partial sums of dA and d dt_bias."""
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -207,7 +209,7 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
     chunk = (pid_b * heads + h).to(tl.int64) * n_chunks + pid_c
     # padded positions past L are read too: their slots hold zeros
     d_dA = log_decay_step_gradient(pairs_ptr, from_start_ptr, to_end_ptr, carry_ptr, chunk, h < heads, TILES,
-                                   SLOTS, CHUNK, BLOCK_H)
+                                   SLOTS, CARRY_SLOTS, CHUNK, BLOCK_H)
     step_gradients(d_dA, dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, grad_dt_ptr, grad_A_part_ptr,
                    grad_bias_part_ptr, pid_b, pid_c, h, length, heads, n_chunks,
                    stride_dt_b, stride_dt_l, stride_dt_h, stride_grad_b, stride_grad_l, stride_grad_h,
@@ -259,7 +261,8 @@ def dt_backward(dt, A, dt_out, decay, *, dt_bias=None, dt_softplus=False, dt_lim
         decay.to_end, decay.carry, grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part,
         length, heads, n_chunks, *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, TILES=decay.pairs.shape[3],
-        SLOTS=decay.from_start.shape[3], CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        SLOTS=decay.from_start.shape[3], CARRY_SLOTS=decay.carry.shape[3], CHUNK=chunk_size, BLOCK_H=BLOCK_H,
+        num_warps=4,
     )
     grad_A = grad_A_part.sum(dim=(0, 1))
     grad_bias = grad_bias_part.sum(dim=(0, 1)) if dt_bias is not None else None

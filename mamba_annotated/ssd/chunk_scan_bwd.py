@@ -25,6 +25,7 @@ collects the terms whose exponent holds that step:
                + sum_{r >= k} C_r . (exp(a_r) dy_r H)          the state entering, read at r >= k
                + sum_{r < k} B_r . (exp(a_last - a_r) dt_r x_r dS)   row r's share of S_c
                + <dS_c, gamma_c H_c>                          the carry, gamma_c = exp(a_last)
+                                                              (from the reverse state passing)
 Each sum has terms of one sign of the exponent only. Written instead as d a_t = C_t . dC_t - B_t . dB_t
 (+ <dS_c, H_{c+1}> at the last slot) and reverse-summed, the same value comes out as a difference
 of sums over nearly the whole chunk, whose terms near the diagonal are the largest and cancel, and
@@ -84,7 +85,7 @@ class DecayGradients:
     pairs: torch.Tensor       # (batch, heads, chunks, Q // DCB_ROWS, Q): the dCB kernel's sums over t >= k > s
     from_start: torch.Tensor  # (batch, heads, chunks, slots, Q): C_r . dC_r state terms, summed over r >= k
     to_end: torch.Tensor      # (batch, heads, chunks, slots, Q): B_r . dB_r state terms, summed over r < k
-    carry: torch.Tensor       # (batch, heads, chunks, slots): <dS_c, gamma_c H_c>, for every k
+    carry: torch.Tensor       # (batch, heads, chunks, blocks): <dS_c, gamma_c H_c> in partial sums, for every k
 
 
 # Row blocks of at most SCAN_ROWS (the tuner picked 64 rows, steps of 32, on an H200): the loop
@@ -278,7 +279,7 @@ DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 @autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-                              seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, carry_ptr,
+                              seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr,
                               length, heads, groups, n_chunks, headdim, dstate, n_slots,
                               stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                               stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
@@ -290,7 +291,7 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
                               BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                               SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
     """dB and dC of rows r: the state terms per head (summed over the group's heads; their shares of
-    the step gradients and the carry go to this program's slots), then the diagonal-block terms
+    the step gradients go to this program's slots), then the diagonal-block terms
     once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
     pid = tl.program_id(0)
     g = pid % groups
@@ -352,15 +353,6 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
         tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
         tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
-        # and the carry's <dS_c, gamma_c H_c>, per slot: by the programs of the first rows
-        # (gamma_c = 0 where the chunk ends in another sequence than the carried state's)
-        if pid_m == 0:
-            HdS = rounded_product(H.to(tl.float32), dS.to(tl.float32))
-            HdS = tl.sum(tl.reshape(HdS, (BLOCK_P, SLOTS, SLOT_N)), axis=2)
-            carry = tl.exp(a_last) * tl.sum(HdS, axis=0)
-            if HAS_SEQ_IDX:
-                carry = tl.where(seq_last == seq_carry, carry, 0.0)
-            tl.store(carry_ptr + chunk.to(tl.int64) * n_slots + slot, carry, mask=slot_ok)
         dC += dC_h
         dB += dB_h
     # diagonal blocks, once per group: dC_r += sum_{s <= r} dCB[r, s] B_s, dB_r += sum_{t >= r} dCB[t, r] C_t
@@ -426,7 +418,7 @@ def dbc_slot_width():
 
 def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq_idx=None):
     """Returns dB, dC (B's shape and dtype, contiguous) and the slots of d(dt' A): (pairs, from_start,
-    to_end, carry) of :class:`DecayGradients`.
+    to_end) of :class:`DecayGradients` (its carry comes from :func:`.state_passing.state_passing_backward`).
 
     states_in: H_c, the states entering each chunk; dS: their gradients (both contiguous, in the
     inputs' dtype or float32). x, dy, B, C and seq_idx are addressed by their own strides."""
@@ -447,16 +439,15 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
     n_slots = cdiv(dstate, slot_n)
     from_start, to_end = (outputs.empty((batch, heads, n_chunks, n_slots, chunk_size), torch.float32, x.device)
                           for _ in range(2))
-    carry = outputs.empty((batch, heads, n_chunks, n_slots), torch.float32, x.device)
     dB = outputs.empty(B.shape, B.dtype, B.device)
     dC = outputs.empty(B.shape, C.dtype, C.device)
     grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
                          (chunk_size // META["BLOCK_M"]) * cdiv(dstate, META["BLOCK_N"]))
     chunk_scan_bwd_dbc_kernel[grid](
-        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end, carry,
+        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end,
         length, heads, groups, n_chunks, headdim, dstate, n_slots,
         *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides,
         HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
         SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
     )
-    return dB, dC, (pairs, from_start, to_end, carry)
+    return dB, dC, (pairs, from_start, to_end)
