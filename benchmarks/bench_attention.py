@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from costs import attention_flops  # the script's folder is on sys.path
 from mamba_annotated.attention.backward import attention_backward, backward_config
 from mamba_annotated.attention.forward import attention_forward, forward_config
 from mamba_annotated.attention.reference import geometric_alibi_slopes
@@ -26,11 +27,6 @@ from mamba_annotated.bench import format_table, matmul_tflops, median_ms, print_
 from mamba_annotated.runtime import DEVICE, device_name, size
 
 BATCH, HEADS = 4, 16
-
-
-def attention_flops(batch, heads, seqlen, head_dim, causal):
-    forward = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    return forward, 2.5 * forward
 
 
 def make_inputs(seqlen, head_dim, dtype=torch.bfloat16):

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ssd import flops as causal_flops, make_inputs as causal_inputs, min_bytes as causal_min_bytes, peak_mb  # noqa: E402,E501
+from bench_ssd import make_inputs as causal_inputs, peak_mb  # noqa: E402
+from costs import CHUNK, bidirectional_flops as flops, bidirectional_min_bytes as min_bytes  # noqa: E402
+from costs import ssd_flops as causal_flops, ssd_min_bytes as causal_min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
 from mamba_annotated.bidirectional.backward import bidirectional_backward  # noqa: E402
@@ -45,7 +47,6 @@ SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (1, 65536, 32, 64, 128),
 ]
 QUICK_SHAPES = [(2, 2048, 16, 64, 128)]
-CHUNK = 256
 OURS, OURS_HYDRA, CAUSAL = "ours shift=False", "ours shift=True", "causal ssd_chunk_scan (ours)"
 NAIVE, HYDRA = "naive two calls (mamba_ssm)", "hydra (mamba_ssm)"
 # each bar: time(num) / time(den) must meet the target
@@ -111,22 +112,6 @@ def implementations(peer_fn):
 
     impls.update({NAIVE: (naive, False), HYDRA: (hydra, True)})
     return impls
-
-
-def flops(shape):
-    """Matmul FLOPs of the bidirectional chunked algorithm: both directions' states and
-    state-output products, full diagonal blocks (both halves) and C.B over both halves, i.e.
-    twice the causal count of bench_ssd, forward and forward+backward."""
-    return tuple(2 * f for f in causal_flops(*shape, Q=CHUNK))
-
-
-def min_bytes(shape, separate):
-    """Bytes that must move: the causal minimum plus, with separate reverse parameters, reading
-    dt_rev, B_rev, C_rev (forward) and writing their gradients (backward)."""
-    batch, length, heads, headdim, dstate = shape
-    fwd, total = causal_min_bytes(*shape)
-    extra = (2 * batch * length * dstate * 2 + batch * length * heads * 4) if separate else 0
-    return fwd + extra, total + 3 * extra
 
 
 def check_against_peers(inp, impls, dy):

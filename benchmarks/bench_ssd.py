@@ -16,6 +16,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from costs import CHUNK, ssd_flops as flops, ssd_min_bytes as min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
@@ -34,7 +36,6 @@ SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
     (1, 65536, 32, 64, 128),
 ]
-CHUNK = 256
 TUNED = (chunk_scan_module.chunk_scan_kernel, chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
          chunk_scan_bwd.chunk_scan_bwd_dcb_kernel, chunk_scan_bwd.chunk_scan_bwd_dbc_kernel)
 
@@ -51,30 +52,6 @@ def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, gro
         B=rnd(batch, length, groups, dstate, scale=0.3), C=rnd(batch, length, groups, dstate, scale=0.3),
         D=torch.randn(heads, device=DEVICE, generator=g), dt_bias=torch.randn(heads, device=DEVICE, generator=g) * 0.5,
     )
-
-
-def flops(batch, length, heads, headdim, dstate, groups=1, Q=CHUNK):
-    """Matmul FLOPs of the chunked algorithm (causal halves of the diagonal blocks), fwd and bwd."""
-    chunks = -(-length // Q)
-    P, N = headdim, dstate
-    state = 2 * Q * P * N                     # one (Q x P) x (Q x N) product per chunk and head
-    diag_p, diag_n = Q * Q * P, Q * Q * N     # causal half of a (Q x Q) x (Q x P|N) product
-    fwd = batch * chunks * (heads * (2 * state + diag_p) + groups * diag_n)
-    # backward as mamba_ssm runs it, one count for both implementations' TFLOP/s: recompute CB and the
-    # chunk states (ours keeps them from the forward pass: about 7% of the fwd+bwd count at the bar
-    # shapes, by which its fwd+bwd rate is overstated); dH; dx (state + diag); dC, dB (state, dy.x, diag each)
-    bwd = batch * chunks * (heads * (state + state + state + diag_p + 2 * (state + diag_p + diag_n))
-                            + groups * diag_n)
-    return fwd, fwd + bwd
-
-
-def min_bytes(batch, length, heads, headdim, dstate, groups=1):
-    """Bytes that must move: inputs read and outputs written once (bf16 tensors, float32 dt)."""
-    x = batch * length * heads * headdim * 2
-    bc = 2 * batch * length * groups * dstate * 2
-    dt = batch * length * heads * 4
-    fwd = x + bc + dt + x                                   # read x, B, C, dt; write y
-    return fwd, fwd + (x + x + bc + dt) + (x + bc + dt)     # + read dy, x, B, C, dt; write dx, dB, dC, ddt
 
 
 def peak_mb(fn):

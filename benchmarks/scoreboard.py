@@ -1,0 +1,437 @@
+"""The scoreboard: every stored benchmark run (book/data/*_bench.json) as tables of ours against each
+peer, with the verdict in words, and a roofline placing the kernels against the measured copy
+bandwidth, matmul rate and exponential rate.
+
+The book's appendix page renders this at build time (book/_ext/scoreboard_page.py), so re-running
+scripts/gpu_benchmarks.sh and rebuilding the book updates the page. From a terminal:
+
+    python benchmarks/scoreboard.py [--data book/data]          # the tables, as text
+    python benchmarks/scoreboard.py --roofline roofline.png     # and the plot
+
+"Speed" throughout is the peer's time over ours (above 1: ours is faster); for throughputs
+(tokens per second) it is ours over the peer's, which means the same. Plain Python and
+matplotlib: no torch, so the book builds without importing the kernels.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from costs import attention_forward_bytes, bidirectional_min_bytes, scan_intensity, ssd_min_bytes  # noqa: E402
+
+DATA = pathlib.Path(__file__).resolve().parent.parent / "book" / "data"
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass
+class Table:
+    title: str
+    source: str                      # the file under book/data it is read from
+    device: str
+    columns: list
+    rows: list                       # lists of strings, one per column
+    verdict: list                    # sentences
+
+
+def load(name, data=DATA):
+    return json.loads((pathlib.Path(data) / name).read_text())
+
+
+def number(x, digits=3):
+    """A time, rate or size with ``digits`` significant digits; a dash where it was not measured."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if abs(x) >= 10 ** digits:
+        return f"{x:,.0f}"
+    return f"{x:.{digits}g}"
+
+
+def times(speed):
+    return "–" if speed is None else f"{speed:.2f}×"
+
+
+class Verdict:
+    """Collects (case, peer, speed) and says, per peer, in how many cases ours is faster and the range."""
+
+    def __init__(self):
+        self.speeds = {}
+
+    def add(self, peer, case, speed):
+        if speed is not None and not math.isnan(speed):
+            self.speeds.setdefault(peer, []).append((speed, case))
+        return speed
+
+    def sentences(self, ours="ours"):
+        out = []
+        for peer, speeds in self.speeds.items():
+            speeds.sort()
+            (low, low_case), (high, high_case) = speeds[0], speeds[-1]
+            faster = sum(s >= 1 for s, _ in speeds)
+            if len(speeds) == 1:
+                word = "faster than" if low >= 1 else "slower than"
+                out.append(f"{ours} is {word} {peer}: {low:.2f}× ({low_case}).")
+            else:
+                out.append(f"{ours} is faster than {peer} in {faster} of {len(speeds)} cases: "
+                           f"from {low:.2f}× ({low_case}) to {high:.2f}× ({high_case}).")
+        return out
+
+
+def bars_table(title, source, device, bars, keys):
+    """The speed bars a benchmark script checks itself (``bars`` in its JSON) and whether they hold."""
+    rows = [[bar["bar"], *(str(bar[k]) for k in keys), f"{bar['ratio']:.2f}", bar["target"],
+             "holds" if bar["holds"] else "does not hold"] for bar in bars]
+    held = sum(bar["holds"] for bar in bars)
+    return Table(title, source, device, ["bar", *keys, "ratio", "target", "verdict"], rows,
+                 [f"{held} of {len(bars)} bars hold."])
+
+
+def linear_scan(data):
+    d = load("linear_scan_bench.json", data)
+    rows = d["sections"]["linear_scan"]
+    peers = sorted({r["impl"] for r in rows} - {"linear_scan"})
+    verdict, out = Verdict(), []
+    for ours in (r for r in rows if r["impl"] == "linear_scan"):
+        case = f"{ours['shape']} {ours['dtype']} {ours['pass_']}"
+        cells = []
+        for peer in peers:
+            theirs = next((r for r in rows if r["impl"] == peer and r["shape"] == ours["shape"]
+                           and r["dtype"] == ours["dtype"] and r["pass_"] == ours["pass_"]), None)
+            speed = verdict.add(peer, case, theirs and theirs["ms"] / ours["ms"])
+            cells.append("–" if theirs is None else f"{number(theirs['ms'])} ({times(speed)})")
+        out.append([ours["shape"], ours["dtype"], ours["pass_"], number(ours["ms"]), f"{ours['pct_floor']:.0f}%",
+                    *cells])
+    floor = [r["pct_floor"] for r in rows if r["impl"] == "linear_scan" and r["dtype"] == "float32"]
+    sentences = verdict.sentences("linear_scan") + [
+        f"In float32 it runs at {min(floor):.0f}–{max(floor):.0f}% of the copy floor "
+        f"({d['copy_GBps']:,.0f} GB/s measured)."]
+    return [Table("linear_scan against accelerated-scan (ms; speed in brackets)", "linear_scan_bench.json",
+                  d["device"], ["shape", "dtype", "pass", "ours ms", "of copy floor", *peers], out, sentences)]
+
+
+def selective_scan(data):
+    d = load("selective_scan_cuda_bench.json", data)
+    verdict, rows = Verdict(), []
+    shapes = {}  # "long (8, 2048, 16, 4096)": the name in the rows, the shape in the title
+    for r in d["rows"]:
+        name, _, shape = r["shape"].partition(" (")
+        shapes[name] = f"({shape}" if shape else ""
+        case = f"{name}, {r['dtype']}, {r['variant']}, {r['passes']}"
+        verdict.add("selective_scan_cuda", case, r["speedup"])
+        rows.append([name, r["dtype"], r["variant"], r["passes"], number(r["ours_ms"]), number(r["cuda_ms"]),
+                     times(r["speedup"])])
+    named = "; ".join(f"{name} {shape}" for name, shape in shapes.items())
+    tables = [Table(f"selective_scan against mamba_ssm's CUDA kernel (ms; shapes (batch, dim, N, L): {named})",
+                    "selective_scan_cuda_bench.json",
+                    d["device"], ["shape", "dtype", "variant", "passes", "ours", "selective_scan_cuda", "speed"],
+                    rows, verdict.sentences("selective_scan"))]
+    d = load("selective_scan_bench.json", data)
+    verdict, rows = Verdict(), []
+    ours = {r["passes"]: r for r in d["rows"] if r["implementation"] == "selective_scan (ours)"}
+    for r in d["rows"]:
+        mine = ours[r["passes"]]
+        speed = None if r is mine else verdict.add(r["implementation"], r["passes"], r["ms"] / mine["ms"])
+        rows.append([r["implementation"], r["passes"], number(r["ms"]), f"{r['pct_of_floor']:.2g}%", times(speed),
+                     r["timing"]])
+    shape = f"({d['batch']}, {d['dim']}, {d['dstate']}, {d['length']}) {d['dtype']}"
+    floors = d["floors"]["forward"]
+    tables.append(Table(f"selective_scan against every implementation at {shape} (ms)", "selective_scan_bench.json",
+                        d["device"], ["implementation", "passes", "ms", "of floor", "speed", "timing"], rows,
+                        verdict.sentences("selective_scan") + [
+                            f"The forward's floor is its exponentials ({floors['exp_ms']:.3f} ms), not its bytes "
+                            f"({floors['memory_ms']:.3f} ms) nor its multiply-adds ({floors['fma_ms']:.3f} ms)."]))
+    return tables
+
+
+def ssd(data):
+    d = load("ssd_bench.json", data)
+    verdict, rows = Verdict(), []
+    for ours in (r for r in d["rows"] if r["impl"] == "ours"):
+        peer = next(r for r in d["rows"] if r["impl"] == "mamba_ssm" and r["shape"] == ours["shape"]
+                    and r["pass_"] == ours["pass_"])
+        speed = verdict.add("mamba_chunk_scan_combined", f"{ours['shape']} {ours['pass_']}", peer["ms"] / ours["ms"])
+        rows.append([ours["shape"], ours["pass_"], number(ours["ms"]), number(ours["TFLOPs"]),
+                     f"{ours['pct_floor']:.0f}%", number(peer["ms"]), times(speed),
+                     f"{number(ours['peak_MB'])} / {number(peer['peak_MB'])}"])
+    return [Table("ssd_chunk_scan against mamba_ssm's mamba_chunk_scan_combined (bfloat16, chunk 256)",
+                  "ssd_bench.json", d["device"],
+                  ["shape (b, L, h, p, n)", "pass", "ours ms", "TFLOP/s", "of floor", "mamba_ssm ms", "speed",
+                   "peak MB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
+
+
+def bidirectional(data):
+    d = load("bidirectional_bench.json", data)
+    impls = list(dict.fromkeys(r["impl"] for r in d["rows"]))
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
+        for pass_ in ("fwd", "fwd+bwd"):
+            ms = {r["impl"]: r["ms"] for r in d["rows"] if r["shape"] == shape and r["pass_"] == pass_}
+            rows.append([shape, pass_, *(number(ms.get(i)) for i in impls)])
+    return [Table(f"bidirectional_chunk_scan and the ways to compute it (ms, bfloat16, chunk {d['chunk']})",
+                  "bidirectional_bench.json", d["device"], ["shape (b, L, h, p, n)", "pass", *impls], rows, []),
+            bars_table("bidirectional_chunk_scan: the speed bars", "bidirectional_bench.json", d["device"], d["bars"],
+                       ["shape", "pass_"])]
+
+
+def attention(data):
+    d = load("attention_bench.json", data)
+    ours_name = "ours (split)"
+    others = list(dict.fromkeys(r["impl"] for r in d["rows"] if r["impl"] != ours_name))
+    tables = []
+    for pass_, label in (("fwd", "forward"), ("bwd", "backward")):
+        verdict, rows = Verdict(), []
+        for ours in (r for r in d["rows"] if r["impl"] == ours_name):
+            case = f"d {ours['d']}, N {ours['N']}{', causal' if ours['causal'] else ''}"
+            cells = []
+            for impl in others:
+                theirs = next((r for r in d["rows"] if r["impl"] == impl and r["d"] == ours["d"]
+                               and r["N"] == ours["N"] and r["causal"] == ours["causal"]), None)
+                speed = theirs and theirs[f"{pass_}_ms"] / ours[f"{pass_}_ms"]
+                if not impl.startswith("ours"):
+                    verdict.add(impl, case, speed)
+                cells.append(times(speed))
+            rows.append([ours["d"], ours["N"], "yes" if ours["causal"] else "no", number(ours[f"{pass_}_ms"]),
+                         number(ours[f"{pass_}_tflops"]), *cells])
+        tables.append(Table(f"attention's {label} pass against SDPA's backends and our other backward kernels "
+                            f"(bfloat16, batch {d['batch']}, {d['heads']} heads; ours: {ours_name}, the default)", "attention_bench.json", d["device"],
+                            ["d", "N", "causal", "ours ms", "TFLOP/s", *others], rows,
+                            verdict.sentences(f"attention's {label}")))
+    return tables
+
+
+def attention_features(data, name="attention_features_bench.json", what="windows, soft-capping, ALiBi"):
+    d = load(name, data)
+    verdict, rows = Verdict(), []
+    keys = ("case", "d", "batch", "N")
+    for ours in (r for r in d["rows"] if r["impl"] == "ours"):
+        flex = next((r for r in d["rows"] if r["impl"] == "flex" and all(r[k] == ours[k] for k in keys)), None)
+        cells = []
+        for pass_ in ("fwd", "bwd"):
+            case = f"{ours['case']}, d {ours['d']}, N {ours['N']}, {pass_}"
+            speed = verdict.add("FlexAttention", case, flex and flex[f"{pass_}_ms"] / ours[f"{pass_}_ms"])
+            cells += [number(ours[f"{pass_}_ms"]), number(flex and flex[f"{pass_}_ms"]), times(speed)]
+        rows.append([*(str(ours[k]) for k in keys), *cells])
+    return [Table(f"attention's features ({what}) against FlexAttention (ms, {d['dtype']}, {d['heads']} heads)",
+                  name, d["device"], [*keys, "ours fwd", "flex fwd", "speed", "ours bwd", "flex bwd", "speed"], rows,
+                  verdict.sentences("attention"))]
+
+
+def attention_dropout(data):
+    return attention_features(data, "attention_dropout_bench.json", "a second run of the same script, with dropout")
+
+
+def gated_norm(data):
+    d = load("gated_norm_bench.json", data)
+    peers = [i for i in dict.fromkeys(r["impl"] for r in d["results"]) if i != "ours"]
+    verdict, rows = Verdict(), []
+    for ours in (r for r in d["results"] if r["impl"] == "ours"):
+        case = f"groups {ours['groups']}, norm before gate {ours['norm_before_gate']}, {ours['pass_']}"
+        cells = []
+        for peer in peers:
+            theirs = next(r for r in d["results"] if r["impl"] == peer and r["groups"] == ours["groups"]
+                          and r["norm_before_gate"] == ours["norm_before_gate"] and r["pass_"] == ours["pass_"])
+            cells.append(f"{number(theirs['ms'])} ({times(verdict.add(peer, case, theirs['ms'] / ours['ms']))})")
+        rows.append([ours["groups"], str(ours["norm_before_gate"]), ours["pass_"], number(ours["ms"]),
+                     f"{ours['pct_floor']:.0f}%", *cells])
+    return [Table(f"the gated RMSNorm against mamba_ssm's and torch's ({d['rows']} rows of width {d['width']}, "
+                  f"{d['dtype']}; ms, speed in brackets)", "gated_norm_bench.json", d["device"],
+                  ["groups", "norm before gate", "pass", "ours ms", "of copy floor", *peers], rows,
+                  verdict.sentences("the gated norm"))]
+
+
+def host_cost(data):
+    d = load("host_cost_bench.json", data)
+    verdict, rows = Verdict(), []
+    for r in d["rows"]:
+        # the script's own statistic: the median of paired rounds' ratios (ours / peer), less noisy than
+        # the ratio of the two medians
+        speed = verdict.add(r["peer"], f"{r['op']}, {r['pass_']}", 1 / r["ratio"])
+        rows.append([r["op"], r["pass_"], number(r["ours_us"]), r["peer"], number(r["peer_us"]), times(speed),
+                     number(r["graph_us"])])
+    return [Table(f"host cost of one call at small shapes (µs per call, {d['calls']} calls, torch {d['torch']})",
+                  "host_cost_bench.json", d["device"],
+                  ["op", "pass", "ours µs", "peer", "peer µs", "speed", "ours in a CUDA graph µs"], rows,
+                  verdict.sentences("ours"))]
+
+
+def models(data):
+    d = load("models_bench.json", data)
+    m = d["model"]
+    verdict, rows = Verdict(), []
+    for r in d["rows"]:
+        ours = next(o for o in d["rows"] if o["impl"] == "ours" and o["pass_"] == r["pass_"]
+                    and o["batch"] == r["batch"] and o["seq_len"] == r["seq_len"])
+        speed = None if r is ours else ours["tokens_per_s"] / r["tokens_per_s"]
+        if r["impl"] == "mamba_ssm Mamba2":
+            verdict.add("mamba_ssm's Mamba2", f"{r['pass_']}, batch {r['batch']}, L {r['seq_len']}", speed)
+        rows.append([r["pass_"], r["batch"], r["seq_len"], r["impl"], number(r["tokens_per_s"]), times(speed),
+                     number(r.get("peak_GB"))])
+    title = (f"a Mamba-2 language model ({m['n_layer']} layers, width {m['d_model']}, state {m['d_state']}) "
+             "on our kernels against mamba_ssm's modules (tokens/s; speed: ours over each)")
+    return [Table(title, "models_bench.json", d["device"], ["pass", "batch", "L", "implementation", "tokens/s",
+                                                            "ours' speed", "peak GB"], rows,
+                  verdict.sentences("our model")),
+            bars_table("the model: speed bars", "models_bench.json", d["device"], d["bars"], ["batch", "seq_len"])]
+
+
+TOPICS = {"linear_scan": linear_scan, "selective_scan": selective_scan, "ssd": ssd, "bidirectional": bidirectional,
+          "attention": attention, "attention_features": attention_features, "attention_dropout": attention_dropout,
+          "gated_norm": gated_norm, "host_cost": host_cost, "models": models}
+
+
+def tables(topic, data=DATA):
+    return TOPICS[topic](data)
+
+
+# The roofline -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Point:
+    family: str                      # points of one family share a colour
+    kernel: str
+    ours: bool
+    intensity: float                 # FLOP per byte that must move
+    tflops: float                    # achieved
+
+
+def roofs(data=DATA):
+    """Per device: the copy bandwidth (TB/s), bfloat16 matmul rate and exponential-bound rate (TFLOP/s)
+    that its stored runs measured."""
+    out = {}
+    scans = load("linear_scan_bench.json", data)
+    out.setdefault(scans["device"], {})["copy"] = scans["copy_GBps"] / 1e3
+    norm = load("gated_norm_bench.json", data)
+    out.setdefault(norm["device"], {}).setdefault("copy", norm["copy_GBps"] / 1e3)
+    att = load("attention_bench.json", data)
+    out.setdefault(att["device"], {})["matmul"] = next(r["fwd_tflops"] / (r["fwd_pct_peak"] / 100)
+                                                       for r in att["rows"] if r["fwd_pct_peak"] > 0)
+    sel = load("selective_scan_bench.json", data)
+    elements = sel["batch"] * sel["dim"] * sel["dstate"] * sel["length"]
+    out.setdefault(sel["device"], {})["exp"] = SELECTIVE_FLOP * elements / (sel["floors"]["forward"]["exp_ms"] * 1e9)
+    return out
+
+
+SELECTIVE_FLOP = 6  # per element of the (b, d, N, L) state: three multiply-adds (and one exponential)
+
+
+def shape_of(text):
+    return tuple(int(v) for v in text.strip("()").split(","))
+
+
+def roofline_points(data=DATA):
+    """Forward passes of ours and the peers at their largest stored shapes, by device."""
+    points = {}
+
+    def add(device, *point):
+        points.setdefault(device, []).append(Point(*point))
+
+    scans = load("linear_scan_bench.json", data)
+    for r in scans["sections"]["linear_scan"]:
+        if r["pass_"] == "fwd" and r["T"] == max(q["T"] for q in scans["sections"]["linear_scan"]):
+            intensity = scan_intensity(ELEMENT_BYTES[r["dtype"]])
+            add(scans["device"], "scan", f"{r['impl']} {r['dtype']}", r["impl"] == "linear_scan", intensity,
+                r["GBps"] * intensity / 1e3)
+    sel = load("selective_scan_bench.json", data)
+    elements = sel["batch"] * sel["dim"] * sel["dstate"] * sel["length"]
+    nbytes = sel["floors"]["forward"]["memory_ms"] * 1e-3 * sel["copy_bandwidth_gbps"] * 1e9
+    for r in sel["rows"]:
+        if r["passes"] == "forward" and r["implementation"] in ("selective_scan (ours)",
+                                                                "mamba_ssm selective_scan_cuda"):
+            add(sel["device"], "selective scan", r["implementation"], "ours" in r["implementation"], SELECTIVE_FLOP * elements / nbytes,
+                SELECTIVE_FLOP * elements / (r["ms"] * 1e9))
+    for name, impls, nbytes in (("ssd_bench.json", ("ours", "mamba_ssm"), lambda s: ssd_min_bytes(*s)[0]),
+                                ("bidirectional_bench.json", ("ours shift=False", "causal ssd_chunk_scan (ours)",
+                                                              "naive two calls (mamba_ssm)"),
+                                 lambda s: bidirectional_min_bytes(s, separate=False)[0])):
+        d = load(name, data)
+        largest = max((r["shape"] for r in d["rows"]), key=lambda s: math.prod(shape_of(s)))
+        for r in d["rows"]:
+            if r["pass_"] == "fwd" and r["shape"] == largest and r["impl"] in impls:
+                flop = r["TFLOPs"] * r["ms"] * 1e9
+                family = "SSD" if name.startswith("ssd") else "bidirectional"
+                add(d["device"], family, f"{family} {r['impl']}", "ours" in r["impl"], flop / nbytes(shape_of(r["shape"])), r["TFLOPs"])
+    att = load("attention_bench.json", data)
+    longest = max(r["N"] for r in att["rows"])
+    for r in att["rows"]:
+        if r["N"] == longest and not r["causal"] and r["impl"] in ("ours (split)", "sdpa flash", "sdpa cudnn"):
+            flop = r["fwd_tflops"] * r["fwd_ms"] * 1e9
+            add(att["device"], "attention", f"attention {r['impl']} d={r['d']}", "ours" in r["impl"],
+                flop / attention_forward_bytes(att["batch"], att["heads"], r["N"], r["d"]), r["fwd_tflops"])
+    return points
+
+
+def plot_roofline(path, data=DATA):
+    """Draws one panel per device with all three roofs measured; returns the devices whose points
+    could not be placed (no measured roofs there)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured, points = roofs(data), roofline_points(data)
+    devices = [dev for dev in points if {"copy", "matmul"} <= set(measured.get(dev, {}))]
+    fig, axes = plt.subplots(len(devices), 1, figsize=(10, 5.4 * len(devices)), squeeze=False)
+    for ax, device in zip(axes[:, 0], devices):
+        roof = measured[device]
+        x = [10 ** (k / 20) for k in range(-40, 90)]
+        ax.plot(x, [min(roof["matmul"], roof["copy"] * v) for v in x], color="black", lw=2,
+                label=f"copy {roof['copy']:.2f} TB/s, bf16 matmul {roof['matmul']:.0f} TFLOP/s")
+        if "exp" in roof:
+            ax.axhline(roof["exp"], color="dimgray", ls=":", lw=1.5,
+                       label=f"exponentials: the selective scan's ceiling ({roof['exp']:.1f} TFLOP/s)")
+        families = list(dict.fromkeys(p.family for p in points[device]))
+        for p in points[device]:
+            color = f"C{families.index(p.family)}"
+            ax.scatter(p.intensity, p.tflops, s=55, zorder=4 if p.ours else 3, marker="o" if p.ours else "s", linewidths=1.5,
+                       color=color if p.ours else "white", edgecolor=color, label=p.kernel)
+        ax.set(xscale="log", yscale="log", xlabel="FLOP per byte that must move", ylabel="achieved TFLOP/s",
+               xlim=(0.1, 3e4), ylim=(0.1, 2000), title=f"forward passes on the {device} (filled: ours; open: peers)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return sorted(set(points) - set(devices))
+
+
+def sources(data=DATA):
+    """Each stored benchmark file: its device and the tables that read it."""
+    read_by = {}
+    for topic in TOPICS:
+        for table in tables(topic, data):
+            read_by.setdefault(table.source, set()).add(topic)
+    rows = []
+    for path in sorted(pathlib.Path(data).glob("*_bench.json")):
+        rows.append([path.name, load(path.name, data)["device"], ", ".join(sorted(read_by.get(path.name, ["–"])))])
+    devices = sorted({r[1] for r in rows})
+    verdict = ([f"All of them ran on one GPU, the {devices[0]}."] if len(devices) == 1 else
+               [f"They come from {len(devices)} GPUs ({', '.join(devices)}), not from one run: compare times only "
+                "within a table, and re-run scripts/gpu_benchmarks.sh on one GPU to make every table comparable."])
+    return Table("the stored runs", "*_bench.json", ", ".join(devices), ["file", "device", "tables"], rows, verdict)
+
+
+def text(table):
+    widths = [max(len(str(c)), *(len(str(r[i])) for r in table.rows)) for i, c in enumerate(table.columns)]
+    lines = [f"== {table.title} [{table.device}; book/data/{table.source}]",
+             "  ".join(str(c).ljust(w) for c, w in zip(table.columns, widths))]
+    lines += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in table.rows]
+    return "\n".join(lines + table.verdict)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=pathlib.Path, default=DATA)
+    parser.add_argument("--roofline", type=pathlib.Path, help="also draw the roofline into this PNG")
+    args = parser.parse_args()
+    print(text(sources(args.data)), end="\n\n")
+    for topic in TOPICS:
+        for table in tables(topic, args.data):
+            print(text(table), end="\n\n")
+    if args.roofline:
+        left_out = plot_roofline(args.roofline, args.data)
+        print(f"roofline: {args.roofline}" + (f" (not placed, no roofs measured there: {left_out})" if left_out else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The scoreboard appendix (benchmarks/scoreboard.py, rendered by book/_ext/scoreboard_page.py): every
+stored benchmark file is shown, speeds and verdicts are the stored times' ratios, and the roofline
+uses benchmarks/costs.py's counts."""
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import costs  # noqa: E402
+import scoreboard  # noqa: E402
+
+
+@pytest.mark.parametrize("topic", sorted(scoreboard.TOPICS))
+def test_every_topic_tabulates_the_stored_runs(topic):
+    for table in scoreboard.tables(topic):
+        assert table.rows, table.title
+        assert all(len(row) == len(table.columns) for row in table.rows), table.title
+        assert (ROOT / "book" / "data" / table.source).is_file()
+        assert table.device == json.loads((ROOT / "book" / "data" / table.source).read_text())["device"]
+
+
+def test_every_stored_benchmark_file_has_a_table():
+    """A new benchmark script's output must be given a table, not silently left off the page."""
+    unread = [row[0] for row in scoreboard.sources().rows if row[2] == "–"]
+    assert not unread, f"book/data files no scoreboard table reads: {unread}"
+
+
+def write(folder, name, data):
+    (folder / name).write_text(json.dumps(data))
+
+
+def test_speed_and_verdict_are_the_peers_time_over_ours(tmp_path):
+    def row(shape, impl, pass_, ms):
+        return dict(shape=shape, impl=impl, pass_=pass_, ms=ms, TFLOPs=1.0, floor_ms=0.1, pct_floor=10.0, peak_MB=1.0)
+
+    write(tmp_path, "ssd_bench.json", dict(device="GPU X", rows=[
+        row("(1, 2, 3, 4, 5)", "ours", "fwd", 2.0), row("(1, 2, 3, 4, 5)", "mamba_ssm", "fwd", 1.0),
+        row("(1, 2, 3, 4, 5)", "ours", "fwd+bwd", 3.0), row("(1, 2, 3, 4, 5)", "mamba_ssm", "fwd+bwd", 6.0)]))
+    (table,) = scoreboard.tables("ssd", tmp_path)
+    assert [r[6] for r in table.rows] == ["0.50×", "2.00×"]
+    assert table.verdict == ["ssd_chunk_scan is faster than mamba_chunk_scan_combined in 1 of 2 cases: from 0.50× "
+                             "((1, 2, 3, 4, 5) fwd) to 2.00× ((1, 2, 3, 4, 5) fwd+bwd)."]
+
+
+def test_a_missing_peer_is_a_dash_and_left_out_of_the_verdict(tmp_path):
+    def row(impl, ms):
+        return dict(section="linear_scan", impl=impl, shape="1x2x3", T=3, dtype="float32", pass_="fwd", ms=ms,
+                    GBps=1.0, pct_floor=50.0, ours_faster_by=1.0)
+
+    write(tmp_path, "linear_scan_bench.json", dict(device="GPU X", copy_GBps=1.0, sections=dict(linear_scan=[
+        row("linear_scan", 1.0), row("peer a", 1.5)], packing=[], segments=[], tuning=[])))
+    # a second shape that only ours ran
+    data = json.loads((tmp_path / "linear_scan_bench.json").read_text())
+    data["sections"]["linear_scan"].append(dict(row("linear_scan", 2.0), shape="1x2x4", T=4))
+    write(tmp_path, "linear_scan_bench.json", data)
+    (table,) = scoreboard.tables("linear_scan", tmp_path)
+    assert [r[5] for r in table.rows] == ["1.5 (1.50×)", "–"]
+    assert table.verdict[0] == "linear_scan is faster than peer a: 1.50× (1x2x3 float32 fwd)."
+
+
+def test_cost_counts():
+    # one chunk of Q = 4 steps, one head, P = 2, N = 3: states 2*(2*Q*P*N), diagonal Q*Q*P, C.B Q*Q*N
+    Q, P, N = 4, 2, 3
+    forward, total = costs.ssd_flops(1, 4, 1, P, N, Q=Q)
+    assert forward == 2 * (2 * Q * P * N) + Q * Q * P + Q * Q * N
+    assert costs.bidirectional_flops((1, 4, 1, P, N), Q=Q) == (2 * forward, 2 * total)
+    assert costs.attention_flops(1, 1, 8, 16, causal=True) == (4 * 8 * 8 * 16 / 2, 2.5 * 4 * 8 * 8 * 16 / 2)
+    assert costs.scan_intensity(4) == pytest.approx(1 / 6)
+
+
+def test_roofline_points_and_plot(tmp_path):
+    measured, points = scoreboard.roofs(), scoreboard.roofline_points()
+    ssd = json.loads((ROOT / "book" / "data" / "ssd_bench.json").read_text())
+    largest = max((r for r in ssd["rows"] if r["impl"] == "ours" and r["pass_"] == "fwd"),
+                  key=lambda r: math.prod(scoreboard.shape_of(r["shape"])))
+    (point,) = [p for p in points[ssd["device"]] if p.kernel == "SSD ours"]
+    shape = scoreboard.shape_of(largest["shape"])
+    assert point.intensity == pytest.approx(costs.ssd_flops(*shape)[0] / costs.ssd_min_bytes(*shape)[0], rel=1e-3)
+    assert point.tflops == largest["TFLOPs"]
+    left_out = scoreboard.plot_roofline(tmp_path / "roofline.png")
+    assert (tmp_path / "roofline.png").stat().st_size > 10_000
+    placed = set(points) - set(left_out)
+    assert placed and all({"copy", "matmul"} <= set(measured[device]) for device in placed)
