@@ -79,12 +79,13 @@ class Verdict:
         return out
 
 
-def bars_table(title, source, device, bars, keys):
-    """The speed bars a benchmark script checks itself (``bars`` in its JSON) and whether they hold."""
-    rows = [[bar["bar"], *(str(bar[k]) for k in keys), f"{bar['ratio']:.2f}", bar["target"],
+def bars_table(title, source, device, bars, columns):
+    """The speed bars a benchmark script checks itself (``bars`` in its JSON) and whether they hold;
+    ``columns`` maps the keys that say where a bar was measured to their headings."""
+    rows = [[bar["bar"], *(str(bar[k]) for k in columns), f"{bar['ratio']:.2f}", bar["target"],
              "holds" if bar["holds"] else "does not hold"] for bar in bars]
     held = sum(bar["holds"] for bar in bars)
-    return Table(title, source, device, ["bar", *keys, "ratio", "target", "verdict"], rows,
+    return Table(title, source, device, ["bar", *columns.values(), "ratio", "target", "verdict"], rows,
                  [f"{held} of {len(bars)} bars hold."])
 
 
@@ -172,7 +173,7 @@ def bidirectional(data):
     return [Table(f"bidirectional_chunk_scan and the ways to compute it (ms, bfloat16, chunk {d['chunk']})",
                   "bidirectional_bench.json", d["device"], ["shape (b, L, h, p, n)", "pass", *impls], rows, []),
             bars_table("bidirectional_chunk_scan: the speed bars", "bidirectional_bench.json", d["device"], d["bars"],
-                       ["shape", "pass_"])]
+                       {"shape": "shape (b, L, h, p, n)", "pass_": "pass"})]
 
 
 def attention(data):
@@ -195,7 +196,8 @@ def attention(data):
             rows.append([ours["d"], ours["N"], "yes" if ours["causal"] else "no", number(ours[f"{pass_}_ms"]),
                          number(ours[f"{pass_}_tflops"]), *cells])
         tables.append(Table(f"attention's {label} pass against SDPA's backends and our other backward kernels "
-                            f"(bfloat16, batch {d['batch']}, {d['heads']} heads; ours: {ours_name}, the default)", "attention_bench.json", d["device"],
+                            f"(bfloat16, batch {d['batch']}, {d['heads']} heads; ours: {ours_name}, the default)",
+                            "attention_bench.json", d["device"],
                             ["d", "N", "causal", "ours ms", "TFLOP/s", *others], rows,
                             verdict.sentences(f"attention's {label}")))
     return tables
@@ -273,7 +275,8 @@ def models(data):
     return [Table(title, "models_bench.json", d["device"], ["pass", "batch", "L", "implementation", "tokens/s",
                                                             "ours' speed", "peak GB"], rows,
                   verdict.sentences("our model")),
-            bars_table("the model: speed bars", "models_bench.json", d["device"], d["bars"], ["batch", "seq_len"])]
+            bars_table("the model: speed bars", "models_bench.json", d["device"], d["bars"],
+                       {"batch": "batch", "seq_len": "L"})]
 
 
 TOPICS = {"linear_scan": linear_scan, "selective_scan": selective_scan, "ssd": ssd, "bidirectional": bidirectional,
@@ -296,6 +299,9 @@ class Point:
     tflops: float                    # achieved
 
 
+SELECTIVE_FLOP = 6  # per element of the (b, d, N, L) state: three multiply-adds (and one exponential)
+
+
 def roofs(data=DATA):
     """Per device: the copy bandwidth (TB/s), bfloat16 matmul rate and exponential-bound rate (TFLOP/s)
     that its stored runs measured."""
@@ -311,9 +317,6 @@ def roofs(data=DATA):
     elements = sel["batch"] * sel["dim"] * sel["dstate"] * sel["length"]
     out.setdefault(sel["device"], {})["exp"] = SELECTIVE_FLOP * elements / (sel["floors"]["forward"]["exp_ms"] * 1e9)
     return out
-
-
-SELECTIVE_FLOP = 6  # per element of the (b, d, N, L) state: three multiply-adds (and one exponential)
 
 
 def shape_of(text):
@@ -339,19 +342,21 @@ def roofline_points(data=DATA):
     for r in sel["rows"]:
         if r["passes"] == "forward" and r["implementation"] in ("selective_scan (ours)",
                                                                 "mamba_ssm selective_scan_cuda"):
-            add(sel["device"], "selective scan", r["implementation"], "ours" in r["implementation"], SELECTIVE_FLOP * elements / nbytes,
+            add(sel["device"], "selective scan", r["implementation"], "ours" in r["implementation"],
+                SELECTIVE_FLOP * elements / nbytes,
                 SELECTIVE_FLOP * elements / (r["ms"] * 1e9))
-    for name, impls, nbytes in (("ssd_bench.json", ("ours", "mamba_ssm"), lambda s: ssd_min_bytes(*s)[0]),
-                                ("bidirectional_bench.json", ("ours shift=False", "causal ssd_chunk_scan (ours)",
-                                                              "naive two calls (mamba_ssm)"),
-                                 lambda s: bidirectional_min_bytes(s, separate=False)[0])):
+    for name, impls, min_bytes in (("ssd_bench.json", ("ours", "mamba_ssm"), lambda s: ssd_min_bytes(*s)[0]),
+                                   ("bidirectional_bench.json", ("ours shift=False", "causal ssd_chunk_scan (ours)",
+                                                                 "naive two calls (mamba_ssm)"),
+                                    lambda s: bidirectional_min_bytes(s, separate=False)[0])):
         d = load(name, data)
         largest = max((r["shape"] for r in d["rows"]), key=lambda s: math.prod(shape_of(s)))
         for r in d["rows"]:
             if r["pass_"] == "fwd" and r["shape"] == largest and r["impl"] in impls:
                 flop = r["TFLOPs"] * r["ms"] * 1e9
                 family = "SSD" if name.startswith("ssd") else "bidirectional"
-                add(d["device"], family, f"{family} {r['impl']}", "ours" in r["impl"], flop / nbytes(shape_of(r["shape"])), r["TFLOPs"])
+                add(d["device"], family, f"{family} {r['impl']}", "ours" in r["impl"],
+                    flop / min_bytes(shape_of(r["shape"])), r["TFLOPs"])
     att = load("attention_bench.json", data)
     longest = max(r["N"] for r in att["rows"])
     for r in att["rows"]:
@@ -383,7 +388,8 @@ def plot_roofline(path, data=DATA):
         families = list(dict.fromkeys(p.family for p in points[device]))
         for p in points[device]:
             color = f"C{families.index(p.family)}"
-            ax.scatter(p.intensity, p.tflops, s=55, zorder=4 if p.ours else 3, marker="o" if p.ours else "s", linewidths=1.5,
+            ax.scatter(p.intensity, p.tflops, s=55, zorder=4 if p.ours else 3, marker="o" if p.ours else "s",
+                       linewidths=1.5,
                        color=color if p.ours else "white", edgecolor=color, label=p.kernel)
         ax.set(xscale="log", yscale="log", xlabel="FLOP per byte that must move", ylabel="achieved TFLOP/s",
                xlim=(0.1, 3e4), ylim=(0.1, 2000), title=f"forward passes on the {device} (filled: ours; open: peers)")
@@ -430,7 +436,8 @@ def main():
             print(text(table), end="\n\n")
     if args.roofline:
         left_out = plot_roofline(args.roofline, args.data)
-        print(f"roofline: {args.roofline}" + (f" (not placed, no roofs measured there: {left_out})" if left_out else ""))
+        print(f"roofline: {args.roofline}"
+              + (f" (not placed, no roofs measured there: {left_out})" if left_out else ""))
 
 
 if __name__ == "__main__":
