@@ -599,26 +599,30 @@ class SSDChunkScan(ChunkedSSM):
                 compare(verdict, name, out, ref, tolerance(dtype))
         ours, want = both_gradients(fn, ref_fn, self.views(params, leaves), self.views(params, as64(leaves)), seed,
                                     outputs)
+        # dA and d dt_bias are sums over every position that can cancel, so in 16 bits no fixed relative
+        # bound holds them (float16 dA at L = 13, seed 40601 on the H100: 8.2e-2 against 5e-2): they are
+        # bounded by twice the peer's error (mamba_ssm), in both 16-bit dtypes, as the bidirectional op's
+        # are by its foil's (tests/test_ssd.py bounds bfloat16 so)
         by_peer = [name for name in ("A", "dt_bias") if name in want] if (
-            dtype == torch.bfloat16 and DEVICE.type == "cuda") else []
+            dtype != torch.float32 and DEVICE.type == "cuda") else []
         for name in want:
             if name not in by_peer:
                 compare(verdict, f"grad {name}", ours[name], want[name], ssd_grad_tol(name, dtype))
-        if by_peer:  # tests/test_ssd.py bounds these by twice the peer's error (mamba_ssm), not a fixed bound
+        if by_peer:
             self.against_peer(params, leaves, seed, outputs, by_peer, verdict)
         return verdict
 
     def against_peer(self, params, leaves, seed, outputs, names, verdict):
-        peer = mamba_ssm_combined()
+        peer, dtype = mamba_ssm_combined(), params["dtype"]
         if peer is None:
-            verdict.unjudged += [f"grad {name} (bfloat16: the rule needs mamba_ssm)" for name in names]
+            verdict.unjudged += [f"grad {name} ({dtype}: the rule needs mamba_ssm)" for name in names]
             return
         try:
             judge_typical_errors(verdict, names, self.ours(params), self.call(params, peer.mamba_chunk_scan_combined),
                                  self.call(params, ssd_quadratic_ref), self.views(params, leaves),
-                                 self.views(params, as64(leaves)), flat(outputs), seed, torch.bfloat16, factor=2.0)
+                                 self.views(params, as64(leaves)), flat(outputs), seed, DTYPES[dtype], factor=2.0)
         except YardstickFailed as e:  # the peer's own checks (a bare assert, seen on the H100) are not our failure
-            verdict.unjudged += [f"grad {name} (bfloat16: mamba_ssm could not run this case: {e})" for name in names]
+            verdict.unjudged += [f"grad {name} ({dtype}: mamba_ssm could not run this case: {e})" for name in names]
 
 
 class BidirectionalChunkScan(ChunkedSSM):
