@@ -53,8 +53,12 @@ def times(speed):
     return "–" if speed is None else f"{speed:.2f}×"
 
 
+PAR = 0.02  # speeds within 2% of 1 are "on par": about the spread of repeated do_bench medians
+
+
 class Verdict:
-    """Collects (case, peer, speed) and says, per peer, in how many cases ours is faster and the range."""
+    """Collects (case, peer, speed) and says, per peer, in how many cases ours is faster, on par or
+    slower, and the range."""
 
     def __init__(self):
         self.speeds = {}
@@ -69,13 +73,17 @@ class Verdict:
         for peer, speeds in self.speeds.items():
             speeds.sort()
             (low, low_case), (high, high_case) = speeds[0], speeds[-1]
-            faster = sum(s >= 1 for s, _ in speeds)
             if len(speeds) == 1:
-                word = "faster than" if low >= 1 else "slower than"
+                word = ("on par with" if abs(low - 1) <= PAR else "faster than" if low > 1 else "slower than")
                 out.append(f"{ours} is {word} {peer}: {low:.2f}× ({low_case}).")
-            else:
-                out.append(f"{ours} is faster than {peer} in {faster} of {len(speeds)} cases: "
-                           f"from {low:.2f}× ({low_case}) to {high:.2f}× ({high_case}).")
+                continue
+            faster = sum(s > 1 + PAR for s, _ in speeds)
+            slower = sum(s < 1 - PAR for s, _ in speeds)
+            par = len(speeds) - faster - slower
+            counts = ", ".join(f"{word} in {n}" for word, n in (("on par (within 2%)", par), ("slower", slower)) if n)
+            counts = f", {counts}" if counts else ""
+            out.append(f"{ours} is faster than {peer} in {faster} of {len(speeds)} cases{counts}: "
+                       f"from {low:.2f}× ({low_case}) to {high:.2f}× ({high_case}).")
         return out
 
 
@@ -119,8 +127,7 @@ def selective_scan(data):
     for r in d["rows"]:
         name, _, shape = r["shape"].partition(" (")
         shapes[name] = f"({shape}" if shape else ""
-        case = f"{name}, {r['dtype']}, {r['variant']}, {r['passes']}"
-        verdict.add("selective_scan_cuda", case, r["speedup"])
+        verdict.add(f"selective_scan_cuda in {r['dtype']} {r['passes']}", f"{name}, {r['variant']}", r["speedup"])
         rows.append([name, r["dtype"], r["variant"], r["passes"], number(r["ours_ms"]), number(r["cuda_ms"]),
                      times(r["speedup"])])
     named = "; ".join(f"{name} {shape}" for name, shape in shapes.items())
@@ -182,11 +189,13 @@ def attention(data):
     others = list(dict.fromkeys(r["impl"] for r in d["rows"] if r["impl"] != ours_name))
     tables = []
     for pass_, label in (("fwd", "forward"), ("bwd", "backward")):
+        # the other backward schedules of chapter 7 share the forward kernel: compared in the backward only
+        columns = [i for i in others if pass_ == "bwd" or not i.startswith("ours")]
         verdict, rows = Verdict(), []
         for ours in (r for r in d["rows"] if r["impl"] == ours_name):
             case = f"d {ours['d']}, N {ours['N']}{', causal' if ours['causal'] else ''}"
             cells = []
-            for impl in others:
+            for impl in columns:
                 theirs = next((r for r in d["rows"] if r["impl"] == impl and r["d"] == ours["d"]
                                and r["N"] == ours["N"] and r["causal"] == ours["causal"]), None)
                 speed = theirs and theirs[f"{pass_}_ms"] / ours[f"{pass_}_ms"]
@@ -195,10 +204,12 @@ def attention(data):
                 cells.append(times(speed))
             rows.append([ours["d"], ours["N"], "yes" if ours["causal"] else "no", number(ours[f"{pass_}_ms"]),
                          number(ours[f"{pass_}_tflops"]), *cells])
-        tables.append(Table(f"attention's {label} pass against SDPA's backends and our other backward kernels "
-                            f"(bfloat16, batch {d['batch']}, {d['heads']} heads; ours: {ours_name}, the default)",
+        others_too = " and our other backward schedules" if pass_ == "bwd" else ""
+        tables.append(Table(f"attention's {label} pass against SDPA's backends{others_too} (bfloat16, batch "
+                            f"{d['batch']}, {d['heads']} heads; ours: {ours_name}, the default; "
+                            "speed: theirs over ours)",
                             "attention_bench.json", d["device"],
-                            ["d", "N", "causal", "ours ms", "TFLOP/s", *others], rows,
+                            ["d", "N", "causal", "ours ms", "TFLOP/s", *columns], rows,
                             verdict.sentences(f"attention's {label}")))
     return tables
 
@@ -221,7 +232,21 @@ def attention_features(data, name="attention_features_bench.json", what="windows
 
 
 def attention_dropout(data):
-    return attention_features(data, "attention_dropout_bench.json", "a second run of the same script, with dropout")
+    """The dropout run: what dropout costs against the same attention without it, in that run."""
+    d = load("attention_dropout_bench.json", data)
+    keys = ("d", "batch", "N")
+    rows, costs = [], []
+    for mine in (r for r in d["rows"] if r["impl"] == "ours" and r["case"].startswith("dropout")):
+        dense = next(r for r in d["rows"] if r["impl"] == "ours" and r["case"] == "dense"
+                     and all(r[k] == mine[k] for k in keys))
+        cost = [mine[f"{p}_ms"] / dense[f"{p}_ms"] for p in ("fwd", "bwd")]
+        costs += cost
+        rows.append([mine["case"], *(str(mine[k]) for k in keys), number(dense["fwd_ms"]), number(mine["fwd_ms"]),
+                     times(cost[0]), number(dense["bwd_ms"]), number(mine["bwd_ms"]), times(cost[1])])
+    return [Table(f"attention with dropout against the same attention without it (ms, {d['dtype']}, {d['heads']} "
+                  "heads; cost: the time with dropout over the time without)", "attention_dropout_bench.json",
+                  d["device"], ["case", *keys, "dense fwd", "dropout fwd", "cost", "dense bwd", "dropout bwd", "cost"],
+                  rows, [f"Dropout multiplies the time by {min(costs):.1f} to {max(costs):.1f}."])]
 
 
 def gated_norm(data):
@@ -252,7 +277,9 @@ def host_cost(data):
         speed = verdict.add(r["peer"], f"{r['op']}, {r['pass_']}", 1 / r["ratio"])
         rows.append([r["op"], r["pass_"], number(r["ours_us"]), r["peer"], number(r["peer_us"]), times(speed),
                      number(r["graph_us"])])
-    return [Table(f"host cost of one call at small shapes (µs per call, {d['calls']} calls, torch {d['torch']})",
+    return [Table(f"host cost of one call at small shapes (µs per call, {d['calls']} calls, torch {d['torch']}; "
+                  "speed: the median over paired rounds of the peer's time over ours, not the ratio of the two "
+                  "columns' medians)",
                   "host_cost_bench.json", d["device"],
                   ["op", "pass", "ours µs", "peer", "peer µs", "speed", "ours in a CUDA graph µs"], rows,
                   verdict.sentences("ours"))]
@@ -261,20 +288,24 @@ def host_cost(data):
 def models(data):
     d = load("models_bench.json", data)
     m = d["model"]
-    verdict, rows = Verdict(), []
+    verdicts, rows = {}, []  # one per implementation of ours
     for r in d["rows"]:
-        ours = next(o for o in d["rows"] if o["impl"] == "ours" and o["pass_"] == r["pass_"]
+        peer = next(o for o in d["rows"] if o["impl"] == "mamba_ssm Mamba2" and o["pass_"] == r["pass_"]
                     and o["batch"] == r["batch"] and o["seq_len"] == r["seq_len"])
-        speed = None if r is ours else ours["tokens_per_s"] / r["tokens_per_s"]
-        if r["impl"] == "mamba_ssm Mamba2":
-            verdict.add("mamba_ssm's Mamba2", f"{r['pass_']}, batch {r['batch']}, L {r['seq_len']}", speed)
+        speed = r["tokens_per_s"] / peer["tokens_per_s"]
+        if r["impl"] != peer["impl"]:
+            verdicts.setdefault(r["impl"], Verdict()).add(
+                "mamba_ssm's Mamba2", f"{r['pass_']}, batch {r['batch']}, L {r['seq_len']}", speed)
         rows.append([r["pass_"], r["batch"], r["seq_len"], r["impl"], number(r["tokens_per_s"]), times(speed),
                      number(r.get("peak_GB"))])
     title = (f"a Mamba-2 language model ({m['n_layer']} layers, width {m['d_model']}, state {m['d_state']}) "
-             "on our kernels against mamba_ssm's modules (tokens/s; speed: ours over each)")
+             "on our kernels and on mamba_ssm's modules (tokens/s; speed: each row's over mamba_ssm's; L: the "
+             "training length, or the prompt before decoding)")
     return [Table(title, "models_bench.json", d["device"], ["pass", "batch", "L", "implementation", "tokens/s",
-                                                            "ours' speed", "peak GB"], rows,
-                  verdict.sentences("our model")),
+                                                            "speed", "peak GB"], rows,
+                  [line for impl, verdict in verdicts.items()
+                   for line in verdict.sentences("The model on " + impl.replace("ours", "our kernels")
+                                                 .replace(", torch.compile", " under torch.compile"))]),
             bars_table("the model: speed bars", "models_bench.json", d["device"], d["bars"],
                        {"batch": "batch", "seq_len": "L"})]
 
@@ -367,6 +398,9 @@ def roofline_points(data=DATA):
     return points
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<")
+
+
 def plot_roofline(path, data=DATA):
     """Draws one panel per device with all three roofs measured; returns the devices whose points
     could not be placed (no measured roofs there)."""
@@ -384,12 +418,13 @@ def plot_roofline(path, data=DATA):
                 label=f"copy {roof['copy']:.2f} TB/s, bf16 matmul {roof['matmul']:.0f} TFLOP/s")
         if "exp" in roof:
             ax.axhline(roof["exp"], color="dimgray", ls=":", lw=1.5,
-                       label=f"exponentials: the selective scan's ceiling ({roof['exp']:.1f} TFLOP/s)")
+                       label=f"the selective scan's own ceiling, its exponentials ({roof['exp']:.1f} TFLOP/s)")
         families = list(dict.fromkeys(p.family for p in points[device]))
-        for p in points[device]:
-            color = f"C{families.index(p.family)}"
-            ax.scatter(p.intensity, p.tflops, s=55, zorder=4 if p.ours else 3, marker="o" if p.ours else "s",
-                       linewidths=1.5,
+        shown = {family: 0 for family in families}
+        for p in points[device]:  # a colour per family, a marker per point in it; ours filled, peers open
+            color, marker = f"C{families.index(p.family)}", MARKERS[shown[p.family] % len(MARKERS)]
+            shown[p.family] += 1
+            ax.scatter(p.intensity, p.tflops, s=55, zorder=4 if p.ours else 3, marker=marker, linewidths=1.5,
                        color=color if p.ours else "white", edgecolor=color, label=p.kernel)
         ax.set(xscale="log", yscale="log", xlabel="FLOP per byte that must move", ylabel="achieved TFLOP/s",
                xlim=(0.1, 3e4), ylim=(0.1, 2000), title=f"forward passes on the {device} (filled: ours; open: peers)")

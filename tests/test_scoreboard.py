@@ -42,8 +42,19 @@ def test_speed_and_verdict_are_the_peers_time_over_ours(tmp_path):
         row("(1, 2, 3, 4, 5)", "ours", "fwd+bwd", 3.0), row("(1, 2, 3, 4, 5)", "mamba_ssm", "fwd+bwd", 6.0)]))
     (table,) = scoreboard.tables("ssd", tmp_path)
     assert [r[6] for r in table.rows] == ["0.50×", "2.00×"]
-    assert table.verdict == ["ssd_chunk_scan is faster than mamba_chunk_scan_combined in 1 of 2 cases: from 0.50× "
-                             "((1, 2, 3, 4, 5) fwd) to 2.00× ((1, 2, 3, 4, 5) fwd+bwd)."]
+    assert table.verdict == ["ssd_chunk_scan is faster than mamba_chunk_scan_combined in 1 of 2 cases, slower in 1: "
+                             "from 0.50× ((1, 2, 3, 4, 5) fwd) to 2.00× ((1, 2, 3, 4, 5) fwd+bwd)."]
+
+
+def test_speeds_within_two_percent_are_on_par():
+    verdict = scoreboard.Verdict()
+    for case, speed in (("a", 0.985), ("b", 1.015), ("c", 1.03), ("d", 0.9)):
+        verdict.add("peer", case, speed)
+    assert verdict.sentences() == ["ours is faster than peer in 1 of 4 cases, on par (within 2%) in 2, slower in 1: "
+                                   "from 0.90× (d) to 1.03× (c)."]
+    single = scoreboard.Verdict()
+    single.add("peer", "a", 1.01)
+    assert single.sentences() == ["ours is on par with peer: 1.01× (a)."]
 
 
 def test_a_missing_peer_is_a_dash_and_left_out_of_the_verdict(tmp_path):
@@ -85,3 +96,14 @@ def test_roofline_points_and_plot(tmp_path):
     assert (tmp_path / "roofline.png").stat().st_size > 10_000
     placed = set(points) - set(left_out)
     assert placed and all({"copy", "matmul"} <= set(measured[device]) for device in placed)
+
+
+def test_every_model_row_is_measured_against_mamba_ssms_model():
+    """One direction of speed on the page: a row's throughput over mamba_ssm's, the peer's own row 1."""
+    table = scoreboard.tables("models")[0]
+    data = json.loads((ROOT / "book" / "data" / "models_bench.json").read_text())
+    for row, stored in zip(table.rows, data["rows"]):
+        peer = next(r for r in data["rows"] if r["impl"] == "mamba_ssm Mamba2" and r["pass_"] == stored["pass_"]
+                    and r["batch"] == stored["batch"] and r["seq_len"] == stored["seq_len"])
+        assert row[5] == f"{stored['tokens_per_s'] / peer['tokens_per_s']:.2f}×"
+        assert row[5] == "1.00×" or stored["impl"] != "mamba_ssm Mamba2"

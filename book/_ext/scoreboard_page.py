@@ -31,7 +31,7 @@ def table_nodes(table):
     """The title (a paragraph above the table, not a caption: a caption would scroll sideways with a
     wide table), the table, the device and file it comes from, and its verdict sentences."""
     title = nodes.paragraph()
-    title += nodes.strong(text=table.title[0].upper() + table.title[1:])
+    title += nodes.strong(text=table.title)
     grid = nodes.table(classes=["scoreboard"])
     group = nodes.tgroup(cols=len(table.columns))
     grid += group
@@ -50,11 +50,13 @@ def table_nodes(table):
     body.extend(row(values) for values in table.rows)
     group += head
     group += body
-    source = nodes.paragraph()
-    source += nodes.Text(f"Measured on the {table.device}; ")
-    source += nodes.literal(text=f"book/data/{table.source}")
-    source += nodes.Text(".")
-    return [title, grid, source, *(paragraph(sentence) for sentence in table.verdict)]
+    source = []
+    if "*" not in table.source:  # one run's table (the list of runs names each file and device itself)
+        source = [nodes.paragraph()]
+        source[0] += nodes.Text(f"Measured on the {table.device}; ")
+        source[0] += nodes.literal(text=f"book/data/{table.source}")
+        source[0] += nodes.Text(".")
+    return [title, grid, *source, *(paragraph(sentence) for sentence in table.verdict)]
 
 
 class _DataDirective(Directive):
@@ -91,8 +93,8 @@ class ScoreboardRoofline(_DataDirective):
         out = [nodes.image(uri="/" + FIGURE, alt="the book's kernels and their peers on the measured roofline",
                            classes=["scoreboard-roofline"])]
         if left_out:
-            out.append(paragraph(f"Not placed: the runs on the {', '.join(left_out)}, where the stored runs did not "
-                                 "measure both a copy bandwidth and a matmul rate to draw the roofs from."))
+            out.append(paragraph(f"Not plotted: the runs made on the {', '.join(left_out)}, because no stored run "
+                                 "measured both a copy bandwidth and a matmul rate on that GPU to draw its roofs."))
         return out
 
 
