@@ -252,7 +252,8 @@ def main():
     rows = run_table(args.seqlens, args.head_dims)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device_name(), batch=BATCH, heads=HEADS, rows=rows), f, indent=1)
+            json.dump(dict(device=device_name(), batch=BATCH, heads=HEADS, matmul_TFLOPs=matmul_tflops(torch.bfloat16),
+                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -260,8 +260,10 @@ def main():
     bench.print_table(verdicts)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(dict(device=device_name(), chunk=CHUNK, rows=all_rows, bars=verdicts,
-                                             stages=all_stages), indent=1))
+        # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
+        args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
+                                             matmul_TFLOPs=bench.matmul_tflops(), chunk=CHUNK, rows=all_rows,
+                                             bars=verdicts, stages=all_stages), indent=1))
 
 
 if __name__ == "__main__":

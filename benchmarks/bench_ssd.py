@@ -155,8 +155,10 @@ def main():
     tuned = {k.fn.__name__: str(getattr(k, "best_config", None)) for k in TUNED}
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(dict(device=device_name(), rows=all_rows, stages=all_stages, configs=tuned),
-                                        indent=1))
+        # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
+        args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
+                                             matmul_TFLOPs=bench.matmul_tflops(), rows=all_rows, stages=all_stages,
+                                             configs=tuned), indent=1))
 
 
 if __name__ == "__main__":

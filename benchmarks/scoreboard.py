@@ -334,19 +334,23 @@ SELECTIVE_FLOP = 6  # per element of the (b, d, N, L) state: three multiply-adds
 
 
 def roofs(data=DATA):
-    """Per device: the copy bandwidth (TB/s), bfloat16 matmul rate and exponential-bound rate (TFLOP/s)
-    that its stored runs measured."""
+    """Per device: the copy bandwidth (TB/s), the bfloat16 matmul rate and the selective scan's
+    exponential-bound rate (TFLOP/s) that its stored runs measured (``copy_GBps``, ``matmul_TFLOPs``)
+    or imply (attention's rows give their share of the matmul rate; the selective scan its floors)."""
     out = {}
-    scans = load("linear_scan_bench.json", data)
-    out.setdefault(scans["device"], {})["copy"] = scans["copy_GBps"] / 1e3
-    norm = load("gated_norm_bench.json", data)
-    out.setdefault(norm["device"], {}).setdefault("copy", norm["copy_GBps"] / 1e3)
+    for path in sorted(pathlib.Path(data).glob("*_bench.json")):
+        d = load(path.name, data)
+        roof = out.setdefault(d["device"], {})
+        if "copy_GBps" in d or "copy_bandwidth_gbps" in d:
+            roof.setdefault("copy", d.get("copy_GBps", d.get("copy_bandwidth_gbps")) / 1e3)
+        if "matmul_TFLOPs" in d:
+            roof.setdefault("matmul", d["matmul_TFLOPs"])
     att = load("attention_bench.json", data)
-    out.setdefault(att["device"], {})["matmul"] = next(r["fwd_tflops"] / (r["fwd_pct_peak"] / 100)
-                                                       for r in att["rows"] if r["fwd_pct_peak"] > 0)
+    out[att["device"]].setdefault("matmul", next(r["fwd_tflops"] / (r["fwd_pct_peak"] / 100)
+                                                for r in att["rows"] if r["fwd_pct_peak"] > 0))
     sel = load("selective_scan_bench.json", data)
     elements = sel["batch"] * sel["dim"] * sel["dstate"] * sel["length"]
-    out.setdefault(sel["device"], {})["exp"] = SELECTIVE_FLOP * elements / (sel["floors"]["forward"]["exp_ms"] * 1e9)
+    out[sel["device"]]["exp"] = SELECTIVE_FLOP * elements / (sel["floors"]["forward"]["exp_ms"] * 1e9)
     return out
 
 

@@ -107,3 +107,15 @@ def test_every_model_row_is_measured_against_mamba_ssms_model():
                     and r["batch"] == stored["batch"] and r["seq_len"] == stored["seq_len"])
         assert row[5] == f"{stored['tokens_per_s'] / peer['tokens_per_s']:.2f}×"
         assert row[5] == "1.00×" or stored["impl"] != "mamba_ssm Mamba2"
+
+
+def test_a_run_that_stores_its_rates_gives_its_device_roofs(tmp_path):
+    """The benchmark scripts store the copy bandwidth and matmul rate they measured, so a device
+    whose runs hold both gets a roofline panel of its own."""
+    for path in (ROOT / "book" / "data").glob("*_bench.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    bidirectional = json.loads((tmp_path / "bidirectional_bench.json").read_text())
+    bidirectional.update(device="GPU X", copy_GBps=3000.0, matmul_TFLOPs=650.0)
+    write(tmp_path, "bidirectional_bench.json", bidirectional)
+    assert scoreboard.roofs(tmp_path)["GPU X"] == {"copy": 3.0, "matmul": 650.0}
+    assert "GPU X" not in scoreboard.plot_roofline(tmp_path / "roofline.png", tmp_path)
