@@ -23,8 +23,8 @@ import scoreboard  # noqa: E402
 FIGURE = "book/_generated/scoreboard_roofline.png"  # relative to the book's source folder
 
 
-def paragraph(text, classes=()):
-    return nodes.paragraph(text=text, classes=list(classes))
+def paragraph(text):
+    return nodes.paragraph(text=text)
 
 
 def table_nodes(table):
