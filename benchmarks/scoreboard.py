@@ -214,8 +214,8 @@ def attention(data):
     return tables
 
 
-def attention_features(data, name="attention_features_bench.json", what="windows, soft-capping, ALiBi"):
-    d = load(name, data)
+def attention_features(data):
+    d = load("attention_features_bench.json", data)
     verdict, rows = Verdict(), []
     keys = ("case", "d", "batch", "N")
     for ours in (r for r in d["rows"] if r["impl"] == "ours"):
@@ -226,8 +226,9 @@ def attention_features(data, name="attention_features_bench.json", what="windows
             speed = verdict.add("FlexAttention", case, flex and flex[f"{pass_}_ms"] / ours[f"{pass_}_ms"])
             cells += [number(ours[f"{pass_}_ms"]), number(flex and flex[f"{pass_}_ms"]), times(speed)]
         rows.append([*(str(ours[k]) for k in keys), *cells])
-    return [Table(f"attention's features ({what}) against FlexAttention (ms, {d['dtype']}, {d['heads']} heads)",
-                  name, d["device"], [*keys, "ours fwd", "flex fwd", "speed", "ours bwd", "flex bwd", "speed"], rows,
+    return [Table(f"attention's features (windows, soft-capping, ALiBi) against FlexAttention (ms, {d['dtype']}, "
+                  f"{d['heads']} heads)", "attention_features_bench.json", d["device"],
+                  [*keys, "ours fwd", "flex fwd", "speed", "ours bwd", "flex bwd", "speed"], rows,
                   verdict.sentences("attention"))]
 
 
@@ -235,18 +236,18 @@ def attention_dropout(data):
     """The dropout run: what dropout costs against the same attention without it, in that run."""
     d = load("attention_dropout_bench.json", data)
     keys = ("d", "batch", "N")
-    rows, costs = [], []
+    rows, factors = [], []
     for mine in (r for r in d["rows"] if r["impl"] == "ours" and r["case"].startswith("dropout")):
         dense = next(r for r in d["rows"] if r["impl"] == "ours" and r["case"] == "dense"
                      and all(r[k] == mine[k] for k in keys))
         cost = [mine[f"{p}_ms"] / dense[f"{p}_ms"] for p in ("fwd", "bwd")]
-        costs += cost
+        factors += cost
         rows.append([mine["case"], *(str(mine[k]) for k in keys), number(dense["fwd_ms"]), number(mine["fwd_ms"]),
                      times(cost[0]), number(dense["bwd_ms"]), number(mine["bwd_ms"]), times(cost[1])])
     return [Table(f"attention with dropout against the same attention without it (ms, {d['dtype']}, {d['heads']} "
                   "heads; cost: the time with dropout over the time without)", "attention_dropout_bench.json",
                   d["device"], ["case", *keys, "dense fwd", "dropout fwd", "cost", "dense bwd", "dropout bwd", "cost"],
-                  rows, [f"Dropout multiplies the time by {min(costs):.1f} to {max(costs):.1f}."])]
+                  rows, [f"Dropout multiplies the time by {min(factors):.1f} to {max(factors):.1f}."])]
 
 
 def gated_norm(data):
@@ -406,8 +407,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<")
 
 
 def plot_roofline(path, data=DATA):
-    """Draws one panel per device with all three roofs measured; returns the devices whose points
-    could not be placed (no measured roofs there)."""
+    """Draws one panel per device whose runs measured both a copy bandwidth and a matmul rate;
+    returns the devices whose points could not be placed (no such pair measured there)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
