@@ -144,6 +144,21 @@ def test_selective_step_against_float64(options, layout):
     assert_close(inputs["state"], state_ref, TOL, "state (in place)")
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_selective_step_reads_D_and_dt_bias_through_their_strides(layout):
+    """The kernel indexes D and dt_bias by channel, densely, and views of them used to reach it as
+    they were: a strided one was read at the wrong elements, an expanded one (stride 0) past the end
+    of its storage. Found by the reliability sweep's decoding-step cases (scripts/reliability)."""
+    inputs = selective_step_inputs()  # the 3-d layout: D and dt_bias (dim,)
+    for name in ("D", "dt_bias"):
+        dim = inputs[name].shape[0]
+        inputs[name] = randn(2 * dim)[::2] if layout == "strided" else randn(1).expand(dim)
+    y_ref, state_ref = selective_step_ref(inputs)
+    y = selective_state_update(**inputs)
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(inputs["state"], state_ref, TOL, "state (in place)")
+
+
 def test_selective_step_unimplemented_and_bad_inputs():
     inputs = selective_step_inputs()
     with pytest.raises(NotImplementedError, match="state_batch_indices"):

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cdiv, next_power_of_2, sigmoid, softplus, state_rows
+from ..triton_ops import cdiv, next_power_of_2, rounded_product, sigmoid, softplus, state_rows
 from ..validation import check_same_device, check_tensor
 
 
@@ -75,7 +75,9 @@ def selective_state_update_kernel(
 
     state = tl.exp(dt[:, None] * A) * state + (dt * x)[:, None] * B
     tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask)
-    y = tl.sum(state * C, axis=1)              # the float32 state, before its rounding into memory
+    # the float32 state, before its rounding into memory; each product rounded before the sum, so
+    # that every lane holds the same y (racecheck found lanes racing with sums a bit apart: rounded_product)
+    y = tl.sum(rounded_product(state, C), axis=1)
     if HAS_D:
         y += tl.load(D_ptr + channel, mask=row_mask, other=0.0).to(tl.float32) * x
     if HAS_Z:
@@ -141,8 +143,9 @@ def check_selective_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, st
 def selective_state_update_impl(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
                                 B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None,
                                 dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
-    """The launch on checked 4-d inputs (the body of the registered op)."""
-    flat = (lambda t: t.reshape(-1) if t is not None else None)
+    """The launch on checked 4-d inputs (the body of the registered op). The kernel indexes A, D and
+    dt_bias by channel, densely: a view of them (strided, or expanded with stride 0) is copied."""
+    flat = (lambda t: t.reshape(-1).contiguous() if t is not None else None)
     return selective_state_update_launch(state, x, dt, A.reshape(-1, A.shape[-1]).contiguous(), B, C,
                                          flat(D), z, flat(dt_bias), dt_softplus)
 
