@@ -168,6 +168,34 @@ def test_sweep_catches_a_wrong_op_and_prints_a_shrunk_reproducer(capsys):
     assert report["reproducers"][0]["shrunk"]
 
 
+@pytest.mark.parametrize("op_name", ["ssd_state_update", "selective_state_update"])
+def test_decoding_step_cases_catch_a_step_that_drops_D(monkeypatch, op_name):
+    """The decoding steps' cases judge y and the state after the steps against the float64
+    recurrence: a step that leaves out the skip connection D is caught, in y only."""
+    op = cases.OPS[op_name]
+    params = json.loads(json.dumps(op.small()[0]))
+    assert cases.run_case(op, params, 0).failures == []
+    step = getattr(cases, op_name)
+    monkeypatch.setattr(cases, op_name, lambda state, x, dt, A, B, C, D, *rest, **kw: step(state, x, dt, A, B, C, None,
+                                                                                            *rest, **kw))
+    failures = cases.run_case(op, params, 0).failures
+    assert len(failures) == 1 and failures[0].startswith("y: relative error"), failures
+
+
+def test_decoding_steps_step_a_copy_of_the_state_through_its_layout():
+    """Each call steps its own copy of the state, made through the state's layout (the kernel sees
+    the strides a user's cache has), so the leaf stays as drawn and repeated calls agree bitwise."""
+    for op_name in ("ssd_state_update", "selective_state_update"):
+        op = cases.OPS[op_name]
+        params = op.small()[0]
+        leaves = op.inputs(params)
+        before = leaves["state"].clone()
+        y, state = op.ours(params)(**op.views(params, leaves))
+        assert cases.same_bits(leaves["state"], before) and not cases.same_bits(state, before.view(state.shape))
+        assert state.stride() == cases.view(before, state.shape, params["layouts"]["state"]).stride()
+        assert all(cases.same_bits(a, b) for a, b in zip((y, state), op.ours(params)(**op.views(params, leaves))))
+
+
 def test_a_failure_is_saved_before_it_is_shrunk():
     """An H100 sweep's processes, killed by the call's limit while shrinking, reported 0 failures
     for cases whose failures they had printed."""
@@ -582,10 +610,12 @@ def test_large_checks_at_smoke_sizes(tmp_path):
 
 def test_nonfinite_probes_report_per_op(tmp_path):
     out = tmp_path / "n.json"
-    nonfinite.main(["--ops", "linear_scan,attention", "--values", "nan", "--positions", "25", "--json", str(out)])
+    nonfinite.main(["--ops", "linear_scan,attention,ssd_state_update", "--values", "nan", "--positions", "25",
+                    "--json", str(out)])
     report = json.loads(out.read_text())["ops"]
     assert report["linear_scan"] == dict(cases=2, failures=0, problems=[])
     assert report["attention"]["cases"] == 3
+    assert report["ssd_state_update"] == dict(cases=4, failures=0, problems=[])  # x, dt, B, C at the last step
 
 
 def test_leaks_arguments_and_skip_without_cuda():
@@ -665,6 +695,22 @@ def test_no_backward_reduction_fuses_a_lanes_product_with_its_partners_sum():
                         found[f"{module.__name__}.{name} at {where}"] = count
     assert variants >= 6, "the backward kernels were not compiled"
     assert not found, found
+
+
+@pytest.mark.skipif(INTERPRETED, reason="reads the PTX that a GPU compile produces")
+def test_the_selective_step_sums_rounded_products():
+    """racecheck found 25 write-after-write hazards at the selective step's ``tl.sum(state * C)``
+    on an H100, the pattern of scripts/reliability/contraction.py; the step now sums rounded products."""
+    from mamba_annotated.scan import selective_step
+
+    for dtype in (torch.float32, torch.bfloat16):
+        state = torch.randn(2, 37, 16, device="cuda", dtype=dtype)
+        selective_step.selective_state_update(state, *(torch.randn(2, 37, device="cuda") for _ in range(2)),
+                                              -torch.rand(37, 16, device="cuda"),
+                                              *(torch.randn(2, 16, device="cuda") for _ in range(2)), dt_softplus=True)
+    variants = list(compiled_ptx(selective_step.selective_state_update_kernel))
+    assert variants, "the step's kernel was not compiled"
+    assert not [found for ptx in variants for found in contraction.shuffled_addends(ptx).items()]
 
 
 def test_summary_merges_reports_into_one_table(tmp_path, capsys):

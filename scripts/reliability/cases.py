@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, selective_scan, sequential_scan
-from mamba_annotated import ssd_chunk_scan
+from mamba_annotated import selective_state_update, ssd_chunk_scan, ssd_state_update
 from mamba_annotated.attention.api import resolve_window
 from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes, naive_attention
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
@@ -34,13 +34,14 @@ from mamba_annotated.bidirectional.reference import bidirectional_ref
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
 from mamba_annotated.ssd.api import CHUNK_SIZES, MAX_HEADDIM
-from mamba_annotated.ssd.reference import ssd_quadratic_ref
+from mamba_annotated.ssd.reference import ssd_quadratic_ref, ssd_recurrent_ref
 from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_within_same_computation, randn, rel_error,
                                      tolerance, uniform)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from test_bidirectional import fused_grad_tol  # noqa: E402  (the tests' bounds: one copy of each rule)
+from test_decoding import selective_step_ref  # noqa: E402
 from test_linear_scan import blocked_reference  # noqa: E402
 from test_ssd import grad_tol as ssd_grad_tol, mamba_ssm_combined  # noqa: E402
 
@@ -275,6 +276,8 @@ class Op:
     defaults = {}   # each option's plain value (shrinking turns options back to it)
     free_dims = ()  # sizes that are runtime arguments of the kernels: drawn per case, not per variant
     free_opts = ()  # options that are, too
+
+    differentiable = True  # False: forward only (forward_backward returns no gradients)
 
     def fix(self, params):
         return params
@@ -879,9 +882,201 @@ class Attention(Op):
             verdict.failures.append(str(e))
 
 
+class DecodingSteps(Op):
+    """A decoding step (ssd_state_update, selective_state_update) taken ``steps`` times in a row
+    from a given state, which the step updates in place. Each step's inputs come stacked along
+    dim 1, so a case is a short recurrence: a NaN at step t may reach y from step t on only
+    (scripts/reliability/nonfinite.py), and the reference is the float64 recurrence from the same
+    state. The state is an input like the others, seen through a layout (never expanded: the step
+    writes it), and each call steps a copy of it made through the same layout, so that a call can
+    be repeated (reproducibility, leaks, CUDA graphs). Outputs: y (batch, steps, ...) and the state
+    after the last step. Nothing to differentiate: the steps are decoding's."""
+    differentiable = False
+    free_dims = ("batch", "steps")
+    STATE_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "expanded")
+
+    def views(self, params, leaves):
+        """The arguments, the state still its base: each call views a copy of it (:meth:`stepped`)."""
+        args = super().views(params, {k: v for k, v in leaves.items() if k != "state"})
+        args["state"] = leaves["state"]
+        return args
+
+    def stepped(self, params, state_base):
+        """A copy of the state, through the state's layout: what one call steps in place."""
+        return view(state_base.detach().clone(), self.shapes(params)["state"], params["layouts"]["state"])
+
+    def tolerance(self, params):
+        """The state is rounded to its dtype after every step and y reads it: the coarser dtype's bound."""
+        return max(tolerance(DTYPES[params["dtype"]]), tolerance(DTYPES[params["opts"]["state_dtype"]]))
+
+    def judge(self, params, leaves, seed):
+        verdict, tol = Verdict(), self.tolerance(params)
+        args = self.views(params, leaves)
+        outputs = self.ours(params)(**args)
+        for name, out, ref in zip(("y", "state"), outputs, self.reference(params)(**self.views(params, as64(leaves)))):
+            compare(verdict, name, out, ref, tol)
+        return verdict
+
+
+class SSDStateUpdate(DecodingSteps):
+    """ssd_state_update: Mamba-2's step, heads sharing B and C by groups."""
+    name = "ssd_state_update"
+    minimum = {"batch": 1, "steps": 1, "heads": 1, "groups": 1, "headdim": 1, "dstate": 1}
+    defaults = {"D": None, "z": False, "dt_bias": False, "dt_softplus": False, "dt_limit": None}
+
+    def draw(self, rng):
+        dtype = rng.choice(list(DTYPES))
+        heads = rng.choice([1, 2, 3, 8, size(gpu=48, cpu=4)])
+        dims = dict(batch=rng.choice([1, 2, 3, size(gpu=64, cpu=4)]), steps=rng.choice([1, 2, 3, 7]), heads=heads,
+                    groups=rng.choice(divisors(heads)),
+                    headdim=rng.choice(size(gpu=(1, 7, 16, 37, 64, 80, 128, 256), cpu=(1, 7, 16))),
+                    dstate=rng.choice(size(gpu=(1, 3, 16, 17, 64, 100, 128, 256), cpu=(1, 3, 16, 17))))
+        opts = dict(state_dtype=rng.choice(["float32", dtype]), D=rng.choice([None, "head", "channel"]),
+                    z=rng.random() < 0.5, dt_bias=rng.random() < 0.5, dt_softplus=rng.random() < 0.5,
+                    dt_limit=rng.choice([None, [0.01, 2.0]]), dt_dtype=rng.choice(["float32", dtype]))
+        layouts = draw_layouts(rng, ("x", "dt", "A", "B", "C", "z", "D", "dt_bias"))
+        layouts["state"] = rng.choice(self.STATE_LAYOUTS) if rng.random() < 0.5 else "contiguous"
+        return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=layouts))
+
+    def fix(self, params):
+        d = params["dims"]
+        if d["heads"] % d["groups"]:
+            d["groups"] = max(g for g in divisors(d["heads"]) if g <= d["groups"])
+        return params
+
+    def shapes(self, params):
+        d = params["dims"]
+        b, T, h, g, p, n = (d[k] for k in ("batch", "steps", "heads", "groups", "headdim", "dstate"))
+        return dict(state=(b, h, p, n), x=(b, T, h, p), z=(b, T, h, p), dt=(b, T, h), A=(h,), B=(b, T, g, n),
+                    C=(b, T, g, n), D=(h, p) if params["opts"]["D"] == "channel" else (h,), dt_bias=(h,))
+
+    def inputs(self, params):
+        dtype, opts, lay, s = DTYPES[params["dtype"]], params["opts"], params["layouts"], self.shapes(params)
+        makers = dict(state=lambda t: randn(*t, dtype=DTYPES[opts["state_dtype"]]),
+                      x=lambda t: randn(*t, dtype=dtype), z=lambda t: randn(*t, dtype=dtype),
+                      dt=lambda t: uniform(*t, low=0.02, high=0.6, dtype=DTYPES[opts["dt_dtype"]]),
+                      A=lambda t: -uniform(*t, low=0.5, high=2.0), B=lambda t: randn(*t, dtype=dtype),
+                      C=lambda t: randn(*t, dtype=dtype), D=lambda t: randn(*t), dt_bias=lambda t: randn(*t, scale=0.5))
+        names = ["state", "x", "dt", "A", "B", "C"] + [k for k in ("z", "dt_bias", "D") if opts[k]]
+        return {k: leaf(makers[k], s[k], lay.get(k, "contiguous"), grad=False) for k in names}
+
+    def limits(self, params):
+        return tuple(params["opts"]["dt_limit"] or (0.0, math.inf))
+
+    def ours(self, params):
+        opts = params["opts"]
+
+        def run(state, x, dt, A, B, C, D=None, z=None, dt_bias=None):
+            state = self.stepped(params, state)
+            ys = [ssd_state_update(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D, z[:, t] if z is not None else None,
+                                   dt_bias, opts["dt_softplus"], dt_limit=self.limits(params))
+                  for t in range(x.shape[1])]
+            return torch.stack(ys, dim=1), state
+        return run
+
+    def reference(self, params):
+        def run(state, **args):
+            return ssd_recurrent_ref(**args, initial_states=self.stepped(params, state),
+                                     dt_softplus=params["opts"]["dt_softplus"], dt_limit=self.limits(params),
+                                     return_final_states=True)
+        return run
+
+    def small(self):
+        return [self.fix(dict(dims=dict(batch=3, steps=3, heads=4, groups=2, headdim=size(gpu=37, cpu=5),
+                                        dstate=size(gpu=100, cpu=7)),
+                              dtype=dtype, opts=dict(state_dtype=state_dtype, D="channel", z=True, dt_bias=True,
+                                                     dt_softplus=True, dt_limit=[0.01, 2.0], dt_dtype="float32"),
+                              layouts=dict(state="transposed", x="strided", dt="reversed", A="expanded", B="offset",
+                                           C="transposed", z="contiguous", D="reversed", dt_bias="strided")))
+                for dtype, state_dtype in (("float32", "float32"), ("bfloat16", "float32"))]
+
+
+class SelectiveStateUpdate(DecodingSteps):
+    """selective_state_update: Mamba-1's step, in mamba_ssm's 3-d layout (heads = 0) or with a
+    head axis, B and C shared by groups of the heads * dim channels (channel_groups = 0: mamba_ssm's
+    (batch, dstate) layout)."""
+    name = "selective_state_update"
+    minimum = {"batch": 1, "steps": 1, "heads": 0, "dim": 1, "dstate": 1, "channel_groups": 0}
+    defaults = {"D": False, "z": False, "dt_bias": False, "dt_softplus": False}
+
+    def draw(self, rng):
+        dtype = rng.choice(list(DTYPES))
+        heads = rng.choice([0, 0, 1, 3, 8])
+        dim = rng.choice(size(gpu=(1, 5, 16, 64, 80, 255, 1024), cpu=(1, 5, 16)))
+        channels = max(heads, 1) * dim
+        dims = dict(batch=rng.choice([1, 2, 3, size(gpu=64, cpu=4)]), steps=rng.choice([1, 2, 3, 7]), heads=heads,
+                    dim=dim, dstate=rng.choice(size(gpu=(1, 4, 16, 17, 64, 128), cpu=(1, 4, 16, 17))),
+                    channel_groups=rng.choice([0] + divisors(channels)[:6]))
+        opts = dict(state_dtype=rng.choice(["float32", dtype]), D=rng.random() < 0.5, z=rng.random() < 0.5,
+                    dt_bias=rng.random() < 0.5, dt_softplus=rng.random() < 0.5)
+        layouts = draw_layouts(rng, ("x", "dt", "A", "B", "C", "z", "D", "dt_bias"))
+        layouts["state"] = rng.choice(self.STATE_LAYOUTS) if rng.random() < 0.5 else "contiguous"
+        return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=layouts))
+
+    def fix(self, params):
+        d = params["dims"]
+        channels = max(d["heads"], 1) * d["dim"]
+        if d["channel_groups"] and channels % d["channel_groups"]:
+            d["channel_groups"] = max(g for g in divisors(channels) if g <= d["channel_groups"])
+        return params
+
+    def shapes(self, params):
+        d = params["dims"]
+        b, T, n = d["batch"], d["steps"], d["dstate"]
+        lead = (d["heads"],) if d["heads"] else ()
+        bc = (b, T, d["channel_groups"], n) if d["channel_groups"] else (b, T, n)
+        return dict(state=(b, *lead, d["dim"], n), x=(b, T, *lead, d["dim"]), z=(b, T, *lead, d["dim"]),
+                    dt=(b, T, *lead, d["dim"]), A=(*lead, d["dim"], n), B=bc, C=bc, D=(*lead, d["dim"]),
+                    dt_bias=(*lead, d["dim"]))
+
+    def inputs(self, params):
+        dtype, opts, lay, s = DTYPES[params["dtype"]], params["opts"], params["layouts"], self.shapes(params)
+        makers = dict(state=lambda t: randn(*t, dtype=DTYPES[opts["state_dtype"]]),
+                      x=lambda t: randn(*t, dtype=dtype), z=lambda t: randn(*t, dtype=dtype),
+                      dt=lambda t: (randn(*t, dtype=dtype, scale=0.5) if opts["dt_softplus"]
+                                    else uniform(*t, low=0.02, high=0.6, dtype=dtype)),
+                      A=lambda t: -uniform(*t, low=0.2, high=2.0), B=lambda t: randn(*t, dtype=dtype),
+                      C=lambda t: randn(*t, dtype=dtype), D=lambda t: randn(*t),
+                      # without softplus a negative step grows the state; mamba_ssm's models always use it here
+                      dt_bias=lambda t: randn(*t, scale=0.3) if opts["dt_softplus"] else uniform(*t, low=0.0, high=0.3))
+        names = ["state", "x", "dt", "A", "B", "C"] + [k for k in ("z", "dt_bias", "D") if opts[k]]
+        return {k: leaf(makers[k], s[k], lay.get(k, "contiguous"), grad=False) for k in names}
+
+    def run_steps(self, params, step):
+        def run(state, x, dt, A, B, C, D=None, z=None, dt_bias=None):
+            state = self.stepped(params, state)
+            ys = []
+            for t in range(x.shape[1]):
+                y, state = step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D, z[:, t] if z is not None else None,
+                                dt_bias)
+                ys.append(y)
+            return torch.stack(ys, dim=1), state
+        return run
+
+    def ours(self, params):
+        def step(state, *args):
+            return selective_state_update(state, *args, params["opts"]["dt_softplus"]), state
+        return self.run_steps(params, step)
+
+    def reference(self, params):
+        def step(state, x, dt, A, B, C, D, z, dt_bias):
+            return selective_step_ref(dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                                           dt_softplus=params["opts"]["dt_softplus"]))
+        return self.run_steps(params, step)
+
+    def small(self):
+        return [dict(dims=dict(batch=3, steps=3, heads=heads, dim=size(gpu=37, cpu=5), dstate=size(gpu=17, cpu=5),
+                               channel_groups=groups),
+                     dtype=dtype, opts=dict(state_dtype="float32", D=True, z=True, dt_bias=True, dt_softplus=True),
+                     layouts=dict(state="reversed", x="strided", dt="transposed", A="offset", B="offset",
+                                  C="transposed", z="contiguous", D="strided", dt_bias="contiguous"))
+                for dtype, heads, groups in (("float32", 0, 0), ("bfloat16", 3, 3))]
+
+
 OPS = {op.name: op for op in (FirstOrderScan("linear_scan", linear_scan),
                               FirstOrderScan("sequential_scan", sequential_scan), SelectiveScan(),
-                              SSDChunkScan(), BidirectionalChunkScan(), Attention())}
+                              SSDChunkScan(), BidirectionalChunkScan(), Attention(), SSDStateUpdate(),
+                              SelectiveStateUpdate())}
 
 
 # ---------------------------------------------------------------- running one case
@@ -965,6 +1160,8 @@ def forward_backward(op, params, leaves, seed, grad_out=None):
     args = op.views(params, leaves)
     wrt = [k for k, v in args.items() if v.requires_grad]
     outputs = op.ours(params)(**args)
+    if not op.differentiable:
+        return [t.detach() for t in outputs], {}
     like = flat(outputs)
     if grad_out is None:
         grad_out = upstream(like.numel(), like.dtype, seed).to(like.dtype)

@@ -115,7 +115,7 @@ def main(argv=None):
         start = time.monotonic()
         r = report[name] = dict(calls=args.calls, leaked_bytes=leaked_bytes(op, params, leaves, args.calls))
         r["graph_forward"] = graph_differences(op, params, leaves, backward=False)
-        r["graph_forward_backward"] = graph_differences(op, params, leaves, backward=True)
+        r["graph_forward_backward"] = graph_differences(op, params, leaves, backward=True) if op.differentiable else []
         if name == "attention":
             r["graph_dropout"] = graph_dropout_fresh(op, params, leaves)
         r["seconds"] = round(time.monotonic() - start, 1)

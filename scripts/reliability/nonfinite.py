@@ -35,7 +35,8 @@ from mamba_annotated.testing import seed_everything  # noqa: E402
 # op -> (the inputs poisoned, their time dim, the output's time dim)
 PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -1, -1),
           "selective_scan": (("u", "delta", "B", "C"), -1, -1), "ssd_chunk_scan": (("x", "dt", "B", "C"), 1, 1),
-          "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1)}
+          "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1),
+          "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1)}
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -71,6 +72,8 @@ def plain_cases(op):
 def reference(op, params):
     """The float64 reference of the op's first output, on the op's arguments."""
     opts = params["opts"]
+    if not op.differentiable:  # a decoding step: the float64 recurrence over its steps
+        return lambda **a: op.reference(params)(**a)[0]
     if op.name in ("linear_scan", "sequential_scan"):
         return lambda a, b, h0=None: linear_scan_ref(a, b, h0, opts["reverse"])
     if op.name == "selective_scan":
