@@ -1,0 +1,103 @@
+"""Where SSD sweep seed 71461 loses digits (float32, L = 2039 = 7 x 256 + 247, chunk 256; a strict
+GPU xfail in tests/test_reliability_smoke.py): for chunk sizes 256, 128, 64 and 16 on the case's
+inputs, against float64,
+
+* our op's outputs and gradients (the sweep's verdict),
+* the states entering each chunk (``ssd_forward``'s saved H_c against ``ssd_chunked_ref``'s), and
+  the largest error of the chunk cumulative sums of dt A beside their largest size,
+* the final state of the same chunked algorithm written in float32 PyTorch (cumulative sums added
+  in order),
+* mamba_ssm's ``mamba_chunk_scan_combined`` with exact float32 dots (``TRITON_F32_DEFAULT=ieee``,
+  which ``main`` sets before any kernel compiles; our kernels name their precision and do not read
+  it), where mamba_ssm is importable.
+
+    python scripts/reliability/float32_final_state.py --json out.json
+
+book/data/reliability_float32_final_state.json holds an H100 run (2026-11-27): ours 2.7e-5 on the
+final state where the chunks' entering states, the float32 algorithm and mamba_ssm give 4.5e-6
+(README, "What 71461 is").
+"""
+import argparse
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cases  # noqa: E402
+from cases import as64, both_gradients  # noqa: E402
+from cli import write_report  # noqa: E402
+from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
+from mamba_annotated.ssd.reference import ssd_chunked_ref, ssd_quadratic_ref  # noqa: E402
+from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
+from test_reliability_smoke import OPEN_GPU_SWEEP_CASES  # noqa: E402  (cases put tests/ on the path)
+from test_ssd import mamba_ssm_combined  # noqa: E402
+
+CHUNKS = (256, 128, 64, 16)
+
+
+def chunked_final_state(x, dt, A, B, chunk, dtype):
+    """The final state of the chunked algorithm in ``dtype`` PyTorch, for the case's options
+    (softplus, one group, no initial state): per chunk a = cumsum(dt A), S = sum_t exp(a_last - a_t)
+    dt_t x_t B_t^T, H <- exp(a_last) H + S."""
+    x, B, A = x.to(dtype), B.to(dtype), A.to(dtype)
+    dt = F.softplus(dt.to(dtype))
+    batch, length, heads, headdim = x.shape
+    H = torch.zeros(batch, heads, headdim, B.shape[-1], dtype=dtype, device=x.device)
+    for start in range(0, length, chunk):
+        step = dt[:, start:start + chunk]
+        a = torch.cumsum(step * A, dim=1)
+        weight = torch.exp(a[:, -1:] - a) * step
+        S = torch.einsum("bsh,bshp,bshn->bhpn", weight, x[:, start:start + chunk],
+                         B[:, start:start + chunk].expand(-1, -1, heads, -1))
+        H = torch.exp(a[:, -1])[..., None, None] * H + S
+    return H
+
+
+def errors_of(fn, ref_fn, args, args64, seed):
+    """Relative errors of y, the final state and every gradient of ``fn`` against float64."""
+    with torch.no_grad():
+        got, want = fn(**args), ref_fn(**args64)
+    ours, ref = both_gradients(fn, ref_fn, args, args64, seed, got)
+    return dict(y=rel_error(got[0], want[0]), final_states=rel_error(got[1], want[1]),
+                **{f"grad {k}": rel_error(ours[k], ref[k]) for k in ref})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")  # read by Triton when a kernel compiles
+    name, seed, params = OPEN_GPU_SWEEP_CASES["ssd_float32_final_state_at_chunk256"]
+    op, peer = cases.OPS[name], mamba_ssm_combined()
+    report = {}
+    for chunk in CHUNKS:
+        params = copy.deepcopy(params)
+        params["dims"]["chunk"] = chunk
+        seed_everything(seed)
+        leaves = op.inputs(params)
+        views, views64 = op.views(params, leaves), op.views(params, as64(leaves))
+        x, dt, A, B, C, D = (views[k].detach() for k in ("x", "dt", "A", "B", "C", "D"))
+        saved = ssd_forward(x, dt, A, B, C, chunk, D=D, dt_softplus=True).saved
+        steps = ssd_chunked_ref(x, dt, A, B, C, chunk, D=D, dt_softplus=True, return_intermediates=True)[1]
+        exact = chunked_final_state(x, dt, A, B, chunk, torch.float64)
+        row = dict(ours=errors_of(op.ours(params), op.call(params, ssd_quadratic_ref), views, views64, seed),
+                   states_in=rel_error(saved.states_in, steps["states_in"]),
+                   cumsum_abs_error=(saved.dA_cumsum.double() - steps["dA_cumsum"]).abs().max().item(),
+                   cumsum_largest=steps["dA_cumsum"].abs().max().item(),
+                   float32_torch_final_state=rel_error(chunked_final_state(x, dt, A, B, chunk, torch.float32), exact))
+        if peer is not None:
+            row["mamba_ssm_exact_float32"] = errors_of(op.call(params, peer.mamba_chunk_scan_combined),
+                                                       op.call(params, ssd_quadratic_ref), views, views64, seed)
+        report[f"chunk {chunk}"] = row
+        print(f"chunk {chunk}: {json.dumps(row)}", flush=True)
+    write_report(args.json, "float32_final_state", {name: report})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
