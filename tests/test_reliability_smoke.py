@@ -182,6 +182,16 @@ def test_decoding_step_cases_catch_a_step_that_drops_D(monkeypatch, op_name):
     assert len(failures) == 1 and failures[0].startswith("y: relative error"), failures
 
 
+def test_norm_cases_catch_a_norm_five_percent_off(monkeypatch):
+    op = cases.OPS["rmsnorm_fn"]
+    params = json.loads(json.dumps(op.small()[0]))
+    assert cases.run_case(op, params, 0).failures == []
+    norm = cases.rmsnorm_fn
+    monkeypatch.setattr(cases, "rmsnorm_fn", lambda *args: 1.05 * norm(*args))  # the bound: bfloat16 z's 1e-2
+    failures = cases.run_case(op, params, 0).failures
+    assert failures and failures[0].startswith("out: relative error"), failures
+
+
 def test_decoding_steps_step_a_copy_of_the_state_through_its_layout():
     """Each call steps its own copy of the state, made through the state's layout (the kernel sees
     the strides a user's cache has), so the leaf stays as drawn and repeated calls agree bitwise."""
@@ -612,12 +622,13 @@ def test_large_checks_at_smoke_sizes(tmp_path):
 
 def test_nonfinite_probes_report_per_op(tmp_path):
     out = tmp_path / "n.json"
-    nonfinite.main(["--ops", "linear_scan,attention,ssd_state_update", "--values", "nan", "--positions", "25",
-                    "--json", str(out)])
+    nonfinite.main(["--ops", "linear_scan,attention,ssd_state_update,rmsnorm_fn", "--values", "nan", "--positions",
+                    "25", "--json", str(out)])
     report = json.loads(out.read_text())["ops"]
     assert report["linear_scan"] == dict(cases=2, failures=0, problems=[])
     assert report["attention"]["cases"] == 3
     assert report["ssd_state_update"] == dict(cases=4, failures=0, problems=[])  # x, dt, B, C at the last step
+    assert report["rmsnorm_fn"] == dict(cases=2, failures=0, problems=[])  # x and z: only their row is reached
 
 
 def test_leaks_arguments_and_skip_without_cuda():

@@ -1,6 +1,6 @@
 """Non-finite inputs (scripts/gpu_reliability.sh, step ``nonfinite``): a NaN, +inf or -inf at
 position t of one input must not reach the outputs it cannot reach (for a causal op, positions
-before t; for the bidirectional op, the other packed sequences): those stay the same bits as
+before t; for the bidirectional op, the other packed sequences; for the norm, the other rows): those stay the same bits as
 without it. Where it does reach, each output is non-finite exactly where the float64 reference
 on the same inputs is non-finite (never a finite garbage value, never a NaN the math has not got).
 Forward, then a backward pass that must not crash. Ops are not fixed here: failures are reported.
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cases import OPS, as64, forward_backward  # noqa: E402
+from cases import OPS, as64, forward_backward, rms_norm_f64  # noqa: E402
 from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated.attention.api import resolve_window  # noqa: E402
 from mamba_annotated.attention.reference import window_mask  # noqa: E402
@@ -36,7 +36,8 @@ from mamba_annotated.testing import seed_everything  # noqa: E402
 PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -1, -1),
           "selective_scan": (("u", "delta", "B", "C"), -1, -1), "ssd_chunk_scan": (("x", "dt", "B", "C"), 1, 1),
           "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1),
-          "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1)}
+          "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1),
+          "rmsnorm_fn": (("x", "z"), 1, 1)}
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -74,6 +75,8 @@ def reference(op, params):
     opts = params["opts"]
     if not op.differentiable:  # a decoding step: the float64 recurrence over its steps
         return lambda **a: op.reference(params)(**a)[0]
+    if op.name == "rmsnorm_fn":
+        return lambda **a: op.call(params, rms_norm_f64)(**a)[0]
     if op.name in ("linear_scan", "sequential_scan"):
         return lambda a, b, h0=None: linear_scan_ref(a, b, h0, opts["reverse"])
     if op.name == "selective_scan":
@@ -92,6 +95,8 @@ def reached(op, params, args, name, t, length):
     only in t's packed sequence; for attention, the rows whose window holds key t (k, v) or row t
     (q); for the bidirectional op, t's packed sequence."""
     positions = torch.arange(length)
+    if op.name == "rmsnorm_fn":  # row by row: a row's groups read nothing of the others
+        return positions == t
     if op.name == "attention":
         if name == "q":
             return positions == t

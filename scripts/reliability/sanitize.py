@@ -42,7 +42,7 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-sanitizer")
 ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
 OP_NAMES = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
-            "attention", "ssd_state_update", "selective_state_update")
+            "attention", "ssd_state_update", "selective_state_update", "rmsnorm_fn")
 
 
 def parse_args(argv=None):
