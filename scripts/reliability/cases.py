@@ -11,7 +11,9 @@ runs the op forward and backward and returns what failed: nothing when the case 
 The bounds are the tests': ``tolerance(dtype)`` of :mod:`mamba_annotated.testing` on outputs and
 gradients; for the sums over every position (dA, d dt_bias, dD) the rules of tests/test_ssd.py and
 tests/test_bidirectional.py, imported from there (one copy of each rule); for attention "at most
-2x the error of the same computation in PyTorch at the same dtype". Sizes come from
+2x the error of the same computation in PyTorch at the same dtype", which also decides a norm
+gradient past the tests' bound. The decoding steps have no gradients: their y and state after a
+few steps are held to the bound of the coarser of the inputs' and the state's dtypes. Sizes come from
 :func:`mamba_annotated.runtime.size`: real ones on a GPU, a few elements in the interpreter; the
 dense (quadratic) references stay under a cap on their L x L size.
 """
@@ -884,7 +886,6 @@ class Attention(Op):
             dk = (squared.transpose(-1, -2) @ q_ ** 2).view(batch, kv_heads, heads // kv_heads, -1, head_dim).sum(2)
             return {"q": dq.transpose(1, 2), "k": per_pair * dk.sqrt().transpose(1, 2)}
         return self.call(params, bound, dropout_mask)(**self.views(params, leaves64))
-
 
 
 class DecodingSteps(Op):
