@@ -31,7 +31,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_reliability: no CUDA device')" || exit 1
 steps=${STEPS:-sweep sanitize reproducible large nonfinite leaks summary}
-ops=${OPS:-linear_scan sequential_scan selective_scan ssd_chunk_scan bidirectional_chunk_scan attention ssd_state_update selective_state_update rmsnorm_fn}
+ops=${OPS:-linear_scan sequential_scan selective_scan ssd_chunk_scan bidirectional_chunk_scan attention
+ssd_state_update selective_state_update rmsnorm_fn}
 reports=${REPORTS:-/tmp/reliability}
 budget=${TIME_BUDGET:-540}
 shards=${SHARDS:-1}
@@ -56,7 +57,8 @@ for step in $steps; do
 --json $reports/reproducible_$op.json") ;;
       nonfinite) parallel+=("nonfinite_$op python3 $here/nonfinite.py --ops $op --json $reports/nonfinite_$op.json") ;;
       leaks) parallel+=("leaks_$op python3 $here/leaks.py --ops $op --json $reports/leaks_$op.json") ;;
-      large) case $op in sequential_scan|selective_scan|ssd_state_update|selective_state_update|rmsnorm_fn) ;;  # none of their own
+      # no large check of their own:
+      large) case $op in sequential_scan|selective_scan|ssd_state_update|selective_state_update|rmsnorm_fn) ;;
                *) serial+=("large_$op python3 $here/large.py --checks $op --json $reports/large_$op.json") ;; esac ;;
       summary) ;;
       *) echo "gpu_reliability: unknown step $step"; exit 2 ;;

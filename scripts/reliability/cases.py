@@ -840,8 +840,9 @@ class Attention(Op):
             if failed.failures:
                 stored = stored or self.from_stored_output(params, ref_fn, as64(leaves), outputs[0], grad_out)
                 rounding = rounding or self.cancellation_rounding(params, as64(leaves), outputs[0], grad_out, mask)
-                same_computation_rule(verdict, f"grad {name} (formula on the stored output, rounding of dP - D allowed)",
-                          got[name], same[name], stored[name], dtype, rounding.get(name))
+                same_computation_rule(verdict,
+                                      f"grad {name} (formula on the stored output, rounding of dP - D allowed)",
+                                      got[name], same[name], stored[name], dtype, rounding.get(name))
         return verdict
 
     def from_stored_output(self, params, ref_fn, leaves64, out, grad_out):
@@ -1097,7 +1098,8 @@ class GatedRMSNorm(Op):
                     width=width, group=rng.choice(divisors(width)[-4:]))
         opts = dict(bias=rng.random() < 0.5, z=rng.choice([None, dtype, rng.choice(list(DTYPES))]),
                     norm_before_gate=rng.random() < 0.5, eps=rng.choice([1e-6, 1e-5]))
-        return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=draw_layouts(rng, ("x", "weight", "bias", "z"))))
+        layouts = draw_layouts(rng, ("x", "weight", "bias", "z"))
+        return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=layouts))
 
     def fix(self, params):
         d = params["dims"]

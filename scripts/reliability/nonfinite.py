@@ -1,8 +1,8 @@
 """Non-finite inputs (scripts/gpu_reliability.sh, step ``nonfinite``): a NaN, +inf or -inf at
 position t of one input must not reach the outputs it cannot reach (for a causal op, positions
-before t; for the bidirectional op, the other packed sequences; for the norm, the other rows): those stay the same bits as
-without it. Where it does reach, each output is non-finite exactly where the float64 reference
-on the same inputs is non-finite (never a finite garbage value, never a NaN the math has not got).
+before t; for the bidirectional op, the other packed sequences; for the norm, the other rows):
+those stay the same bits as without it. Where it does reach, each output is non-finite exactly
+where the float64 reference on the same inputs is non-finite (never a finite garbage value, never a NaN the math has not got).
 Forward, then a backward pass that must not crash. Ops are not fixed here: failures are reported.
 
 The reference is not used before t: there its own 0 x NaN (a masked score times a NaN value)
