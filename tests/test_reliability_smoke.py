@@ -453,6 +453,13 @@ OPEN_GPU_SWEEP_CASES = {
                      D="contiguous", dt="contiguous", dt_rev="strided", x="strided", z="expanded"),
         opts=dict(B_rev=True, C_rev=True, D="channel", cuts=[93, 205, 225], dt_bias=False, dt_dtype="bfloat16",
                   dt_limit=None, dt_rev=True, dt_softplus=False, packing=None, shift=True, z=False))),
+    # bfloat16 dA pooled: 4.8e-4 against 3 x the foil's 1.1e-5, the shift at L = 257 and chunk 256 again
+    "bidirectional_bfloat16_dA_one_step_past_a_chunk_packed": ("bidirectional_chunk_scan", 90104, dict(
+        dims=dict(L=257, batch=1, chunk=256, dstate=48, groups=1, headdim=80, heads=1), dtype="bfloat16",
+        layouts=dict(A="contiguous", B="expanded", B_rev="expanded", C="expanded", C_rev="contiguous",
+                     D="contiguous", dt="contiguous", dt_rev="contiguous", x="transposed", z="contiguous"),
+        opts=dict(B_rev=False, C_rev=False, D=None, cuts=[94, 226], dt_bias=False, dt_dtype="bfloat16",
+                  dt_limit=[0.01, 2.0], dt_rev=False, dt_softplus=False, packing="cu_seqlens", shift=True, z=False))),
 }
 
 
@@ -886,6 +893,42 @@ def test_step_gradients_are_judged_on_errors_pooled_over_upstream_draws():
     assert math.isnan(cases.pooled_error([torch.tensor([1.0]), torch.tensor([float("nan")])], refs))
     assert cases.pooled_error([torch.tensor([0.0])], [torch.tensor([-1.7e-20], dtype=torch.float64)]) == 0.0
     assert cases.upstream_seeds(7)[0] == 7 and len(set(cases.upstream_seeds(7))) == cases.UPSTREAM_DRAWS
+
+
+def test_a_second_form_of_the_same_computation_is_consulted_only_where_the_first_fails():
+    """The bidirectional op's foil at half the chunk: it runs only for a gradient past the first
+    yardstick, and the larger error of the two is the bound; a gradient off by more than both
+    still fails, and a second form that raises is the yardstick's failure (YardstickFailed), as
+    the first's is."""
+    w = torch.tensor([0.3, -1.2, 2.0], device=DEVICE, requires_grad=True)
+    w64 = w.detach().double().requires_grad_()
+    calls = []
+
+    def exact(w):
+        return (w * w,)
+
+    def coarse(w):  # the yardstick of a computation 3e-3 off
+        calls.append(1)
+        return (1.003 * w * w,)
+
+    def judged(fn):
+        verdict = cases.Verdict()
+        cases.judge_typical_errors(verdict, ["w"], fn, exact, exact, dict(w=w), dict(w=w64), torch.zeros_like(w), 7,
+                                   torch.bfloat16, factor=3.0, other_same_fn=coarse)
+        return verdict
+
+    assert not judged(exact).failures and not calls  # within the first yardstick: the second never runs
+    near = judged(lambda w: (1.005 * w * w,))
+    assert not near.failures and near.yardsticks["grad w"] == pytest.approx(3e-3, rel=1e-3) and calls
+    assert judged(lambda w: (1.01 * w * w,)).failures[0].startswith("grad w: error 1.000e-02 above 3 x")
+
+    def raising(w):
+        raise RuntimeError("chunk too small")
+    verdict = cases.Verdict()
+    with pytest.raises(cases.YardstickFailed):
+        cases.judge_typical_errors(verdict, ["w"], lambda w: (1.005 * w * w,), exact, exact, dict(w=w),
+                                   dict(w=w64), torch.zeros_like(w), 7, torch.bfloat16, factor=3.0,
+                                   other_same_fn=raising)
 
 
 def test_a_vanishing_reference_is_judged_as_a_zero():

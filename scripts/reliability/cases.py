@@ -248,26 +248,39 @@ class YardstickFailed(Exception):
     """The same computation (mamba_ssm, say) raised on a case: its failure, not ours."""
 
 
-def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like, seed, dtype, factor):
+def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like, seed, dtype, factor,
+                         other_same_fn=None):
     """The rule "at most ``factor`` x the same computation's error (plus the floor of ``dtype``)",
     with both errors pooled over UPSTREAM_DRAWS upstream gradients (:func:`pooled_error`), for the
     gradients ``names`` of ``fn`` against ``same_fn`` (mamba_ssm, or the two-call foil) and the
     float64 ``ref_fn``. The pooled errors go into the verdict's errors and yardsticks. ``same_fn``
-    runs first: if it raises, :class:`YardstickFailed` says so before ours runs again."""
+    runs first: if it raises, :class:`YardstickFailed` says so before ours runs again.
+    ``other_same_fn``, a second form of the same computation, runs only for a gradient that fails
+    against ``same_fn``: the larger of the two errors is then the yardstick."""
     grads_out = [upstream(like.numel(), like.dtype, draw_seed) for draw_seed in upstream_seeds(seed)]
-    try:
-        yardstick = [gradients_of_arguments(same_fn, args, grad_out) for grad_out in grads_out]
-    except Exception as e:
-        raise YardstickFailed(f"{type(e).__name__}: {e}") from e
+
+    def draws_of(same):
+        try:
+            return [gradients_of_arguments(same, args, grad_out) for grad_out in grads_out]
+        except Exception as e:
+            raise YardstickFailed(f"{type(e).__name__}: {e}") from e
+
+    yardstick = draws_of(same_fn)
     draws = {name: ([], [], []) for name in names}  # ours, the same computation's, float64
     for grad_out, same in zip(grads_out, yardstick):
         ours, want = gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(ref_fn, args64, grad_out)
         for name in names:
             for found, grads in zip(draws[name], (ours, same, want)):
                 found.append(grads[name])
-    for name in names:
-        ours, same, want = draws[name]
-        error, theirs = pooled_error(ours, want), pooled_error(same, want)
+    errors = {name: (pooled_error(ours, want), pooled_error(same, want)) for name, (ours, same, want) in draws.items()}
+    failing = [name for name, (error, theirs) in errors.items()
+               if not error <= factor * (theirs + SAME_COMPUTATION_FLOOR[dtype])]
+    if failing and other_same_fn is not None:
+        other = draws_of(other_same_fn)
+        for name in failing:
+            theirs = pooled_error([grads[name] for grads in other], draws[name][2])
+            errors[name] = errors[name][0], max(errors[name][1], theirs)
+    for name, (error, theirs) in errors.items():
         verdict.errors[f"grad {name}"], verdict.yardsticks[f"grad {name}"] = error, theirs
         reference = theirs + SAME_COMPUTATION_FLOOR[dtype]
         if not error <= factor * reference:
@@ -724,9 +737,16 @@ class BidirectionalChunkScan(ChunkedSSM):
         by_foil += [name for name in want if name not in by_foil
                     and not verdict.errors[f"grad {name}"] < fused_grad_tol(name, dtype)]
         if by_foil:
+            # The foil, two causal calls, reads no chunk state at all where every output of each call
+            # falls in one chunk: with the shift at L = chunk + 1 (seeds 72440 and 90104 on an H100:
+            # bfloat16 dA 3.3e-4 and 4.8e-4 against its 3e-6 and 9e-7), while ours reads the states of
+            # the grid the two directions share, rounded to bfloat16 as every chunked call's are. There
+            # the foil at half the chunk, which does read states, is the yardstick as well.
+            half = dict(params, dims=dict(params["dims"], chunk=params["dims"]["chunk"] // 2))
             judge_typical_errors(verdict, by_foil, fn, self.call(params, bidirectional_two_calls), ref_fn,
                                  self.views(params, leaves), self.views(params, as64(leaves)), flat(outputs), seed,
-                                 dtype, factor=3.0)
+                                 dtype, factor=3.0, other_same_fn=self.call(half, bidirectional_two_calls)
+                                 if params["dims"]["chunk"] >= 32 else None)
         return verdict
 
 
