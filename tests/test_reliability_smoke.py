@@ -424,36 +424,53 @@ ALL_SUM_CASES = {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES, **OPEN_GPU_SUM_CASES, *
 # are skipped in the interpreter; on the GPU they are strict xfails until fixed.
 OPEN_GPU_SWEEP_CASES = {
     # float32 at L = 2039, chunk 256: final state 2.7e-5 against 1e-5, dA 5.1e-4 against 1e-4; mamba_ssm with
-    # exact float32 dots 4.5e-6 and 1.8e-4 on the same inputs, and our states entering chunks 1-7 4.5e-6: the
-    # partial last chunk's state is off (README: "What 71461 is")
+    # exact float32 dots 4.5e-6 and 1.8e-4 on the same inputs; our final state from float64 chunk sums rounded
+    # once 4.4e-6: the rounding of our chunk sums (README: "What 71461 is")
     "ssd_float32_final_state_at_chunk256": ("ssd_chunk_scan", 71461, dict(
         dims=dict(L=2039, batch=1, chunk=256, dstate=16, groups=1, headdim=16, heads=1), dtype="float32",
         layouts=dict(A="contiguous", B="offset", C="contiguous", D="transposed", dt="reversed",
                      initial_states="offset", x="contiguous", z="contiguous"),
         opts=dict(D="channel", cuts=[37, 1085, 1376], dt_bias=False, dt_dtype="float32", dt_limit=None,
                   dt_softplus=True, initial_states=False, packing=None, return_final_states=True, z=False))),
-    # bfloat16 grad x at headdim 1: 1.26e-2 against the fixed 1e-2
+    # float32 grad x of groups of one element, pooled: 8.9e-3 and 1.8e-3 against twice PyTorch's formula's
+    # 4.2e-3 and 2.7e-4 (d out / dx = w eps / (x^2 + eps)^1.5, two terms that agree to 1e-6 cancelling)
+    "rmsnorm_float32_grad_x_of_one_element_groups": ("rmsnorm_fn", 69, dict(
+        dims=dict(batch=1, group=1, rows=4, width=1), dtype="float32",
+        layouts=dict(bias="contiguous", weight="contiguous", x="contiguous", z="contiguous"),
+        opts=dict(bias=False, eps=1e-6, norm_before_gate=True, z="float32"))),
+    "rmsnorm_float32_grad_x_of_one_element": ("rmsnorm_fn", 71, dict(
+        dims=dict(batch=1, group=1, rows=1, width=1), dtype="float32",
+        layouts=dict(bias="contiguous", weight="contiguous", x="contiguous", z="contiguous"),
+        opts=dict(bias=False, eps=1e-6, norm_before_gate=True, z=None))),
+}
+
+# Recorded H100 sweep failures that pass under the judge's later rules (a gradient past its fixed bound
+# against the foil pooled; a 16-bit step gradient against the foil at half the chunk too), on an H100 with
+# the kernels as at 8fc534f: a change that makes one fail again is a regression of the kernels or the judge
+PASSING_GPU_SWEEP_CASES = {
+    # bfloat16 grad x at headdim 1: 1.26e-2 against the fixed 1e-2 on one draw; pooled 4.6e-3, the foil's 4.6e-3
     "bidirectional_bfloat16_grad_x_at_headdim1": ("bidirectional_chunk_scan", 71006, dict(
         dims=dict(L=13, batch=1, chunk=16, dstate=1, groups=1, headdim=1, heads=1), dtype="bfloat16",
         layouts=dict(A="contiguous", B="contiguous", B_rev="contiguous", C="contiguous", C_rev="contiguous",
                      D="contiguous", dt="contiguous", dt_rev="contiguous", x="contiguous", z="contiguous"),
         opts=dict(B_rev=False, C_rev=False, D=None, cuts=[6], dt_bias=True, dt_dtype="float32", dt_limit=None,
                   dt_rev=True, dt_softplus=False, packing=None, shift=False, z=False))),
-    # bfloat16 dA pooled: 6.5e-4 against 3 x the two-call foil's 2.0e-4
+    # bfloat16 dA pooled: 6.5e-4 against 3 x the two-call foil's 2.0e-4; its foil at chunk 32 5.5e-4
     "bidirectional_bfloat16_dA_packed_shifted": ("bidirectional_chunk_scan", 71504, dict(
         dims=dict(L=316, batch=1, chunk=64, dstate=1, groups=1, headdim=1, heads=1), dtype="bfloat16",
         layouts=dict(A="contiguous", B="reversed", B_rev="contiguous", C="offset", C_rev="transposed",
                      D="contiguous", dt="contiguous", dt_rev="reversed", x="expanded", z="contiguous"),
         opts=dict(B_rev=True, C_rev=False, D="head", cuts=[10, 202, 256], dt_bias=False, dt_dtype="float32",
                   dt_limit=None, dt_rev=True, dt_softplus=False, packing="cu_seqlens", shift=True, z=False))),
-    # bfloat16 dA pooled: 3.3e-4 against 3 x the foil's 1.3e-5, at L = 257 with chunk 256
+    # bfloat16 dA pooled, the shift at L = 257 and chunk 256: 3.3e-4 against 3 x the foil's 1.3e-5, which reads
+    # no chunk state there; its foil at chunk 128 2.8e-4
     "bidirectional_bfloat16_dA_one_step_past_a_chunk": ("bidirectional_chunk_scan", 72440, dict(
         dims=dict(L=257, batch=1, chunk=256, dstate=48, groups=1, headdim=80, heads=1), dtype="bfloat16",
         layouts=dict(A="contiguous", B="expanded", B_rev="strided", C="offset", C_rev="contiguous",
                      D="contiguous", dt="contiguous", dt_rev="strided", x="strided", z="expanded"),
         opts=dict(B_rev=True, C_rev=True, D="channel", cuts=[93, 205, 225], dt_bias=False, dt_dtype="bfloat16",
                   dt_limit=None, dt_rev=True, dt_softplus=False, packing=None, shift=True, z=False))),
-    # bfloat16 dA pooled: 4.8e-4 against 3 x the foil's 1.1e-5, the shift at L = 257 and chunk 256 again
+    # bfloat16 dA pooled, the same shape again: 4.8e-4 against 3 x the foil's 1.1e-5; at chunk 128 7.3e-4
     "bidirectional_bfloat16_dA_one_step_past_a_chunk_packed": ("bidirectional_chunk_scan", 90104, dict(
         dims=dict(L=257, batch=1, chunk=256, dstate=48, groups=1, headdim=80, heads=1), dtype="bfloat16",
         layouts=dict(A="contiguous", B="expanded", B_rev="expanded", C="expanded", C_rev="contiguous",
@@ -468,6 +485,14 @@ OPEN_GPU_SWEEP_CASES = {
 @pytest.mark.parametrize("case", OPEN_GPU_SWEEP_CASES)
 def test_open_gpu_sweep_failures(case):
     name, seed, params = OPEN_GPU_SWEEP_CASES[case]
+    failures = cases.run_case(cases.OPS[name], params, seed).failures
+    assert not failures, failures
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the seed's inputs are the GPU's draws")
+@pytest.mark.parametrize("case", PASSING_GPU_SWEEP_CASES)
+def test_recorded_gpu_sweep_failures_that_pass_now(case):
+    name, seed, params = PASSING_GPU_SWEEP_CASES[case]
     failures = cases.run_case(cases.OPS[name], params, seed).failures
     assert not failures, failures
 
@@ -749,6 +774,9 @@ def test_the_float32_final_state_probe_reports_each_chunk_size(monkeypatch, tmp_
     row = json.loads(out.read_text())["ops"][name]["chunk 16"]
     assert max(row["ours"].values()) < 1e-5, row["ours"]
     assert row["states_in"] < 1e-5 and row["float32_torch_final_state"] < 1e-5 and row["cumsum_abs_error"] < 1e-4
+    assert row["final_state_with_correctly_rounded_cumsums"] < 1e-5 and row["last_exponents_abs_error"] < 1e-5
+    assert row["last_slot_less_last_position"] == 0.0  # the interpreter adds in order
+    assert probe.forward_module.chunk_cumsum is probe.CHUNK_CUMSUM  # put back after its run
 
 
 def test_summary_merges_reports_into_one_table(tmp_path, capsys):

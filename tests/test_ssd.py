@@ -258,20 +258,6 @@ def test_softplus_step_is_accurate_at_tiny_steps():
                            {k: inputs[k] for k in ("x", "dt", "A", "B", "C")}, tolerance(torch.float32))
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_slots_past_the_end_hold_the_last_positions_sum_exactly(packed):
-    """Defect (GPU sweep, seed 71461: float32, L = 2039, chunk 256): the slots past a partial chunk's
-    end held its sum as the scan's tree added it, a rounding of |a| away from the last position's;
-    every weight exp(a_last - a_t) of the chunk shared that error (final state 2.7e-5 against
-    mamba_ssm's 4.5e-6 on an H100). The interpreter adds in order, so there this holds either way."""
-    length, chunk, heads = 2 * 256 + 247, 256, 8
-    dt = uniform(2, length, heads, low=0.5, high=2.0)  # |a| in the hundreds: an ulp of 3e-5
-    seq_idx = (torch.arange(length, device=DEVICE) >= 600).to(torch.int32).expand(2, -1) if packed else None
-    a, _ = chunk_cumsum(dt, -uniform(heads, low=0.5, high=1.0), chunk, dt_softplus=True, seq_idx=seq_idx)
-    last = (length - 1) % chunk
-    assert torch.equal(a[:, :, -1, last:], a[:, :, -1, last:last + 1].expand(-1, -1, chunk - last))
-
-
 def test_gradient_of_dt_split_from_a_projection():
     """Defect: the backward wrote d dt through the caller's dt strides into a contiguous buffer: a
     dt that is a torch.split view of a projection (what mamba_ssm's Mamba2 passes) wrote out of

@@ -4,8 +4,8 @@ Algorithm
     dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (bias and softplus optional; the clamp
           always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
     a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk)
-    Positions past the end of the sequence get dt' = 0 and the sum at the last position (copied,
-    not re-added: the kernel says why), so a chunk's last slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
+    Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
+    slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
     at every boundary inside the chunk, k running over t's own sequence only. The consumers are
     unchanged: they use a_t - a_s for s and t of one sequence (the same value either way), a_t for
     the sequence carried into the chunk and a_last - a_s for the one that leaves it (the chunk's
@@ -104,13 +104,6 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
         dA_cumsum, _ = tl.associative_scan((dt * A[:, None], restarts), 1, add_or_restart)
     else:
         dA_cumsum = tl.cumsum(dt * A[:, None], axis=1)
-    # Past L the steps are 0, so the slots after a partial chunk's last position hold its sum; but
-    # the scan's tree may add a later slot along another path, a rounding of |a| apart, an error
-    # that every weight exp(a_last - a_t) of the chunk would share (README: "What 71461 was"). So
-    # they get the last position's value itself.
-    last = tl.minimum(length - pid_c * CHUNK, CHUNK) - 1
-    at_last = tl.sum(tl.where(tl.arange(0, CHUNK)[None, :] == last, dA_cumsum, 0.0), axis=1)
-    dA_cumsum = tl.where(t[None, :] < length, dA_cumsum, at_last[:, None])
     out = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
     h_mask = h[:, None] < heads
     tl.store(dA_cumsum_ptr + out, dA_cumsum, mask=h_mask)

@@ -7,15 +7,19 @@ inputs, against float64,
   the largest error of the chunk cumulative sums of dt A beside their largest size,
 * the final state of the same chunked algorithm written in float32 PyTorch (cumulative sums added
   in order),
+* how far the chunk's last exponents a_last - a_t (its last 9 positions) are from float64 and
+  how far the last slot of the last chunk is from its last position's sum,
+* our op's final state with the cumulative sums replaced by float64 ones rounded once to float32
+  (everything else ours),
 * mamba_ssm's ``mamba_chunk_scan_combined`` with exact float32 dots (``TRITON_F32_DEFAULT=ieee``,
   which ``main`` sets before any kernel compiles; our kernels name their precision and do not read
   it), where mamba_ssm is importable.
 
     python scripts/reliability/float32_final_state.py --json out.json
 
-book/data/reliability_float32_final_state.json holds an H100 run (2026-11-27): ours 2.7e-5 on the
-final state where the chunks' entering states, the float32 algorithm and mamba_ssm give 4.5e-6
-(README, "What 71461 is").
+book/data/reliability_float32_final_state.json holds H100 runs (2026-11-27): ours 2.7e-5 on the
+final state where the chunks' entering states, the float32 algorithm and mamba_ssm give 4.5e-6, and
+4.4e-6 from the same kernels fed correctly rounded chunk sums (README, "What 71461 is").
 """
 import argparse
 import copy
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cases  # noqa: E402
 from cases import as64, both_gradients  # noqa: E402
 from cli import write_report  # noqa: E402
+from mamba_annotated.ssd import forward as forward_module  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_chunked_ref, ssd_quadratic_ref  # noqa: E402
 from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
@@ -56,6 +61,25 @@ def chunked_final_state(x, dt, A, B, chunk, dtype):
                          B[:, start:start + chunk].expand(-1, -1, heads, -1))
         H = torch.exp(a[:, -1])[..., None, None] * H + S
     return H
+
+
+def correctly_rounded_cumsums(dt, A, chunk_size, **options):
+    """chunk_cumsum with each a_t summed in float64 and rounded once to float32."""
+    _, dt_out = CHUNK_CUMSUM(dt, A, chunk_size, **options)
+    return torch.cumsum(dt_out.double() * A.double()[None, :, None, None], dim=-1).float(), dt_out
+
+
+CHUNK_CUMSUM = forward_module.chunk_cumsum
+
+
+def last_exponents_error(ours, exact, length):
+    """The largest error of a_last - a_t over the last chunk's last 9 positions, and its last slot
+    less its last position (0 where the sums past the end are the last position's)."""
+    last = (length - 1) % ours.shape[-1]
+    first = max(last - 8, 0)
+    differences = [(a[..., -1, last:last + 1] - a[..., -1, first:last + 1]).double() for a in (ours, exact)]
+    past_the_end = (ours[..., -1, -1] - ours[..., -1, last]).abs().max().item()
+    return (differences[0] - differences[1]).abs().max().item(), past_the_end
 
 
 def errors_of(fn, ref_fn, args, args64, seed):
@@ -90,6 +114,16 @@ def main(argv=None):
                    cumsum_abs_error=(saved.dA_cumsum.double() - steps["dA_cumsum"]).abs().max().item(),
                    cumsum_largest=steps["dA_cumsum"].abs().max().item(),
                    float32_torch_final_state=rel_error(chunked_final_state(x, dt, A, B, chunk, torch.float32), exact))
+        row["last_exponents_abs_error"], row["last_slot_less_last_position"] = last_exponents_error(
+            saved.dA_cumsum, steps["dA_cumsum"], x.shape[1])
+        forward_module.chunk_cumsum = correctly_rounded_cumsums
+        try:
+            with torch.no_grad():
+                final = op.ours(params)(**views)[1]
+        finally:
+            forward_module.chunk_cumsum = CHUNK_CUMSUM
+        row["final_state_with_correctly_rounded_cumsums"] = rel_error(
+            final, op.call(params, ssd_quadratic_ref)(**views64)[1])
         if peer is not None:
             row["mamba_ssm_exact_float32"] = errors_of(op.call(params, peer.mamba_chunk_scan_combined),
                                                        op.call(params, ssd_quadratic_ref), views, views64, seed)
