@@ -30,7 +30,7 @@ import sweep  # noqa: E402
 
 from mamba_annotated import linear_scan  # noqa: E402
 from mamba_annotated.attention.reference import attention_ref  # noqa: E402
-from mamba_annotated.runtime import DEVICE, INTERPRETED  # noqa: E402
+from mamba_annotated.runtime import DEVICE, INTERPRETED, size  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU box only)")
 
@@ -411,7 +411,10 @@ OPEN_INTERPRETER_CASES = {
 }
 
 
-OPEN_16BIT_ON_GPU = pytest.mark.xfail(not INTERPRETED, strict=True, reason="open (issue 14): 16-bit dA on the GPU")
+# On the GPU a strict xfail; in the interpreter the seed draws other inputs, of a shape that
+# TYPICAL_INTERPRETER_CASES already runs there (seed 20): skipped, as the other GPU seeds are
+OPEN_16BIT_ON_GPU = [pytest.mark.skipif(INTERPRETED, reason="the seed's inputs are the GPU's draws"),
+                     pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit dA on the GPU")]
 INTERPRETER_DRAWS = pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws")
 OPEN_16BIT_INTERPRETED = [INTERPRETER_DRAWS, pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit sums")]
 ALL_SUM_CASES = {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES, **OPEN_GPU_SUM_CASES, **TYPICAL_INTERPRETER_CASES,
@@ -973,9 +976,11 @@ def test_a_vanishing_reference_is_judged_as_a_zero():
 
 def test_a_16bit_bidirectional_verdict_keeps_the_foils_errors_beside_its_own():
     op = cases.OPS["bidirectional_chunk_scan"]
-    params = op.small()[1]
+    params = json.loads(json.dumps(op.small()[1]))
     assert params["dtype"] == "bfloat16"
-    verdict = cases.run_case(op, params, 3)
+    params["dims"].update(batch=1, heads=2, groups=1, L=size(gpu=params["dims"]["L"], cpu=41))
+    params["opts"]["cuts"] = [5]
+    verdict = cases.run_case(op, op.fix(params), 3)
     assert set(verdict.yardsticks) == {"grad dt", "grad A", "grad dt_bias", "grad dt_rev"}
     assert all(0 < verdict.yardsticks[name] < 3e-2 and name in verdict.errors for name in verdict.yardsticks)
 
