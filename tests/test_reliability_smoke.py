@@ -779,7 +779,7 @@ def test_the_float32_final_state_probe_reports_each_chunk_size(monkeypatch, tmp_
     assert row["states_in"] < 1e-5 and row["float32_torch_final_state"] < 1e-5 and row["cumsum_abs_error"] < 1e-4
     assert row["final_state_with_correctly_rounded_cumsums"] < 1e-5 and row["last_exponents_abs_error"] < 1e-5
     assert row["last_slot_less_last_position"] == 0.0  # the interpreter adds in order
-    assert probe.forward_module.chunk_cumsum is probe.CHUNK_CUMSUM  # put back after its run
+    assert probe.forward_module.chunk_cumsum is probe.chunk_cumsum  # put back after its run
 
 
 def test_summary_merges_reports_into_one_table(tmp_path, capsys):

@@ -272,9 +272,11 @@ def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like
         for name in names:
             for found, grads in zip(draws[name], (ours, same, want)):
                 found.append(grads[name])
+    def within(error, theirs):
+        return error <= factor * (theirs + SAME_COMPUTATION_FLOOR[dtype])
+
     errors = {name: (pooled_error(ours, want), pooled_error(same, want)) for name, (ours, same, want) in draws.items()}
-    failing = [name for name, (error, theirs) in errors.items()
-               if not error <= factor * (theirs + SAME_COMPUTATION_FLOOR[dtype])]
+    failing = [name for name, (error, theirs) in errors.items() if not within(error, theirs)]
     if failing and other_same_fn is not None:
         other = draws_of(other_same_fn)
         for name in failing:
@@ -282,10 +284,10 @@ def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like
             errors[name] = errors[name][0], max(errors[name][1], theirs)
     for name, (error, theirs) in errors.items():
         verdict.errors[f"grad {name}"], verdict.yardsticks[f"grad {name}"] = error, theirs
-        reference = theirs + SAME_COMPUTATION_FLOOR[dtype]
-        if not error <= factor * reference:
+        if not within(error, theirs):
             verdict.failures.append(f"grad {name}: error {error:.3e} above {factor:g} x the same computation's in "
-                                    f"{dtype} ({reference:.3e}), pooled over {UPSTREAM_DRAWS} upstream gradients")
+                                    f"{dtype} ({theirs + SAME_COMPUTATION_FLOOR[dtype]:.3e}), pooled over "
+                                    f"{UPSTREAM_DRAWS} upstream gradients")
 
 
 def both_gradients(fn, ref_fn, args, args64, seed, outputs):

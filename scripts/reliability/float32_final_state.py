@@ -27,6 +27,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ import cases  # noqa: E402
 from cases import as64, both_gradients  # noqa: E402
 from cli import write_report  # noqa: E402
 from mamba_annotated.ssd import forward as forward_module  # noqa: E402
+from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_chunked_ref, ssd_quadratic_ref  # noqa: E402
 from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
@@ -65,11 +67,8 @@ def chunked_final_state(x, dt, A, B, chunk, dtype):
 
 def correctly_rounded_cumsums(dt, A, chunk_size, **options):
     """chunk_cumsum with each a_t summed in float64 and rounded once to float32."""
-    _, dt_out = CHUNK_CUMSUM(dt, A, chunk_size, **options)
+    _, dt_out = chunk_cumsum(dt, A, chunk_size, **options)
     return torch.cumsum(dt_out.double() * A.double()[None, :, None, None], dim=-1).float(), dt_out
-
-
-CHUNK_CUMSUM = forward_module.chunk_cumsum
 
 
 def last_exponents_error(ours, exact, length):
@@ -116,12 +115,8 @@ def main(argv=None):
                    float32_torch_final_state=rel_error(chunked_final_state(x, dt, A, B, chunk, torch.float32), exact))
         row["last_exponents_abs_error"], row["last_slot_less_last_position"] = last_exponents_error(
             saved.dA_cumsum, steps["dA_cumsum"], x.shape[1])
-        forward_module.chunk_cumsum = correctly_rounded_cumsums
-        try:
-            with torch.no_grad():
-                final = op.ours(params)(**views)[1]
-        finally:
-            forward_module.chunk_cumsum = CHUNK_CUMSUM
+        with mock.patch.object(forward_module, "chunk_cumsum", correctly_rounded_cumsums), torch.no_grad():
+            final = op.ours(params)(**views)[1]
         row["final_state_with_correctly_rounded_cumsums"] = rel_error(
             final, op.call(params, ssd_quadratic_ref)(**views64)[1])
         if peer is not None:
