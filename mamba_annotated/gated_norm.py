@@ -15,7 +15,8 @@ where a bfloat16 model keeps one). This kernel reads x and z once, writes out an
 
 Backward, with n = u * rstd, the gradient reaching n * weight + bias being g (dy, times silu(z)
 after a post-norm gate): d weight = sum over rows of g * n, d bias = sum of g, and within a group
-du = rstd * (g * weight - n * mean(g * weight * n)); the gates' derivative is
+du = rstd * (g * weight - n * mean(g * weight * n)), except in a group of one element, where it is
+g * weight * eps * rstd^3 (below); the gates' derivative is
 silu'(z) = sigmoid(z) * (1 + z * (1 - sigmoid(z))). Each backward program walks a band of rows and
 keeps its weight and bias sums in registers; the host adds the bands' partial sums (no atomics: the
 same bits at every call).
@@ -71,7 +72,7 @@ def gated_rms_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rstd_ptr, n_g
 
 @triton.jit
 def gated_rms_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, rstd_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, db_ptr,
-                              rows, rows_per_band, n_groups, group_size, width,
+                              rows, rows_per_band, n_groups, group_size, width, eps,
                               stride_x, stride_z, stride_dy,
                               HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
                               BLOCK: tl.constexpr):
@@ -110,6 +111,9 @@ def gated_rms_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, rstd_ptr, dy_ptr, dx_p
         db += grad
         dn = grad * w
         du = (dn - n * (tl.sum(dn * n, axis=0) / group_size)) * rstd
+        # A lone element's n is +-1 to within eps / u^2, so dn - n^2 dn cancels to rounding noise (a
+        # float32 grad x 8.9e-3 off on an H100, groups of one element); exactly, du = dn eps rstd^3
+        du = tl.where(group_size == 1, dn * eps * (rstd * rstd * rstd), du)
         dx = du
         if HAS_Z:
             if not NORM_BEFORE_GATE:  # u = x * silu(z)
@@ -165,8 +169,8 @@ def fake_gated_rms_norm_forward(x, weight, bias, z, eps, group_size, norm_before
 
 
 def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            z: Optional[torch.Tensor], rstd: torch.Tensor, group_size: int, norm_before_gate: bool,
-                            d_out: torch.Tensor) -> list[torch.Tensor]:
+                            z: Optional[torch.Tensor], rstd: torch.Tensor, eps: float, group_size: int,
+                            norm_before_gate: bool, d_out: torch.Tensor) -> list[torch.Tensor]:
     """(dx, d weight, d bias, dz): like x, weight, bias, z (absent for a bias or z that is None)."""
     width = x.shape[-1]
     weight, bias = contiguous(weight), contiguous(bias)
@@ -184,14 +188,14 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
         gated_rms_norm_bwd_kernel[(bands, n_groups)](
             x2, z2 if z2 is not None else x2, weight, bias if bias is not None else weight, rstd, dy2, dx,
             dz if dz is not None else dx, dw, db if db is not None else dw, rows, rows_per_band, n_groups,
-            group_size, width, x2.stride(0), z2.stride(0) if z2 is not None else 0, dy2.stride(0),
+            group_size, width, eps, x2.stride(0), z2.stride(0) if z2 is not None else 0, dy2.stride(0),
             HAS_Z=z is not None, HAS_BIAS=bias is not None, NORM_BEFORE_GATE=norm_before_gate,
             **launch_options(group_size))
     return [dx, dw.sum(0).to(weight.dtype), db.sum(0).to(bias.dtype) if bias is not None else absent(x),
             dz if dz is not None else absent(x)]
 
 
-def fake_gated_rms_norm_backward(x, weight, bias, z, rstd, group_size, norm_before_gate, d_out):
+def fake_gated_rms_norm_backward(x, weight, bias, z, rstd, eps, group_size, norm_before_gate, d_out):
     return [x.new_empty(x.shape), weight.new_empty(weight.shape),
             bias.new_empty(bias.shape) if bias is not None else absent(x),
             z.new_empty(z.shape) if z is not None else absent(x)]
@@ -200,7 +204,7 @@ def fake_gated_rms_norm_backward(x, weight, bias, z, rstd, group_size, norm_befo
 def save_gated_rms_norm(ctx, inputs, output):  # "output": torch.library passes it by that name
     x, weight, bias, z, eps, group_size, norm_before_gate = inputs
     ctx.save_for_backward(x, weight, bias, z, output[1])
-    ctx.options = (group_size, norm_before_gate)
+    ctx.options = (eps, group_size, norm_before_gate)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
 

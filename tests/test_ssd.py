@@ -258,6 +258,30 @@ def test_softplus_step_is_accurate_at_tiny_steps():
                            {k: inputs[k] for k in ("x", "dt", "A", "B", "C")}, tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunk_sums_are_rounded_once(packed):
+    """Defect (GPU sweep, SSD seed 71461: float32, L = 2039, chunk 256): the chunk sums of dt A were
+    added in float32, so a_last - a_t near a chunk's end, the exponent of the weights its state
+    sits on, was an ulp of |a| off (3e-5 at |a| = 325): the final state 2.7e-5 off against
+    mamba_ssm's 4.5e-6 on an H100, 4.4e-6 from float64 sums rounded once. Each sum is now within
+    half an ulp of float32 of the exact one (added in order in float32, as the interpreter did,
+    they were up to 2e-4 off here)."""
+    length, chunk, heads = 2 * 256 + 247, 256, 8
+    dt = uniform(2, length, heads, low=0.5, high=2.0)  # |a| in the hundreds: an ulp of 3e-5
+    A = -uniform(heads, low=0.5, high=1.0)
+    seq_idx = (torch.arange(length, device=DEVICE) >= 600).to(torch.int32).expand(2, -1) if packed else None
+    a, step = chunk_cumsum(dt, A, chunk, dt_softplus=True, seq_idx=seq_idx)
+    terms = step.double() * A.double()[None, :, None, None]
+    if packed:  # the sum restarts at position 600, inside chunk 2
+        start = 600 - 2 * chunk
+        exact = torch.cumsum(terms, dim=-1)
+        exact[:, :, 2, start:] = torch.cumsum(terms[:, :, 2, start:], dim=-1)
+    else:
+        exact = torch.cumsum(terms, dim=-1)
+    half_ulp = torch.finfo(torch.float32).eps / 2 * exact.abs()
+    assert ((a.double() - exact).abs() <= half_ulp * (1 + 1e-9)).all()
+
+
 def test_gradient_of_dt_split_from_a_projection():
     """Defect: the backward wrote d dt through the caller's dt strides into a contiguous buffer: a
     dt that is a torch.split view of a projection (what mamba_ssm's Mamba2 passes) wrote out of

@@ -3,7 +3,7 @@
 Algorithm
     dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (bias and softplus optional; the clamp
           always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
-    a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk)
+    a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk, in float64)
     Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
     slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
     at every boundary inside the chunk, k running over t's own sequence only. The consumers are
@@ -91,6 +91,12 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
     dt, _ = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
+    # The sums are formed in float64 and rounded once. The weights exp(a_last - a_t) of a chunk's last
+    # positions, where a decaying chunk's state sits, take the difference of two sums of size |a|;
+    # a float32 scan's tree leaves each an ulp of |a| off (3e-5 at |a| = 325), and that difference
+    # with it: a float32 final state 6x mamba_ssm's error on an H100 (README, "What 71461 is"). The
+    # products of two float32 values are exact in float64.
+    dA = dt.to(tl.float64) * A.to(tl.float64)[:, None]
     if HAS_SEQ_IDX:
         # a position whose sequence differs from its predecessor's starts a run (not the chunk's
         # first position, whose sum starts anyway; past L the ids read alike and dt' = 0)
@@ -101,9 +107,10 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
                              mask=in_seq & (t > pid_c * CHUNK), other=0)
         restarts = tl.where(in_seq & (t > pid_c * CHUNK) & (seq_t != seq_before), 1, 0)
         restarts = tl.broadcast_to(restarts[None, :], (BLOCK_H, CHUNK))
-        dA_cumsum, _ = tl.associative_scan((dt * A[:, None], restarts), 1, add_or_restart)
+        dA_cumsum, _ = tl.associative_scan((dA, restarts), 1, add_or_restart)
     else:
-        dA_cumsum = tl.cumsum(dt * A[:, None], axis=1)
+        dA_cumsum = tl.cumsum(dA, axis=1)
+    dA_cumsum = dA_cumsum.to(tl.float32)
     out = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
     h_mask = h[:, None] < heads
     tl.store(dA_cumsum_ptr + out, dA_cumsum, mask=h_mask)
