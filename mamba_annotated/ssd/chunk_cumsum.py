@@ -3,7 +3,8 @@
 Algorithm
     dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (bias and softplus optional; the clamp
           always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
-    a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk, in float64)
+    a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk, in float64,
+                                                            and kept in float64)
     Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
     slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
     at every boundary inside the chunk, k running over t's own sequence only. The consumers are
@@ -28,10 +29,11 @@ Algorithm
     outside the limits, as mamba_ssm), the softplus (times the sigmoid) and the bias.
 
 Shapes: dt (batch, L, heads) any float dtype and any strides; A, dt_bias (heads,). Outputs dA_cumsum
-and dt_out, both (batch, heads, chunks, Q) float32; d dt (batch, L, heads) contiguous, in dt's
-dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
+(batch, heads, chunks, Q) float64 and dt_out, the same shape, float32; d dt (batch, L, heads)
+contiguous, in dt's dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
 
-Bytes moved: reads batch*L*heads dt elements, writes 2 float32 values per element; negligible
+Bytes moved: reads batch*L*heads dt elements, writes 12 bytes per element (a float64 sum, a
+float32 step); negligible
 next to x, B, C (headdim and dstate times larger). The backward reads the partial slots of d(dt' A):
 (Q / 64 + 2 dstate / 64 + a little) float32 values per element of dt at chunk 256.
 """
@@ -91,11 +93,13 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
     dt, _ = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
-    # The sums are formed in float64 and rounded once. The weights exp(a_last - a_t) of a chunk's last
-    # positions, where a decaying chunk's state sits, take the difference of two sums of size |a|;
-    # a float32 scan's tree leaves each an ulp of |a| off (3e-5 at |a| = 325), and that difference
-    # with it: a float32 final state 6x mamba_ssm's error on an H100 (README, "What 71461 is"). The
-    # products of two float32 values are exact in float64.
+    # The sums are formed and stored in float64. Every weight is exp of a difference of two sums,
+    # a_t - a_s, and near a decaying chunk's end both are large: a float32 scan's tree left each an
+    # ulp of |a| off (3e-5 at |a| = 325), a float32 final state 6x mamba_ssm's error on an H100
+    # (README, "What 71461 is"), and even sums rounded once to float32 put up to an ulp of |a| into
+    # a_t - a_s. Kept in float64, the consumers take the exponentials without losing the low part
+    # (:mod:`.log_decays`), so an exponent is as exact as float32 can hold it, however large |a|
+    # has grown. The products of two float32 values are exact in float64.
     dA = dt.to(tl.float64) * A.to(tl.float64)[:, None]
     if HAS_SEQ_IDX:
         # a position whose sequence differs from its predecessor's starts a run (not the chunk's
@@ -110,10 +114,9 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
         dA_cumsum, _ = tl.associative_scan((dA, restarts), 1, add_or_restart)
     else:
         dA_cumsum = tl.cumsum(dA, axis=1)
-    dA_cumsum = dA_cumsum.to(tl.float32)
     out = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
     h_mask = h[:, None] < heads
-    tl.store(dA_cumsum_ptr + out, dA_cumsum, mask=h_mask)
+    tl.store(dA_cumsum_ptr + out, dA_cumsum.to(dA_cumsum_ptr.dtype.element_ty), mask=h_mask)
     tl.store(dt_out_ptr + out, dt, mask=h_mask)
 
 
@@ -224,8 +227,10 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
 
 
 def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                 seq_idx=None, initial_states=False):
-    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size) float32;
+                 seq_idx=None, initial_states=False, sums_dtype=torch.float64):
+    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size), in
+    ``sums_dtype`` (float64, or float32 for consumers that subtract in float32: each sum rounded
+    once) and float32;
     with ``seq_idx`` (batch, L, nondecreasing) the sums restart where the sequence changes, but not
     from negative ids into id 0 when ``initial_states`` (see the module docstring).
 
@@ -234,7 +239,7 @@ def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit
         seq_idx = seq_idx.clamp(min=0)
     batch, length, heads = dt.shape
     n_chunks = cdiv(length, chunk_size)
-    dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
+    dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), sums_dtype, dt.device)
     dt_out = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
     grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     chunk_cumsum_kernel[grid](

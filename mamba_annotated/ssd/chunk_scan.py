@@ -20,7 +20,7 @@ by default; :func:`..triton_ops.dot_precision`).
 
 Shapes: x, z (batch, L, heads, headdim), any strides; out, y the same, contiguous; C (batch, L,
 groups, dstate), any strides; CB (batch, chunks, groups, Q, Q) float32; H_in (batch, chunks, heads,
-headdim, dstate) in the state dtype; dA_cumsum, dt_out (batch, heads, chunks, Q) float32.
+headdim, dstate) in the state dtype; dA_cumsum, dt_out (batch, heads, chunks, Q) float64 and float32.
 
 Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
 average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
@@ -34,6 +34,7 @@ from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, sigmoid
 from .chunk_state import check_row_blocks
+from .log_decays import split
 from .tuning import autotune, config
 
 
@@ -63,7 +64,10 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     """y before D and the gate for the (BLOCK_M, BLOCK_P) tile, float32. With DROP_HIDDEN_NONFINITE
     the diagonal loop keeps a NaN or inf of x out of the rows that do not see it; STAGES None
     pipelines that loop as the launch asks."""
-    a_t = tl.load(dA_cumsum_ptr + chunk_base + m)
+    # each float64 sum split once, hi + lo in log2 units (.log_decays): the weights take exp2 of
+    # hi differences, the lo parts enter as the column factor exp2(-lo_s) folded into dt_s and the
+    # row factor exp2(lo_t) applied to the finished rows
+    hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + m), LOG2E)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
@@ -78,13 +82,13 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
                      mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
         acc += mm(Ct, HT.to(Ct.dtype), PRECISION)
     if HAS_SEQ_IDX:  # a select, not a multiply by 0: the carried state may hold a NaN of another sequence
-        acc = tl.where((seq_t == seq_carry)[:, None], acc * tl.exp(a_t)[:, None], 0.0)
+        acc = tl.where((seq_t == seq_carry)[:, None], acc * tl.exp2(hi_t)[:, None], 0.0)
     else:
-        acc *= tl.exp(a_t)[:, None]
+        acc *= tl.exp2(hi_t)[:, None]
 
     # diagonal block: sum over s <= t, stopping at the diagonal. The loop body runs Q^2/2 times per
     # chunk and head, so it is kept to a few instructions per weight: the decay as exp2 of
-    # log2(e)-scaled a (tl.exp would scale every element), one select for the causal mask, and no
+    # log2(e)-scaled sums (tl.exp would scale every element), one select for the causal mask, and no
     # test of s against the chunk's end: for a row t inside it, s <= t is inside too, and rows
     # past the end are never stored. The select alone zeroes the weights above the diagonal, and
     # it comes after the products, so whatever the decay or CB is there (an overflowed exp2, a NaN
@@ -96,25 +100,25 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     # non-finite x (drop_hidden_nonfinite) and the rows that do see one become NaN at the end.
     hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
-    a2_t = a_t * LOG2E
     for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         s = c * CHUNK + k
         CB = tl.load(CB_base + m[:, None] * CHUNK + k[None, :])
-        a2_s = tl.load(dA_cumsum_ptr + chunk_base + k) * LOG2E
-        dt_s = tl.load(dt_ptr + chunk_base + k)
+        hi_s, lo_s = split(tl.load(dA_cumsum_ptr + chunk_base + k), LOG2E)
+        dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
         keep = m[:, None] >= k[None, :]
         if HAS_SEQ_IDX:
             seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s < chunk_end, other=-2)
             keep &= seq_t[:, None] == seq_s[None, :]
         # the select comes last: a NaN or inf in a later step's dt or B (in CB) stays out of row t
-        weight = tl.where(keep, CB * tl.exp2(a2_t[:, None] - a2_s[None, :]) * dt_s[None, :], 0.0)
+        weight = tl.where(keep, CB * tl.exp2(hi_t[:, None] - hi_s[None, :]) * dt_s[None, :], 0.0)
         xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                      mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
         if DROP_HIDDEN_NONFINITE:
             if HAS_SEQ_IDX or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
                 xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
         acc += mm(weight.to(xs.dtype), xs, PRECISION)
+    acc *= tl.exp2(lo_t)[:, None]
     return tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
 
 

@@ -72,6 +72,7 @@ from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm, rounded_product
 from .chunk_state import check_row_blocks
+from .log_decays import exp_of, split
 from .tuning import autotune, config
 
 
@@ -128,8 +129,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
     b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
     chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
     a_s = tl.load(dA_cumsum_ptr + chunk_base + m)
-    a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
-    to_end = tl.exp(a_last - a_s)
+    to_end = exp_of(tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1) - a_s)
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
@@ -145,26 +145,29 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
                      mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
         dST = tl.load(dS_base + p[None, :] * dstate + n[:, None], mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
         acc += mm(Bs, dST.to(Bs.dtype), PRECISION)
-    acc *= to_end[:, None]
+    hi_s, lo_s = split(a_s, LOG2E)
+    acc *= (to_end * tl.exp2(lo_s))[:, None]  # the row factor exp2(-lo_s) below is for the diagonal block
 
     # through the diagonal block: sum over t >= s, starting at the diagonal. The loop body is the
     # chunk scan's, transposed, and as lean: t past the chunk's end needs no test, because dy is
-    # zero there and every CB, a and dt slot of the padded chunk is finite.
+    # zero there and every CB, a and dt slot of the padded chunk is finite. The sums split as in
+    # the chunk scan (.log_decays): exp2(lo_t) scales column t of the tile, exp2(-lo_s) the
+    # finished row s.
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
-    a2_s = a_s * LOG2E
     for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         CBT = tl.load(CB_base + k[None, :] * CHUNK + m[:, None])            # CB[t, s], (s, t) tile
-        a2_t = tl.load(dA_cumsum_ptr + chunk_base + k) * LOG2E
+        hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + k), LOG2E)
         keep = k[None, :] >= m[:, None]
         if HAS_SEQ_IDX:
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
             keep &= seq_s[:, None] == seq_t[None, :]
-        decay = tl.exp2(tl.where(keep, a2_t[None, :] - a2_s[:, None], float("-inf")))
+        decay = tl.exp2(tl.where(keep, hi_t[None, :] - hi_s[:, None], float("-inf"))) * tl.exp2(lo_t)[None, :]
         dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                       mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
         acc += mm((CBT * decay).to(dyt.dtype), dyt, PRECISION)
+    acc *= tl.exp2(-lo_s)[:, None]
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = s[:, None].to(tl.int64)
@@ -243,10 +246,12 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
                       + p[None, :] * stride_dy_p, mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         xsT = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + s[None, :].to(tl.int64) * stride_x_l
                       + p[:, None] * stride_x_p, mask=s_ok[None, :] & p_ok[:, None], other=0.0)
-        a_t = tl.load(dA_cumsum_ptr + chunk_base + mt)
-        a_s = tl.load(dA_cumsum_ptr + chunk_base + ms)
-        dt_s = tl.load(dt_ptr + chunk_base + ms)
-        decay = tl.exp(tl.where(keep, a_t[:, None] - a_s[None, :], float("-inf")))
+        # the sums split as in the chunk scan (.log_decays): exp2 of the hi differences, the lo
+        # parts as a row and a column factor
+        hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + mt), LOG2E)
+        hi_s, lo_s = split(tl.load(dA_cumsum_ptr + chunk_base + ms), LOG2E)
+        dt_s = tl.load(dt_ptr + chunk_base + ms) * tl.exp2(-lo_s)
+        decay = tl.exp2(tl.where(keep, hi_t[:, None] - hi_s[None, :], float("-inf"))) * tl.exp2(lo_t)[:, None]
         term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
         dCB += term
         # W[t, s] counts for d(dt'_k A) where t >= k > s. With u = k - 1 the column index, the
@@ -331,9 +336,8 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         chunk_base = chunk.to(tl.int64) * CHUNK
         state_offs = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
         a_r = tl.load(dA_cumsum_ptr + chunk_base + m)
-        a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
-        start_decay = tl.exp(a_r)
-        end_decay = tl.exp(a_last - a_r) * tl.load(dt_ptr + chunk_base + m)
+        start_decay = exp_of(a_r)
+        end_decay = exp_of(tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1) - a_r) * tl.load(dt_ptr + chunk_base + m)
         if HAS_SEQ_IDX:
             start_decay = tl.where(seq_r == seq_carry, start_decay, 0.0)
             end_decay = tl.where((seq_r == seq_last) & (seq_last >= 0), end_decay, 0.0)

@@ -18,7 +18,7 @@ Algorithm
                  on the tensor cores, accumulating in float32.
 
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
-heads, chunks, Q) float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
+heads, chunks, Q) float64 and float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
 groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
 are written, all that the chunk scan and the dx kernel read (their row blocks are no taller; they
 need every entry they read finite, the ones above the diagonal included).
@@ -35,6 +35,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, mm
+from .log_decays import exp_of
 from .tuning import autotune, config
 
 
@@ -118,9 +119,9 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
         in_seq = t < chunk_end
         a = tl.load(dA_cumsum_ptr + chunk_base + k)
         if TO_END:
-            w = tl.exp(a_last - a) * tl.load(dt_ptr + chunk_base + k)
+            w = exp_of(a_last - a) * tl.load(dt_ptr + chunk_base + k)
         else:
-            w = tl.exp(a)
+            w = exp_of(a)
         if HAS_SEQ_IDX:
             seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
                           mask=in_seq, other=-1)

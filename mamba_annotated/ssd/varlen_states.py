@@ -15,7 +15,7 @@ An empty sequence gets a zero state.
 
 Parallelism: one program per (sequence, head) x (BLOCK_P of headdim, BLOCK_N of dstate); each
 reads one chunk of x and B at most. Shapes: x (1, L, heads, headdim), B (1, L, groups, dstate),
-any strides; dA_cumsum, dt_out (1, heads, chunks, Q) float32; H_in (1, chunks, heads, headdim,
+any strides; dA_cumsum, dt_out (1, heads, chunks, Q) float64 and float32; H_in (1, chunks, heads, headdim,
 dstate), contiguous, in the state dtype; cu_seqlens (sequences + 1,) int32 or int64. The states
 come out (sequences, heads, headdim, dstate) in H_in's dtype, as mamba_ssm's. Forward only.
 Bytes moved: at most one chunk of x and B per sequence and head, and one state.
@@ -27,6 +27,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, mm
+from .log_decays import exp_of
 
 
 @lean_launch
@@ -55,7 +56,7 @@ def varlen_states_kernel(x_ptr, B_ptr, dA_cumsum_ptr, dt_ptr, H_ptr, cu_seqlens_
         t = c * CHUNK + k
         in_seq = (t >= first) & (t < end)
         a = tl.load(dA_cumsum_ptr + chunk_base + k)
-        w = tl.where(in_seq, tl.exp(tl.minimum(a_end - a, 0.0)) * tl.load(dt_ptr + chunk_base + k), 0.0)
+        w = tl.where(in_seq, exp_of(tl.minimum(a_end - a, 0.0)) * tl.load(dt_ptr + chunk_base + k), 0.0)
         xT = tl.load(x_ptr + t[None, :].to(tl.int64) * stride_x_l + h * stride_x_h + p[:, None] * stride_x_p,
                      mask=in_seq[None, :] & p_ok[:, None], other=0.0)
         Bt = tl.load(B_ptr + t[:, None].to(tl.int64) * stride_b_l + g * stride_b_g + n[None, :] * stride_b_n,
@@ -65,7 +66,7 @@ def varlen_states_kernel(x_ptr, B_ptr, dA_cumsum_ptr, dt_ptr, H_ptr, cu_seqlens_
     if start < c * CHUNK:
         H = tl.load(H_ptr + (c * heads + h).to(tl.int64) * headdim * dstate + state_offs,
                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += tl.exp(a_end) * H.to(tl.float32)
+        acc += exp_of(a_end) * H.to(tl.float32)
     tl.store(out_ptr + pid.to(tl.int64) * headdim * dstate + state_offs, acc.to(out_ptr.dtype.element_ty),
              mask=p_ok[:, None] & n_ok[None, :])
 
