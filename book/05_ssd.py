@@ -204,6 +204,8 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 # ### 1. The cumulative log-decay inside each chunk
 #
 # One {term}`program` per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot holds the decay of the whole chunk. With packed sequences (`seq_idx`, below) the sum restarts wherever the sequence changes inside the chunk: `tl.associative_scan` with `add_or_restart`, a segmented sum whose combine drops what came before a run's first position with a select. Every weight the later kernels keep is a difference $\ell_t - \ell_s$ inside one sequence, or starts at the chunk's edge, so the restart changes none of them; what it changes is shown in the note on non-finite inputs below.
+#
+# **The sums are kept in float64.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number near 325 is only good to half an {term}`ulp` of 325, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ however small the difference is: exactly the weights near the chunk's end, where the chunk's state sits, came out $3 \cdot 10^{-5}$ off in relative terms, and a float32 final state six times further from float64 than mamba_ssm's on an H100. So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores the float64 sums. The consumers never do float64 arithmetic per weight: a kernel splits each sum once into $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest, takes $e^{\ell^{hi}_t - \ell^{hi}_s}$ per weight (exact where the two are within a factor 2 of each other, by Sterbenz's lemma) and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
 
 # %%
 show_source(add_or_restart)
@@ -217,6 +219,17 @@ dA_lim, dt_lim = chunk_cumsum(inputs["dt"], inputs["A"], chunk, dt_bias=inputs["
                               dt_limit=(0.3, 0.9))
 _, steps_lim = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, dt_limit=(0.3, 0.9), return_intermediates=True)
 check("chunk_cumsum with dt_limit (0.3, 0.9): dt", dt_lim, steps_lim["dt"], tolerance(torch.float32))
+
+# %%
+# one chunk of 256 steps of dt*A around -1.27, as in a strongly decaying head: the exponents
+# a_last - a_t of the chunk's last 9 positions, from sums kept in float32 and in float64
+decay_steps = -(1.0 + 0.5 * torch.rand(256, generator=torch.Generator().manual_seed(0)))
+sums32, sums64 = torch.cumsum(decay_steps, 0), torch.cumsum(decay_steps.double(), 0)
+exact = sums64[-1] - sums64[-9:]
+for name, sums in (("float32 sums", sums32.double()), ("float64 sums", sums64)):
+    exponents = (sums[-1] - sums[-9:]).float().double()  # the difference, rounded once to float32
+    error = (exponents - exact).abs().max().item()  # an exponent's error is its weight's relative error
+    print(f"{name}: |a_last| = {sums[-1].abs().item():.0f}, largest error of a_last - a_t: {error:.1e}")
 
 # %% [markdown]
 # ### 2. $C \cdot B$ inside each chunk, once per group
@@ -635,7 +648,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H100 that ran this page the in-kernel sums win alone by about thirteen times (0.054 against 0.71 ms at the first benchmark shape; the flip form's launches make its time vary: 0.93, 1.15 and 0.50 ms on earlier runs), and the whole backward pass differs by 7 % (2.09 against 2.23 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
+# On the H100 that ran this page the in-kernel sums win alone by about fifteen times (0.057 against 0.85 ms at the first benchmark shape; the flip form's launches make its time vary: 0.65, 0.71, 0.93, 1.15 and 0.50 ms on earlier runs), and the whole backward pass differs by 6 % (2.15 against 2.28 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
 
 # %% [markdown]
 # ## Speed
@@ -709,7 +722,7 @@ else:
 #
 # 1. Show that packing two sequences into one row with `seq_idx` gives exactly the outputs of two separate calls (`test_packed_sequences_equal_separate_runs`).
 # 2. Show that the chunk size does not change the result: `ssd_chunk_scan(..., chunk_size=16)` and `chunk_size=32` agree to float32 rounding, and both agree with `ssd_recurrent_ref` (`test_chunk_size_does_not_change_the_result`).
-# 3. *A chunk state by a matmul.* Write `chunk_states(x, B, dt, dA_cumsum)`, what each chunk adds to the state, $S_c = \sum_{s \in c} e^{\ell_{\text{last}} - \ell_s}\, \Delta_s\, x_s B_s^\top = X_c^\top \operatorname{diag}(w)\, B_c$, as a Triton kernel with one `tl.dot` per (batch, chunk, head). Inputs, contiguous float32: `x` (batch, L, heads, P); `B` (batch, L, heads, N), one group per head; `dt` and `dA_cumsum` (batch, heads, chunks, Q) as `chunk_cumsum` returns them, `dt` zero past $L$. Output (batch, chunks, heads, P, N). $P$, $N$ and $Q$ are powers of two, at least 16 (`tl.arange` takes powers of two and `tl.dot` tiles of at least $16 \times 16$, as the primer says), so each can be a block size as it is; $L$ need not be a multiple of $Q$: mask the last chunk's loads.
+# 3. *A chunk state by a matmul.* Write `chunk_states(x, B, dt, dA_cumsum)`, what each chunk adds to the state, $S_c = \sum_{s \in c} e^{\ell_{\text{last}} - \ell_s}\, \Delta_s\, x_s B_s^\top = X_c^\top \operatorname{diag}(w)\, B_c$, as a Triton kernel with one `tl.dot` per (batch, chunk, head). Inputs, contiguous float32: `x` (batch, L, heads, P); `B` (batch, L, heads, N), one group per head; `dt` and `dA_cumsum` (batch, heads, chunks, Q), laid out as `chunk_cumsum` returns them (which keeps `dA_cumsum` in float64; here both are float32), `dt` zero past $L$. Output (batch, chunks, heads, P, N). $P$, $N$ and $Q$ are powers of two, at least 16 (`tl.arange` takes powers of two and `tl.dot` tiles of at least $16 \times 16$, as the primer says), so each can be a block size as it is; $L$ need not be a multiple of $Q$: mask the last chunk's loads.
 #
 # Replace the `raise` in the stub and run the cell; the checker (`mamba_annotated.exercises`) compares your function with the chunk states of `ssd_chunked_ref` (float64) on fresh random inputs. Its bound, $2 \cdot 10^{-3}$, allows the {term}`TF32` inputs that `tl.dot` uses for float32 tiles on a GPU.
 
