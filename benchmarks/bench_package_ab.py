@@ -116,8 +116,11 @@ def main():
                                      capture_output=True, text=True)
                 if run.returncode:
                     sys.exit(f"{d} failed:\n{run.stderr[-3000:]}")
-                for name, ms in json.loads(run.stdout.strip().splitlines()[-1]).items():
+                times = json.loads(run.stdout.strip().splitlines()[-1])
+                for name, ms in times.items():
                     results[d][name].append(ms)
+                # as it goes, so that a run cut off by a time limit still leaves its rounds in the log
+                print(f"round of {os.path.basename(d)}: " + json.dumps(times), file=sys.stderr, flush=True)
     width = max(len(n) for n in cases)
     labels = [os.path.basename(d) for d in dirs]
     print(f"{'case (ms, median of rounds; min-max)':<{width}}  " + "  ".join(f"{lab:>22}" for lab in labels))
