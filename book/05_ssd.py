@@ -57,6 +57,7 @@ from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_checked_kernel
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel
 from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel
 from mamba_annotated.ssd.forward import ssd_forward
+from mamba_annotated.ssd.log_decays import natural_sums
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_matrix, ssd_quadratic_ref,
                                            ssd_recurrent_ref)
 from mamba_annotated.ssd.simple import (chunk_scan_dx_simple, chunk_scan_dx_simple_kernel, chunk_scan_simple,
@@ -205,7 +206,7 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 #
 # One {term}`program` per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot holds the decay of the whole chunk. With packed sequences (`seq_idx`, below) the sum restarts wherever the sequence changes inside the chunk: `tl.associative_scan` with `add_or_restart`, a segmented sum whose combine drops what came before a run's first position with a select. Every weight the later kernels keep is a difference $\ell_t - \ell_s$ inside one sequence, or starts at the chunk's edge, so the restart changes none of them; what it changes is shown in the note on non-finite inputs below.
 #
-# **The sums are kept in float64.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number near 325 is only good to half an {term}`ulp` of 325, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ however small the difference is: exactly the weights near the chunk's end, where the chunk's state sits, came out $3 \cdot 10^{-5}$ off in relative terms, and a float32 final state six times further from float64 than mamba_ssm's on an H100. So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores the float64 sums. The consumers never do float64 arithmetic per weight: a kernel splits each sum once into $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest, takes $e^{\ell^{hi}_t - \ell^{hi}_s}$ per weight (exact where the two are within a factor 2 of each other, by Sterbenz's lemma) and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
+# **The sums keep their low part.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number near 325 is only good to half an {term}`ulp` of 325, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ however small the difference is: exactly the weights near the chunk's end, where the chunk's state sits, came out $3 \cdot 10^{-5}$ off in relative terms, and a float32 final state six times further from float64 than mamba_ssm's on an H100. So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores each sum as two float32 numbers, $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest (scaled by $\log_2 e$ for `exp2`; `natural_sums` turns them back into float64 sums for the check above). No kernel does float64 arithmetic: a kernel takes $e^{\ell^{hi}_t - \ell^{hi}_s}$ per weight (exact where the two are within a factor 2 of each other, by Sterbenz's lemma) and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
 
 # %%
 show_source(add_or_restart)
@@ -213,7 +214,7 @@ show_source(chunk_cumsum_kernel)
 
 # %%
 dA_cumsum, dt_out = chunk_cumsum(inputs["dt"], inputs["A"], chunk, dt_bias=inputs["dt_bias"], dt_softplus=True)
-check("chunk_cumsum: a", dA_cumsum, steps["dA_cumsum"], tolerance(torch.float32))
+check("chunk_cumsum: a", natural_sums(dA_cumsum), steps["dA_cumsum"], tolerance(torch.float32))
 check("chunk_cumsum: dt", dt_out, steps["dt"], tolerance(torch.float32))
 dA_lim, dt_lim = chunk_cumsum(inputs["dt"], inputs["A"], chunk, dt_bias=inputs["dt_bias"], dt_softplus=True,
                               dt_limit=(0.3, 0.9))
@@ -648,7 +649,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H100 that ran this page the in-kernel sums win alone by about fifteen times (0.057 against 0.85 ms at the first benchmark shape; the flip form's launches make its time vary: 0.65, 0.71, 0.93, 1.15 and 0.50 ms on earlier runs), and the whole backward pass differs by 6 % (2.15 against 2.28 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
+# On the H100 that ran this page the in-kernel sums win alone by about thirteen times (0.058 against 0.77 ms at the first benchmark shape; the flip form's launches make its time vary: 0.85, 0.65, 0.71, 0.93, 1.15 and 0.50 ms on earlier runs), and the whole backward pass differs by 6 % (2.06 against 2.20 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
 
 # %% [markdown]
 # ## Speed

@@ -20,7 +20,8 @@ from mamba_annotated.ssd.chunk_scan import chunk_scan_kernel
 from mamba_annotated.ssd.chunk_scan_bwd import (chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel,
                                                 chunk_scan_bwd_dx_kernel)
 from mamba_annotated.ssd.chunk_state import chunk_state_kernel
-from mamba_annotated.ssd.log_decays import exp_of, split
+from mamba_annotated.ssd.log_decays import decay, decay_between, load_sums, natural_sums
+from mamba_annotated.triton_ops import LN2
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref,
                                            ssd_varlen_states_ref)
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close,
@@ -261,52 +262,60 @@ def test_softplus_step_is_accurate_at_tiny_steps():
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_chunk_sums_are_kept_in_float64(packed):
+def test_chunk_sums_keep_their_low_part(packed):
     """Defect (GPU sweep, SSD seed 71461: float32, L = 2039, chunk 256): the chunk sums of dt A were
     added and kept in float32, so a_last - a_t near a chunk's end, the exponent of the weights its
     state sits on, was an ulp of |a| off (3e-5 at |a| = 325): the final state 2.7e-5 off against
-    mamba_ssm's 4.5e-6 on an H100. The sums are now float64 (the products dt' A of two float32
-    numbers are exact there), and the kernels subtract them before rounding (.log_decays); added
-    in order in float32, as the interpreter did, they were up to 2e-4 off here."""
+    mamba_ssm's 4.5e-6 on an H100. The sums are now added in float64 (the products dt' A of two
+    float32 numbers are exact there) and stored as two float32 planes, hi + lo (.log_decays), which
+    hold each to about 2^-48 of itself; added in order in float32, as the interpreter did, they
+    were up to 2e-4 off here."""
     length, chunk, heads = 2 * 256 + 247, 256, 8
     dt = uniform(2, length, heads, low=0.5, high=2.0)  # |a| in the hundreds: an ulp of 3e-5
     A = -uniform(heads, low=0.5, high=1.0)
     seq_idx = (torch.arange(length, device=DEVICE) >= 600).to(torch.int32).expand(2, -1) if packed else None
-    a, step = chunk_cumsum(dt, A, chunk, dt_softplus=True, seq_idx=seq_idx)
-    assert a.dtype == torch.float64
+    planes, step = chunk_cumsum(dt, A, chunk, dt_softplus=True, seq_idx=seq_idx)
+    assert planes.shape == (2, heads, 3, 2, chunk) and planes.dtype == torch.float32
     terms = step.double() * A.double()[None, :, None, None]
     exact = torch.cumsum(terms, dim=-1)
     if packed:  # the sum restarts at position 600, inside chunk 2
         start = 600 - 2 * chunk
         exact[:, :, 2, start:] = torch.cumsum(terms[:, :, 2, start:], dim=-1)
-    assert ((a - exact).abs() <= 1e-13 * exact.abs()).all()
+    assert ((natural_sums(planes) - exact).abs() <= 2.0 ** -46 * exact.abs()).all()
+    hi_only = planes[:, :, :, 0].double() * LN2.value
+    assert ((hi_only - exact).abs() > 2.0 ** -30 * exact.abs()).any()  # lo matters
 
 
 @triton.jit
-def log_decays_kernel(a_ptr, hi_ptr, lo_ptr, exp_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    a = tl.load(a_ptr + i, mask=i < n)
-    hi, lo = split(a, 1.0)
-    tl.store(hi_ptr + i, hi, mask=i < n)
-    tl.store(lo_ptr + i, lo, mask=i < n)
-    tl.store(exp_ptr + i, exp_of(a), mask=i < n)
+def log_decays_kernel(sums_ptr, decay_ptr, between_ptr, CHUNK: tl.constexpr):
+    k = tl.arange(0, CHUNK)
+    chunk = tl.program_id(0)  # one chunk, 0
+    hi, lo = load_sums(sums_ptr, chunk, k, CHUNK)
+    hi_last, lo_last = load_sums(sums_ptr, chunk, CHUNK - 1, CHUNK)
+    tl.store(decay_ptr + k, decay(hi, lo))
+    tl.store(between_ptr + k, decay_between(hi_last, lo_last, hi, lo))
 
 
-def test_float64_sums_split_into_two_float32_parts():
-    """.log_decays: hi + lo holds a float64 sum to about 2^-48 of itself, exp(hi) exp(lo) is exp of
-    the float64 value to a few float32 ulps (exp(hi) alone is off by up to |a| 2^-24), and a sum of
-    -inf still decays to exactly 0 (lo is 0 there, not inf - inf), NaN stays NaN."""
-    a = torch.cat([-torch.rand(500, dtype=torch.float64, device=DEVICE) * 80,
-                   torch.tensor([-math.inf, math.nan, 0.0, -1e-30], dtype=torch.float64, device=DEVICE)])
-    hi, lo, e = (torch.empty(a.shape, dtype=torch.float32, device=DEVICE) for _ in range(3))
-    log_decays_kernel[(1,)](a, hi, lo, e, a.numel(), BLOCK=512)
-    finite = a.isfinite()
-    assert ((hi.double() + lo.double() - a)[finite].abs() <= 2.0 ** -46 * a[finite].abs()).all()
-    exact = torch.exp(a[finite])
-    within = 4 * 2.0 ** -23 * exact  # four float32 ulps: three roundings and the GPU's exp2
-    assert ((e.double()[finite] - exact).abs() <= within).all()
-    assert ((torch.exp(hi.double())[finite] - exact).abs() > within).any()  # lo matters
-    assert e[-4] == 0.0 and e[-3].isnan() and lo[-4] == 0.0
+def test_exponentials_of_the_planes():
+    """.log_decays on a chunk of sums down to about -80: exp(a) and exp(a_last - a) from the planes
+    to a few float32 ulps of the float64 values (from hi alone, off by up to |a| 2^-24); and on a
+    chunk whose sums fall to -inf, exp(a) exactly 0 there (lo is 0, not inf - inf)."""
+    for infinite_step in (False, True):
+        dt = uniform(1, 64, 1, low=0.5, high=2.0)
+        if infinite_step:
+            dt[0, 40] = math.inf  # from position 40 on the sums are -inf
+        planes, _ = chunk_cumsum(dt, -torch.ones(1, device=DEVICE), 64)
+        a = natural_sums(planes)[0, 0, 0]
+        hi, lo = planes[0, 0, 0, 0], planes[0, 0, 0, 1]
+        got_decay, got_between = (torch.empty(64, device=DEVICE) for _ in range(2))
+        log_decays_kernel[(1,)](planes, got_decay, got_between, CHUNK=64)
+        if infinite_step:
+            assert not a[40:].isfinite().any() and (got_decay[40:] == 0).all() and (lo[40:] == 0).all()
+            continue
+        for got, exact in ((got_decay, torch.exp(a)), (got_between, torch.exp(a[-1] - a))):
+            assert ((got.double() - exact).abs() <= 4 * 2.0 ** -23 * exact).all()  # three roundings and exp2
+        from_hi = torch.exp(hi.double() * LN2.value)
+        assert ((from_hi - torch.exp(a)).abs() > 4 * 2.0 ** -23 * torch.exp(a)).any()  # lo matters
 
 
 def test_gradient_of_dt_split_from_a_projection():

@@ -38,9 +38,8 @@ def steps(dt, dt_rev, A, chunk_size, dt_bias, dt_softplus, dt_limit, seq_idx):
     """(a, dt_out, b, dt_rev_out); one chunk_cumsum when the reverse direction shares dt.
 
     The sums are float32, each rounded once from a float64 sum: this op's kernels still subtract
-    them in float32 (chapter 5's take float64 sums, :mod:`..ssd.log_decays`)."""
-    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx,
-                   sums_dtype=torch.float32)
+    them in float32 (chapter 5's keep their low part, :mod:`..ssd.log_decays`)."""
+    options = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, seq_idx=seq_idx, planes=False)
     a, dt_out = chunk_cumsum(dt, A, chunk_size, **options)
     b, dt_rev_out = (a, dt_out) if dt_rev is None else chunk_cumsum(dt_rev, A, chunk_size, **options)
     return a, dt_out, b, dt_rev_out

@@ -124,7 +124,8 @@ def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, make):
     return (make(x.shape, x.dtype), make((batch, heads, headdim, dstate), final),
             make(x.shape, x.dtype) if z is not None else absent(x),
             make((cu_seqlens.shape[0] - 1, heads, headdim, dstate), stored) if cu_seqlens is not None else absent(x),
-            make(chunk_shape, torch.float64), make(chunk_shape, torch.float32),  # the sums, the steps
+            make((batch, heads, n_chunks, 2, chunk_size), torch.float32),  # the sums' planes (.log_decays)
+            make(chunk_shape, torch.float32),                               # the steps
             make((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32),
             make((batch, n_chunks, heads, headdim, dstate), stored))
 

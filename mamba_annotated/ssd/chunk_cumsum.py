@@ -4,7 +4,7 @@ Algorithm
     dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)   (bias and softplus optional; the clamp
           always applies, as in mamba_ssm: the default limits (0, inf) turn a negative step into 0)
     a_t = sum_{k <= t, k in the chunk} dt'_k * A_h          (tl.cumsum along the chunk, in float64,
-                                                            and kept in float64)
+                                                            stored as two float32 planes)
     Positions past the end of the sequence get dt' = 0, so a stays flat there and a chunk's last
     slot holds the decay of the whole chunk. With packed sequences (``seq_idx``) the sum restarts
     at every boundary inside the chunk, k running over t's own sequence only. The consumers are
@@ -29,10 +29,11 @@ Algorithm
     outside the limits, as mamba_ssm), the softplus (times the sigmoid) and the bias.
 
 Shapes: dt (batch, L, heads) any float dtype and any strides; A, dt_bias (heads,). Outputs dA_cumsum
-(batch, heads, chunks, Q) float64 and dt_out, the same shape, float32; d dt (batch, L, heads)
-contiguous, in dt's dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
+(batch, heads, chunks, 2, Q) float32, the planes of :mod:`.log_decays` (or, for the bidirectional
+op, (batch, heads, chunks, Q) float32 natural sums rounded once), and dt_out (batch, heads, chunks,
+Q) float32; d dt (batch, L, heads) contiguous, in dt's dtype, addressed by its own strides. One program owns (batch, chunk, BLOCK_H heads).
 
-Bytes moved: reads batch*L*heads dt elements, writes 12 bytes per element (a float64 sum, a
+Bytes moved: reads batch*L*heads dt elements, writes 12 bytes per element (a sum's two planes, a
 float32 step); negligible
 next to x, B, C (headdim and dstate times larger). The backward reads the partial slots of d(dt' A):
 (Q / 64 + 2 dstate / 64 + a little) float32 values per element of dt at chunk 256.
@@ -43,7 +44,7 @@ import triton.language as tl
 
 from .. import outputs
 from ..launch import lean_launch
-from ..triton_ops import cdiv, rounded_product, sigmoid, softplus
+from ..triton_ops import LOG2E, cdiv, rounded_product, sigmoid, softplus
 
 BLOCK_H = 8
 
@@ -80,7 +81,7 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
                         length, heads, n_chunks, stride_dt_b, stride_dt_l, stride_dt_h,
                         stride_seq_b, stride_seq_l, dt_min, dt_max,
                         HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                        CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+                        PLANES: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
     pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     t = pid_c * CHUNK + tl.arange(0, CHUNK)
@@ -93,13 +94,13 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
     dt, _ = step_and_slope(dt, bias[:, None], dt_min, dt_max, DT_SOFTPLUS)
     dt = tl.where(mask, dt, 0.0)
     A = tl.load(A_ptr + h, mask=h < heads, other=0.0).to(tl.float32)
-    # The sums are formed and stored in float64. Every weight is exp of a difference of two sums,
-    # a_t - a_s, and near a decaying chunk's end both are large: a float32 scan's tree left each an
-    # ulp of |a| off (3e-5 at |a| = 325), a float32 final state 6x mamba_ssm's error on an H100
-    # (README, "What 71461 is"), and even sums rounded once to float32 put up to an ulp of |a| into
-    # a_t - a_s. Kept in float64, the consumers take the exponentials without losing the low part
-    # (:mod:`.log_decays`), so an exponent is as exact as float32 can hold it, however large |a|
-    # has grown. The products of two float32 values are exact in float64.
+    # The sums are formed in float64 and stored as two float32 planes. Every weight is exp of a
+    # difference of two sums, a_t - a_s, and near a decaying chunk's end both are large: a float32
+    # scan's tree left each an ulp of |a| off (3e-5 at |a| = 325), a float32 final state 6x
+    # mamba_ssm's error on an H100 (README, "What 71461 was"), and even sums rounded once to
+    # float32 put up to an ulp of |a| into a_t - a_s. With the low part kept (:mod:`.log_decays`),
+    # an exponent is as exact as float32 can hold it, however large |a| has grown. The products of
+    # two float32 values are exact in float64.
     dA = dt.to(tl.float64) * A.to(tl.float64)[:, None]
     if HAS_SEQ_IDX:
         # a position whose sequence differs from its predecessor's starts a run (not the chunk's
@@ -114,9 +115,18 @@ def chunk_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, seq_idx_ptr, dA_cumsum_ptr, dt_
         dA_cumsum, _ = tl.associative_scan((dA, restarts), 1, add_or_restart)
     else:
         dA_cumsum = tl.cumsum(dA, axis=1)
-    out = ((pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c) * CHUNK + tl.arange(0, CHUNK)[None, :]
+    chunk = (pid_b * heads + h[:, None]).to(tl.int64) * n_chunks + pid_c
+    out = chunk * CHUNK + tl.arange(0, CHUNK)[None, :]
     h_mask = h[:, None] < heads
-    tl.store(dA_cumsum_ptr + out, dA_cumsum.to(dA_cumsum_ptr.dtype.element_ty), mask=h_mask)
+    if PLANES:  # hi and lo of a * log2(e) (lo 0 where hi is infinite: exp2 of -inf stays 0, not NaN)
+        scaled = dA_cumsum * LOG2E
+        hi = scaled.to(tl.float32)
+        lo = tl.where(tl.abs(hi) < float("inf"), (scaled - hi.to(tl.float64)).to(tl.float32), 0.0)
+        planes = chunk * (2 * CHUNK) + tl.arange(0, CHUNK)[None, :]
+        tl.store(dA_cumsum_ptr + planes, hi, mask=h_mask)
+        tl.store(dA_cumsum_ptr + planes + CHUNK, lo, mask=h_mask)
+    else:
+        tl.store(dA_cumsum_ptr + out, dA_cumsum.to(tl.float32), mask=h_mask)
     tl.store(dt_out_ptr + out, dt, mask=h_mask)
 
 
@@ -227,10 +237,11 @@ def dt_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, pairs_pt
 
 
 def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                 seq_idx=None, initial_states=False, sums_dtype=torch.float64):
-    """dt (batch, L, heads) -> (dA_cumsum, dt_out), both (batch, heads, chunks, chunk_size), in
-    ``sums_dtype`` (float64, or float32 for consumers that subtract in float32: each sum rounded
-    once) and float32;
+                 seq_idx=None, initial_states=False, planes=True):
+    """dt (batch, L, heads) -> (dA_cumsum, dt_out): the sums as the float32 planes of
+    :mod:`.log_decays`, (batch, heads, chunks, 2, chunk_size) (``planes=False``: float32 sums, each
+    rounded once, (batch, heads, chunks, chunk_size), for consumers that subtract in float32), and
+    the steps (batch, heads, chunks, chunk_size) float32;
     with ``seq_idx`` (batch, L, nondecreasing) the sums restart where the sequence changes, but not
     from negative ids into id 0 when ``initial_states`` (see the module docstring).
 
@@ -239,14 +250,15 @@ def chunk_cumsum(dt, A, chunk_size, *, dt_bias=None, dt_softplus=False, dt_limit
         seq_idx = seq_idx.clamp(min=0)
     batch, length, heads = dt.shape
     n_chunks = cdiv(length, chunk_size)
-    dA_cumsum = outputs.empty((batch, heads, n_chunks, chunk_size), sums_dtype, dt.device)
+    dA_cumsum = outputs.empty((batch, heads, n_chunks, *((2,) if planes else ()), chunk_size), torch.float32,
+                              dt.device)
     dt_out = outputs.empty((batch, heads, n_chunks, chunk_size), torch.float32, dt.device)
     grid = (batch, n_chunks, cdiv(heads, BLOCK_H))
     chunk_cumsum_kernel[grid](
         dt, A, dt_bias if dt_bias is not None else A, seq_idx if seq_idx is not None else dt, dA_cumsum, dt_out,
         length, heads, n_chunks, *dt.stride(), *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         float(dt_limit[0]), float(dt_limit[1]), HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
+        HAS_SEQ_IDX=seq_idx is not None, PLANES=planes, CHUNK=chunk_size, BLOCK_H=BLOCK_H, num_warps=4,
     )
     return dA_cumsum, dt_out
 

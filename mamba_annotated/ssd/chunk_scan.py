@@ -20,7 +20,8 @@ by default; :func:`..triton_ops.dot_precision`).
 
 Shapes: x, z (batch, L, heads, headdim), any strides; out, y the same, contiguous; C (batch, L,
 groups, dstate), any strides; CB (batch, chunks, groups, Q, Q) float32; H_in (batch, chunks, heads,
-headdim, dstate) in the state dtype; dA_cumsum, dt_out (batch, heads, chunks, Q) float64 and float32.
+headdim, dstate) in the state dtype; dA_cumsum (batch, heads, chunks, 2, Q) float32, the planes of
+:mod:`.log_decays`; dt_out (batch, heads, chunks, Q) float32.
 
 Bytes moved: reads x (once per row block at or after its own: (Q/BLOCK_M + 1)/2 times on
 average, mostly from L2), C, H_in, CB, and writes out (and y before the gate, when z is given).
@@ -32,9 +33,9 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, sigmoid
+from ..triton_ops import cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, sigmoid
 from .chunk_state import check_row_blocks
-from .log_decays import split
+from .log_decays import load_sums
 from .tuning import autotune, config
 
 
@@ -64,10 +65,11 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     """y before D and the gate for the (BLOCK_M, BLOCK_P) tile, float32. With DROP_HIDDEN_NONFINITE
     the diagonal loop keeps a NaN or inf of x out of the rows that do not see it; STAGES None
     pipelines that loop as the launch asks."""
-    # each float64 sum split once, hi + lo in log2 units (.log_decays): the weights take exp2 of
-    # hi differences, the lo parts enter as the column factor exp2(-lo_s) folded into dt_s and the
+    # the sums' planes, hi + lo in log2 units (.log_decays): the weights take exp2 of hi
+    # differences, the lo parts enter as the column factor exp2(-lo_s) folded into dt_s and the
     # row factor exp2(lo_t) applied to the finished rows
-    hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + m), LOG2E)
+    chunk = chunk_base // CHUNK
+    hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
@@ -104,7 +106,7 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
         k = k0 + tl.arange(0, BLOCK_K)
         s = c * CHUNK + k
         CB = tl.load(CB_base + m[:, None] * CHUNK + k[None, :])
-        hi_s, lo_s = split(tl.load(dA_cumsum_ptr + chunk_base + k), LOG2E)
+        hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
         keep = m[:, None] >= k[None, :]
         if HAS_SEQ_IDX:
@@ -254,7 +256,7 @@ def chunk_scan(CB, x, C, H_in, dA_cumsum, dt_out, *, z=None, D=None, seq_idx=Non
     """
     batch, length, heads, headdim = x.shape
     groups, dstate = C.shape[2], C.shape[3]
-    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     out = outputs.empty(x.shape, x.dtype, x.device)
     y = outputs.empty(x.shape, x.dtype, x.device) if z is not None else None
     flags = torch.zeros((batch, heads, length), dtype=torch.int8, device=x.device)  # the first launch writes only 1s

@@ -70,9 +70,9 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm, rounded_product
+from ..triton_ops import block_size, cdiv, dot_precision, mm, rounded_product
 from .chunk_state import check_row_blocks
-from .log_decays import exp_of, split
+from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
 
@@ -128,8 +128,10 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
     dy_base = dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h
     b_base = B_ptr + b.to(tl.int64) * stride_b_b + g * stride_b_g
     chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
-    a_s = tl.load(dA_cumsum_ptr + chunk_base + m)
-    to_end = exp_of(tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1) - a_s)
+    chunk = chunk_base // CHUNK
+    hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
+    hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk, CHUNK - 1, CHUNK)
+    to_end = decay_between(hi_last, lo_last, hi_s, lo_s)
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
@@ -145,12 +147,11 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
                      mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
         dST = tl.load(dS_base + p[None, :] * dstate + n[:, None], mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
         acc += mm(Bs, dST.to(Bs.dtype), PRECISION)
-    hi_s, lo_s = split(a_s, LOG2E)
     acc *= (to_end * tl.exp2(lo_s))[:, None]  # the row factor exp2(-lo_s) below is for the diagonal block
 
     # through the diagonal block: sum over t >= s, starting at the diagonal. The loop body is the
     # chunk scan's, transposed, and as lean: t past the chunk's end needs no test, because dy is
-    # zero there and every CB, a and dt slot of the padded chunk is finite. The sums split as in
+    # zero there and every CB, a and dt slot of the padded chunk is finite. The sums' planes as in
     # the chunk scan (.log_decays): exp2(lo_t) scales column t of the tile, exp2(-lo_s) the
     # finished row s.
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
@@ -158,7 +159,7 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         CBT = tl.load(CB_base + k[None, :] * CHUNK + m[:, None])            # CB[t, s], (s, t) tile
-        hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + k), LOG2E)
+        hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         keep = k[None, :] >= m[:, None]
         if HAS_SEQ_IDX:
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
@@ -246,10 +247,11 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
                       + p[None, :] * stride_dy_p, mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         xsT = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + s[None, :].to(tl.int64) * stride_x_l
                       + p[:, None] * stride_x_p, mask=s_ok[None, :] & p_ok[:, None], other=0.0)
-        # the sums split as in the chunk scan (.log_decays): exp2 of the hi differences, the lo
+        # the sums' planes as in the chunk scan (.log_decays): exp2 of the hi differences, the lo
         # parts as a row and a column factor
-        hi_t, lo_t = split(tl.load(dA_cumsum_ptr + chunk_base + mt), LOG2E)
-        hi_s, lo_s = split(tl.load(dA_cumsum_ptr + chunk_base + ms), LOG2E)
+        chunk = chunk_base // CHUNK
+        hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, mt, CHUNK)
+        hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, ms, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + ms) * tl.exp2(-lo_s)
         decay = tl.exp2(tl.where(keep, hi_t[:, None] - hi_s[None, :], float("-inf"))) * tl.exp2(lo_t)[:, None]
         term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
@@ -335,9 +337,10 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         chunk = (b * heads + h) * n_chunks + c
         chunk_base = chunk.to(tl.int64) * CHUNK
         state_offs = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]
-        a_r = tl.load(dA_cumsum_ptr + chunk_base + m)
-        start_decay = exp_of(a_r)
-        end_decay = exp_of(tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1) - a_r) * tl.load(dt_ptr + chunk_base + m)
+        hi_r, lo_r = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
+        hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk, CHUNK - 1, CHUNK)
+        start_decay = decay(hi_r, lo_r)
+        end_decay = decay_between(hi_last, lo_last, hi_r, lo_r) * tl.load(dt_ptr + chunk_base + m)
         if HAS_SEQ_IDX:
             start_decay = tl.where(seq_r == seq_carry, start_decay, 0.0)
             end_decay = tl.where((seq_r == seq_last) & (seq_last >= 0), end_decay, 0.0)
@@ -387,9 +390,9 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=No
     and dD (like D) or None. x, dy, B and seq_idx are addressed by their own strides; D contiguous."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
-    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     dx = outputs.empty(x.shape, x.dtype, x.device)
-    ddt = outputs.empty(dA_cumsum.shape, torch.float32, x.device)
+    ddt = outputs.empty(dt_out.shape, torch.float32, x.device)
     # dD: one partial row per (chunk, head, 16 rows), summed here (a layout that does not depend
     # on the tuned BLOCK_M, so each run writes all of it)
     dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
@@ -428,7 +431,7 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
     inputs' dtype or float32). x, dy, B, C and seq_idx are addressed by their own strides."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
-    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     seq_args = (seq_idx if seq_idx is not None else dt_out,)
     seq_strides = seq_idx.stride() if seq_idx is not None else (0, 0)
     rows = min(DCB_ROWS, chunk_size)

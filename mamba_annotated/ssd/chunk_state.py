@@ -18,7 +18,8 @@ Algorithm
                  on the tensor cores, accumulating in float32.
 
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
-heads, chunks, Q) float64 and float32; out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
+heads, chunks, 2, Q) and (batch, heads, chunks, Q) float32 (the sums' planes, :mod:`.log_decays`,
+and the steps); out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
 groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
 are written, all that the chunk scan and the dx kernel read (their row blocks are no taller; they
 need every entry they read finite, the ones above the diagonal included).
@@ -35,7 +36,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, mm
-from .log_decays import exp_of
+from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
 
@@ -102,7 +103,7 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
     u_base = u_ptr + b.to(tl.int64) * stride_u_b + h * stride_u_h
     v_base = v_ptr + b.to(tl.int64) * stride_v_b + g * stride_v_g
     chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
-    a_last = tl.load(dA_cumsum_ptr + chunk_base + CHUNK - 1)
+    hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk_base // CHUNK, CHUNK - 1, CHUNK)
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
     if HAS_SEQ_IDX:
         if TO_END:
@@ -117,11 +118,11 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         in_seq = t < chunk_end
-        a = tl.load(dA_cumsum_ptr + chunk_base + k)
+        hi, lo = load_sums(dA_cumsum_ptr, chunk_base // CHUNK, k, CHUNK)
         if TO_END:
-            w = exp_of(a_last - a) * tl.load(dt_ptr + chunk_base + k)
+            w = decay_between(hi_last, lo_last, hi, lo) * tl.load(dt_ptr + chunk_base + k)
         else:
-            w = exp_of(a)
+            w = decay(hi, lo)
         if HAS_SEQ_IDX:
             seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
                           mask=in_seq, other=-1)
@@ -177,7 +178,7 @@ def chunk_state(u, v, dA_cumsum, dt_out, *, seq_idx=None, to_end):
     u, v and seq_idx are addressed by their own strides; the output is contiguous."""
     batch, length, heads, headdim = u.shape
     groups, dstate = v.shape[2], v.shape[3]
-    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     out = outputs.empty((batch, n_chunks, heads, headdim, dstate), torch.float32, u.device)
     grid = lambda META: (batch * n_chunks * heads,  # noqa: E731
                          cdiv(headdim, META["BLOCK_P"]) * cdiv(dstate, META["BLOCK_N"]))

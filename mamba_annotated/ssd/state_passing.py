@@ -36,7 +36,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..triton_ops import cdiv, rounded_product
-from .log_decays import exp_of
+from .log_decays import decay, load_sums
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
             c = i
         chunk = ((b * n_chunks + c) * heads + h).to(tl.int64) * state_size
         tl.store(emitted_ptr + chunk + e, H.to(emitted_ptr.dtype.element_ty), mask=mask)
-        gamma = exp_of(tl.load(dA_cumsum_ptr + (pid_bh.to(tl.int64) * n_chunks + c) * CHUNK + CHUNK - 1))
+        gamma = decay(*load_sums(dA_cumsum_ptr, pid_bh.to(tl.int64) * n_chunks + c, CHUNK - 1, CHUNK))
         if CARRY:  # <G_{c+1}, gamma_c H_c> over this program's elements, G still float32
             entering = tl.load(entering_ptr + chunk + e, mask=mask, other=0.0).to(tl.float32)
             if HAS_H0:

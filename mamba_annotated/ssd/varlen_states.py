@@ -15,7 +15,8 @@ An empty sequence gets a zero state.
 
 Parallelism: one program per (sequence, head) x (BLOCK_P of headdim, BLOCK_N of dstate); each
 reads one chunk of x and B at most. Shapes: x (1, L, heads, headdim), B (1, L, groups, dstate),
-any strides; dA_cumsum, dt_out (1, heads, chunks, Q) float64 and float32; H_in (1, chunks, heads, headdim,
+any strides; dA_cumsum (1, heads, chunks, 2, Q), dt_out (1, heads, chunks, Q), float32 (the sums' planes,
+:mod:`.log_decays`, and the steps); H_in (1, chunks, heads, headdim,
 dstate), contiguous, in the state dtype; cu_seqlens (sequences + 1,) int32 or int64. The states
 come out (sequences, heads, headdim, dstate) in H_in's dtype, as mamba_ssm's. Forward only.
 Bytes moved: at most one chunk of x and B per sequence and head, and one state.
@@ -27,7 +28,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, mm
-from .log_decays import exp_of
+from .log_decays import decay, load_sums
 
 
 @lean_launch
@@ -48,15 +49,16 @@ def varlen_states_kernel(x_ptr, B_ptr, dA_cumsum_ptr, dt_ptr, H_ptr, cu_seqlens_
     end = tl.minimum(tl.load(cu_seqlens_ptr + i + 1).to(tl.int32), length)
     c = tl.maximum(end - 1, 0) // CHUNK
     chunk_base = (h * n_chunks + c).to(tl.int64) * CHUNK
-    a_end = tl.load(dA_cumsum_ptr + chunk_base + tl.maximum(end - 1 - c * CHUNK, 0))
+    hi_end, lo_end = load_sums(dA_cumsum_ptr, chunk_base // CHUNK, tl.maximum(end - 1 - c * CHUNK, 0), CHUNK)
     first = tl.maximum(start, c * CHUNK)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         in_seq = (t >= first) & (t < end)
-        a = tl.load(dA_cumsum_ptr + chunk_base + k)
-        w = tl.where(in_seq, exp_of(tl.minimum(a_end - a, 0.0)) * tl.load(dt_ptr + chunk_base + k), 0.0)
+        hi, lo = load_sums(dA_cumsum_ptr, chunk_base // CHUNK, k, CHUNK)
+        exponent = tl.minimum((hi_end - hi) + (lo_end - lo), 0.0)
+        w = tl.where(in_seq, tl.exp2(exponent) * tl.load(dt_ptr + chunk_base + k), 0.0)
         xT = tl.load(x_ptr + t[None, :].to(tl.int64) * stride_x_l + h * stride_x_h + p[:, None] * stride_x_p,
                      mask=in_seq[None, :] & p_ok[:, None], other=0.0)
         Bt = tl.load(B_ptr + t[:, None].to(tl.int64) * stride_b_l + g * stride_b_g + n[None, :] * stride_b_n,
@@ -66,7 +68,7 @@ def varlen_states_kernel(x_ptr, B_ptr, dA_cumsum_ptr, dt_ptr, H_ptr, cu_seqlens_
     if start < c * CHUNK:
         H = tl.load(H_ptr + (c * heads + h).to(tl.int64) * headdim * dstate + state_offs,
                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += exp_of(a_end) * H.to(tl.float32)
+        acc += decay(hi_end, lo_end) * H.to(tl.float32)
     tl.store(out_ptr + pid.to(tl.int64) * headdim * dstate + state_offs, acc.to(out_ptr.dtype.element_ty),
              mask=p_ok[:, None] & n_ok[None, :])
 
@@ -76,7 +78,7 @@ def varlen_states(x, B, dA_cumsum, dt_out, states_in, cu_seqlens):
     states_in's dtype. x (1, L, heads, headdim), B (1, L, groups, dstate); see the docstring."""
     _, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
-    n_chunks, chunk_size = dA_cumsum.shape[2], dA_cumsum.shape[3]
+    n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     n_seqs = cu_seqlens.shape[0] - 1
     out = outputs.empty((n_seqs, heads, headdim, dstate), states_in.dtype, x.device)
     block_p = block_size(headdim, largest=16 if INTERPRETED else 64)

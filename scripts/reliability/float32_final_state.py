@@ -40,6 +40,8 @@ from cli import write_report  # noqa: E402
 from mamba_annotated.ssd import forward as forward_module  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
+from mamba_annotated.ssd.log_decays import natural_sums  # noqa: E402
+from mamba_annotated.triton_ops import LOG2E  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_chunked_ref, ssd_quadratic_ref  # noqa: E402
 from mamba_annotated.testing import rel_error, seed_everything  # noqa: E402
 from test_reliability_smoke import PASSING_GPU_SWEEP_CASES  # noqa: E402  (cases put tests/ on the path)
@@ -67,9 +69,13 @@ def chunked_final_state(x, dt, A, B, chunk, dtype):
 
 
 def correctly_rounded_cumsums(dt, A, chunk_size, **options):
-    """chunk_cumsum with each a_t summed in float64 and rounded once to float32."""
+    """chunk_cumsum with each a_t summed in float64 and rounded once to float32, the low part
+    dropped (the planes' lo 0 but for the rounding of the scaling by log2(e))."""
     _, dt_out = chunk_cumsum(dt, A, chunk_size, **options)
-    return torch.cumsum(dt_out.double() * A.double()[None, :, None, None], dim=-1).float(), dt_out
+    rounded = torch.cumsum(dt_out.double() * A.double()[None, :, None, None], dim=-1).float().double()
+    scaled = rounded * LOG2E.value
+    hi = scaled.float()
+    return torch.stack([hi, (scaled - hi.double()).float()], dim=3), dt_out
 
 
 def last_exponents_error(ours, exact, length):
@@ -111,11 +117,11 @@ def main(argv=None):
         exact = chunked_final_state(x, dt, A, B, chunk, torch.float64)
         row = dict(ours=errors_of(op.ours(params), op.call(params, ssd_quadratic_ref), views, views64, seed),
                    states_in=rel_error(saved.states_in, steps["states_in"]),
-                   cumsum_abs_error=(saved.dA_cumsum.double() - steps["dA_cumsum"]).abs().max().item(),
+                   cumsum_abs_error=(natural_sums(saved.dA_cumsum) - steps["dA_cumsum"]).abs().max().item(),
                    cumsum_largest=steps["dA_cumsum"].abs().max().item(),
                    float32_torch_final_state=rel_error(chunked_final_state(x, dt, A, B, chunk, torch.float32), exact))
         row["last_exponents_abs_error"], row["last_slot_less_last_position"] = last_exponents_error(
-            saved.dA_cumsum, steps["dA_cumsum"], x.shape[1])
+            natural_sums(saved.dA_cumsum), steps["dA_cumsum"], x.shape[1])
         with mock.patch.object(forward_module, "chunk_cumsum", correctly_rounded_cumsums), torch.no_grad():
             final = op.ours(params)(**views)[1]
         row["final_state_with_correctly_rounded_cumsums"] = rel_error(
