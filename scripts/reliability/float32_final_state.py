@@ -1,6 +1,6 @@
 """Where SSD sweep seed 71461 lost digits (float32, L = 2039 = 7 x 256 + 247, chunk 256; a GPU
-regression test in tests/test_reliability_smoke.py since the chunk sums are float64): for chunk
-sizes 256, 128, 64 and 16 on the case's inputs, against float64,
+regression test in tests/test_reliability_smoke.py since the chunk sums keep their low part): for
+chunk sizes 256, 128, 64 and 16 on the case's inputs, against float64,
 
 * our op's outputs and gradients (the sweep's verdict),
 * the states entering each chunk (``ssd_forward``'s saved H_c against ``ssd_chunked_ref``'s), and
@@ -20,7 +20,8 @@ sizes 256, 128, 64 and 16 on the case's inputs, against float64,
 book/data/reliability_float32_final_state.json holds H100 runs (2026-11-27). With float32 chunk
 sums: ours 2.7e-5 on the final state where the chunks' entering states, the float32 algorithm and
 mamba_ssm give 4.5e-6, and 4.4e-6 from the same kernels fed correctly rounded chunk sums. With the
-sums kept in float64 (``float64_sums``): ours 4.5e-8 (README, "What 71461 was").
+sums kept in float64 (``float64_sums``): ours 4.5e-8; as two float32 planes (``planes``): 8.0e-8
+(README, "What 71461 was").
 """
 import argparse
 import copy
