@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mamba_annotated.scan import linear_scan, sequential_scan
-from mamba_annotated.runtime import DEVICE, size
+from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.scan.blocked import adjoint_combine, linear_scan_backward, linear_scan_forward, plan
 from mamba_annotated.scan.reference import linear_scan_ref
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_associative, assert_close, assert_gradients_close,
@@ -15,6 +15,9 @@ from mamba_annotated.testing import (FLOAT_DTYPES, assert_associative, assert_cl
 @pytest.mark.parametrize("length", [1, 7, 100, 1000])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_forward_and_gradients(dtype, length, reverse):
+    if INTERPRETED and length == 1000 and dtype != torch.float32:
+        pytest.skip("1000 steps in 16-bit run on the GPU only: 10-30 s each in the interpreter, where "
+                    "float32 walks the same blocks and 100 steps cover the 16-bit loads and stores")
     rows = size(gpu=333, cpu=3)
     a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)
