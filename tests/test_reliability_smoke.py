@@ -363,6 +363,24 @@ OPEN_GPU_SUM_CASES = {
                      dt="expanded", dt_rev="contiguous", x="contiguous", z="expanded"),
         opts=dict(B_rev=True, C_rev=True, D=None, cuts=[84], dt_bias=True, dt_dtype="float32", dt_limit=[0.01, 2.0],
                   dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
+    # Two failures of an H100 sweep at the sums' planes (1daf8b7, 2026-11-27; book/data/
+    # reliability_sweep_planes.json), not shrunk (the device call's time ran out) and not yet replayed
+    # by this test on a GPU: bfloat16 dA pooled over five upstream gradients, SSD 6.5e-4 against 2 x
+    # mamba_ssm's 2.8e-4 (L = 97, chunk 32, dstate 256, a boundary at 9); the bidirectional op 2.5e-4
+    # against 3 x the two-call foil's 7.9e-5 (L = 129 = chunk + 1, three packed sequences inside the
+    # first chunk, no shift: the pattern of seed 72440, where the foil reads no chunk state)
+    "ssd_bfloat16_dA_boundary_at_9": ("ssd_chunk_scan", 201702, dict(
+        dims=dict(L=97, batch=1, chunk=32, dstate=256, groups=1, headdim=16, heads=1), dtype="bfloat16",
+        layouts=dict(A="contiguous", B="reversed", C="contiguous", D="contiguous", dt="offset",
+                     initial_states="strided", x="contiguous", z="contiguous"),
+        opts=dict(D="head", cuts=[9], dt_bias=False, dt_dtype="float32", dt_limit=None, dt_softplus=False,
+                  initial_states=False, packing="seq_idx", return_final_states=True, z=False))),
+    "bidirectional_bfloat16_dA_at_chunk_plus_one": ("bidirectional_chunk_scan", 206203, dict(
+        dims=dict(L=129, batch=1, chunk=128, dstate=16, groups=1, headdim=32, heads=1), dtype="bfloat16",
+        layouts=dict(A="expanded", B="contiguous", B_rev="contiguous", C="contiguous", C_rev="offset", D="reversed",
+                     dt="transposed", dt_rev="contiguous", x="contiguous", z="strided"),
+        opts=dict(B_rev=False, C_rev=False, D="head", cuts=[64, 107], dt_bias=False, dt_dtype="float32",
+                  dt_limit=None, dt_rev=False, dt_softplus=True, packing="cu_seqlens", shift=False, z=False))),
 }
 
 # The same shapes in the interpreter, at seeds that fail there (of 40 seeds, 11 failed for SSD; of 25,
