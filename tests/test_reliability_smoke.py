@@ -512,8 +512,9 @@ def test_recorded_gpu_sweep_failures_that_pass_now(case):
 # The slowest of the H100 sweep's cases in the interpreter (about 290, 60, 31 and 25 s; CI has two
 # cores and 25 minutes): the interpreter draws other inputs from a seed than the GPU does, so there
 # they replay nothing; the GPU pipeline runs them in seconds, on the seeds' GPU draws
-GPU_ONLY = {"bidirectional_bfloat16_varlen", "ssd_float32_chunk256", "ssd_float16_dA_at_13_positions",
-            "ssd_bfloat16_dA_on_gpu_initial_states"}
+# (a tuple: a set's order changes between processes, and xdist's workers must collect the same list)
+GPU_ONLY = ("bidirectional_bfloat16_varlen", "ssd_float32_chunk256", "ssd_float16_dA_at_13_positions",
+            "ssd_bfloat16_dA_on_gpu_initial_states")
 GPU_RUNS_IT = pytest.mark.skipif(INTERPRETED, reason="slow in the interpreter, a GPU draw: run by the GPU pipeline")
 
 
