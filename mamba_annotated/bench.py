@@ -3,11 +3,10 @@
 Times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs). Speed
 is stated against the hardware floor: bytes that must move over the *measured* device-to-device
 copy bandwidth, and FLOPs over the *measured* bf16 matmul rate, both taken once per process.
-On the interpreter the same calls fall back to wall-clock medians so a chapter's speed cell
+On the interpreter the same calls fall back to one wall-clock timing so a chapter's speed cell
 still runs on a laptop; those numbers say nothing about a GPU.
 """
 import functools
-import statistics
 import sys
 import time
 
@@ -17,18 +16,18 @@ from .runtime import DEVICE
 
 
 def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Median time of ``fn()`` in milliseconds (``warmup``/``rep`` are milliseconds on a GPU)."""
+    """Median time of ``fn()`` in milliseconds on a GPU (``warmup``/``rep`` are milliseconds there);
+    on a CPU the time of one call."""
     if DEVICE.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    # On a CPU one call, with no warm-up: the interpreter compiles nothing, and its times say only
+    # which kernels ran (the chapters' timing cells took 4 calls each, a minute and a half of CI's
+    # notebook run for chapter 4's selective-scan timings alone)
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return (time.perf_counter() - start) * 1e3
 
 
 def gbps(nbytes: float, ms: float) -> float:
