@@ -17,7 +17,7 @@ from mamba_annotated.testing import (FLOAT_DTYPES, assert_associative, assert_cl
 def test_forward_and_gradients(dtype, length, reverse):
     if INTERPRETED and length == 1000 and dtype != torch.float32:
         pytest.skip("1000 steps in 16-bit run on the GPU only: 10-30 s each in the interpreter, where "
-                    "float32 walks the same blocks and 100 steps cover the 16-bit loads and stores")
+                    "float32 keeps the 1000-step case and 100 steps cover the 16-bit loads and stores")
     rows = size(gpu=333, cpu=3)
     a, b, h0 = random_scan_inputs((rows, length), dtype, with_h0=True)
     tol = tolerance(dtype)

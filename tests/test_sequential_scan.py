@@ -15,8 +15,8 @@ from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradient
 @pytest.mark.parametrize("reverse", [False, True])
 def test_forward_and_gradients(dtype, length, reverse):
     if runtime.INTERPRETED and length > 1000:
-        pytest.skip("4096 steps run on the GPU only: the interpreter takes 25-30 s each (1000 steps cover "
-                    "several channel blocks' time loops there)")
+        pytest.skip("4096 steps run on the GPU only: the interpreter takes 25-30 s each (1000 steps "
+                    "run the same time loop there)")
     channels = size(gpu=333, cpu=19)  # not a multiple of the channel block
     a, b, h0 = random_scan_inputs((channels, length), dtype, with_h0=True)
     tol = tolerance(dtype)
