@@ -195,9 +195,10 @@ def check_chunk_states(chunk_states):
     """5.3: chunk_states(x, B, dt, dA_cumsum) -> (batch, chunks, heads, P, N), what each chunk adds
     to the state: S_c = sum_{s in c} exp(a_last - a_s) dt_s x_s B_s^T.
 
-    x (batch, L, heads, P); B (batch, L, heads, N) (one group per head); dt, dA_cumsum
-    (batch, heads, chunks, Q) as chunk_cumsum returns them (dt zero past L); L need not be a
-    multiple of Q; every tensor contiguous, float32."""
+    x (batch, L, heads, P); B (batch, L, heads, N) (one group per head); dt (batch, heads, chunks,
+    Q) as chunk_cumsum returns it (zero past L); dA_cumsum the natural-log sums a in the same layout
+    (not chunk_cumsum's two log2 planes); L need not be a multiple of Q; every tensor contiguous,
+    float32."""
     for batch, length, heads, P, N, Q in ((1, 16, 1, 16, 16, 16), (2, 45, 2, 16, 32, 16), (1, 70, 3, 32, 16, 32)):
         x = randn(batch, length, heads, P, dtype=torch.float64)
         dt = uniform(batch, length, heads, low=0.01, high=0.5, dtype=torch.float64)

@@ -4,7 +4,8 @@ the production pipeline (:mod:`.forward`, :mod:`.backward`).
 Each is one program per (batch, chunk, head) doing one chunk's algebra with ``tl.dot``: contiguous
 float32 inputs, one group (B and C shared by all heads), the length a multiple of the chunk Q, no
 ``seq_idx``, ``D``, ``z`` or bounds masks. ``l`` is the cumulative log-decay inside each chunk
-(ℓ in the book, ``dA_cumsum`` elsewhere), laid out like ``dt`` as (batch, heads, chunks, Q).
+(ℓ in the book), laid out like ``dt`` as (batch, heads, chunks, Q), in natural-log units and float32:
+the production kernels take it as two float32 planes in log2 units instead (:mod:`.log_decays`).
 
 * :func:`chunk_state_simple`: S_c = sum_s exp(l_last - l_s) dt_s x_s B_s^T, one matmul;
 * :func:`chunk_scan_simple`: y_t = exp(l_t) C_t . H_c + sum_{s<=t} (C_t . B_s) exp(l_t - l_s) dt_s x_s;
