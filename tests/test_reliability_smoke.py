@@ -350,25 +350,22 @@ TYPICAL_SUM_CASES = {
                   initial_states=False, packing=None, return_final_states=True, z=True))),
 }
 
-# 16-bit dA past its bound (H100 sweeps, seed 7002 shrunk to one head, headdim 1, dstate 1, chunk 16):
-# bidirectional float16 1.8e-4 against 3 x the two-call foil's 2.9e-5 on its own upstream gradient,
-# still past the rule over five on the H100, on medians and pooled (2026-11-25). Widening the 16-bit
-# tiles to float32 dots on the GPU left the error as it was. The interpreter draws other inputs from a
-# seed, and with this one it passes there; other seeds fail there (OPEN_INTERPRETER_CASES below).
-# Open, strict xfails.
-OPEN_GPU_SUM_CASES = {
+# 16-bit dA of one head past the rule over five upstream draws, within it over the 64 that a
+# gradient of one element gets (H100, 2026-11-27): bidirectional float16 at L = 243, chunk 16 (seed
+# 7002, shrunk): 1.4e-4 against 3 x the two-call foil's 3.5e-5 over five, 1.27e-4 against 3 x
+# (3.8e-5 + the floor 1e-5) over 64, three times the foil's error and within the rule by its floor
+# (widening the 16-bit tiles to float32 dots on the GPU left it as it was); SSD bfloat16 at L = 97,
+# chunk 32, a boundary at 9 (seed 201702): 6.5e-4 against 2 x mamba_ssm's 2.7e-4 over five, 6.8e-4
+# against 6.8e-4 over 64; bidirectional bfloat16 at L = 129 = chunk + 1, three packed sequences in
+# the first chunk (seed 206203): 2.5e-4 against 3 x 7.9e-5 over five, 2.0e-4 against 1.7e-4 over 64
+# (kernels as at 1daf8b7). They run with the other recorded GPU sweep cases that pass now, below.
+SUM_CASES_WITHIN_THE_RULE_OVER_MORE_DRAWS = {
     "bidirectional_float16_dA_on_gpu": ("bidirectional_chunk_scan", 7002, dict(
         dims=dict(L=243, batch=1, chunk=16, dstate=1, groups=1, headdim=1, heads=1), dtype="float16",
         layouts=dict(A="strided", B="contiguous", B_rev="reversed", C="strided", C_rev="contiguous", D="contiguous",
                      dt="expanded", dt_rev="contiguous", x="contiguous", z="expanded"),
         opts=dict(B_rev=True, C_rev=True, D=None, cuts=[84], dt_bias=True, dt_dtype="float32", dt_limit=[0.01, 2.0],
                   dt_rev=True, dt_softplus=True, packing="seq_idx", shift=True, z=False))),
-    # Two failures of an H100 sweep at the sums' planes (1daf8b7, 2026-11-27; book/data/
-    # reliability_sweep_planes.json), not shrunk (the device call's time ran out) and not yet replayed
-    # by this test on a GPU: bfloat16 dA pooled over five upstream gradients, SSD 6.5e-4 against 2 x
-    # mamba_ssm's 2.8e-4 (L = 97, chunk 32, dstate 256, a boundary at 9); the bidirectional op 2.5e-4
-    # against 3 x the two-call foil's 7.9e-5 (L = 129 = chunk + 1, three packed sequences inside the
-    # first chunk, no shift: the pattern of seed 72440, where the foil reads no chunk state)
     "ssd_bfloat16_dA_boundary_at_9": ("ssd_chunk_scan", 201702, dict(
         dims=dict(L=97, batch=1, chunk=32, dstate=256, groups=1, headdim=16, heads=1), dtype="bfloat16",
         layouts=dict(A="contiguous", B="reversed", C="contiguous", D="contiguous", dt="offset",
@@ -383,6 +380,25 @@ OPEN_GPU_SUM_CASES = {
                   dt_limit=None, dt_rev=False, dt_softplus=True, packing="cu_seqlens", shift=False, z=False))),
 }
 
+# Open (a strict xfail on the GPU; the interpreter draws other inputs). An H100 sweep case under the
+# judge of 2026-11-27 (book/data/reliability_sweep_judge.json, not shrunk): bfloat16 dD of one head
+# with the gate z at L = 2, pooled over five draws 2.2e-3 against 3 x the two-call foil's 1e-8 (plus
+# the floor 1e-5). The gate's backward rounds dy = d_out silu(z) to bfloat16 (ssd/api.py
+# gate_backward), and dD is summed from that copy, while the foil's D x and gate are float32 PyTorch
+# and mamba_ssm, given z, sums dD from a float32 dy in its gate kernel; SSD's dD is formed the same
+# way as ours. To fix: dD from the float32 dy, in a gate-backward kernel that reads x once more.
+OPEN_GPU_CASES = {
+    "bidirectional_bfloat16_dD_from_the_rounded_gate_gradient": ("bidirectional_chunk_scan", 509003, dict(
+        dims=dict(L=2, batch=2, chunk=128, dstate=64, groups=1, headdim=128, heads=1), dtype="bfloat16",
+        layouts=dict(A="contiguous", B="transposed", B_rev="strided", C="contiguous", C_rev="reversed",
+                     D="contiguous", dt="reversed", dt_rev="contiguous", x="contiguous", z="strided"),
+        opts=dict(B_rev=False, C_rev=False, D="head", cuts=[1], dt_bias=False, dt_dtype="float32", dt_limit=None,
+                  dt_rev=True, dt_softplus=True, packing=None, shift=True, z=True))),
+}
+OPEN_ON_GPU = [pytest.mark.skipif(INTERPRETED, reason="the seed's inputs are the GPU's draws"),
+               pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit dD from the rounded gate gradient")]
+
+
 # The same shapes in the interpreter, at seeds that fail there (of 40 seeds, 11 failed for SSD; of 25,
 # 7 for the bidirectional op). SSD seed 31: the one-element final state is -0.0023 against -0.0010,
 # a sum of terms of about 0.2 that cancels, and the chunk-state kernel rounds each weighted x to
@@ -391,7 +407,7 @@ OPEN_GPU_SUM_CASES = {
 # own upstream gradient (dA 1.5e-2 against 3 x the foil's 1.7e-3) and is within the rule over five
 # (3.4e-5 against the foil's 9.6e-5).
 def at_seed(case, seed):
-    name, _, params = {**TYPICAL_SUM_CASES, **OPEN_GPU_SUM_CASES}[case]
+    name, _, params = {**TYPICAL_SUM_CASES, **SUM_CASES_WITHIN_THE_RULE_OVER_MORE_DRAWS}[case]
     return name, seed, params
 
 
@@ -412,8 +428,8 @@ TYPICAL_INTERPRETER_CASES = {
         opts=dict(B_rev=True, C_rev=False, D="head", cuts=[1], dt_bias=True, dt_dtype="bfloat16",
                   dt_limit=[0.01, 2.0], dt_rev=False, dt_softplus=False, packing=None, shift=False, z=True))),
 }
-# An interpreter sweep case (seed 80270) past the step-gradient rule, pooled over five upstream
-# gradients too: with the shift at L = 17 and chunk 16, the foil's shifted output at row 16 is its
+# An interpreter sweep case (seed 80270) past the step-gradient rule, pooled over upstream gradients
+# too (over 32 draws, its dA having two elements: 2.3e-4 against the foil's 8.8e-8): with the shift at L = 17 and chunk 16, the foil's shifted output at row 16 is its
 # first call's row 15, inside the first chunk, so no output of the foil reads a state entering a
 # chunk, while ours reads the state entering chunk 1 for row 16, stored and read in bfloat16: dA
 # 1.7e-4 against the foil's 1.2e-7 (4.6e-4 while the interpreter truncated to bfloat16; at L = 16 or
@@ -429,13 +445,9 @@ OPEN_INTERPRETER_CASES = {
 }
 
 
-# On the GPU a strict xfail; in the interpreter the seed draws other inputs, of a shape that
-# TYPICAL_INTERPRETER_CASES already runs there (seed 20): skipped, as the other GPU seeds are
-OPEN_16BIT_ON_GPU = [pytest.mark.skipif(INTERPRETED, reason="the seed's inputs are the GPU's draws"),
-                     pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit dA on the GPU")]
 INTERPRETER_DRAWS = pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws")
 OPEN_16BIT_INTERPRETED = [INTERPRETER_DRAWS, pytest.mark.xfail(strict=True, reason="open (issue 14): 16-bit sums")]
-ALL_SUM_CASES = {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES, **OPEN_GPU_SUM_CASES, **TYPICAL_INTERPRETER_CASES,
+ALL_SUM_CASES = {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES, **OPEN_GPU_CASES, **TYPICAL_INTERPRETER_CASES,
                  **OPEN_INTERPRETER_CASES}
 
 
@@ -498,6 +510,7 @@ PASSING_GPU_SWEEP_CASES = {
                      D="contiguous", dt="contiguous", dt_rev="contiguous", x="transposed", z="contiguous"),
         opts=dict(B_rev=False, C_rev=False, D=None, cuts=[94, 226], dt_bias=False, dt_dtype="bfloat16",
                   dt_limit=[0.01, 2.0], dt_rev=False, dt_softplus=False, packing="cu_seqlens", shift=True, z=False))),
+    **SUM_CASES_WITHIN_THE_RULE_OVER_MORE_DRAWS,
 }
 
 
@@ -520,7 +533,7 @@ GPU_RUNS_IT = pytest.mark.skipif(INTERPRETED, reason="slow in the interpreter, a
 
 @pytest.mark.parametrize("case", [*(c for c in {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES} if c not in GPU_ONLY),
                                   *(pytest.param(c, marks=GPU_RUNS_IT) for c in GPU_ONLY),
-                                  *(pytest.param(c, marks=OPEN_16BIT_ON_GPU) for c in OPEN_GPU_SUM_CASES),
+                                  *(pytest.param(c, marks=OPEN_ON_GPU) for c in OPEN_GPU_CASES),
                                   *(pytest.param(c, marks=INTERPRETER_DRAWS) for c in TYPICAL_INTERPRETER_CASES),
                                   *(pytest.param(c, marks=OPEN_16BIT_INTERPRETED) for c in OPEN_INTERPRETER_CASES)])
 def test_sweep_cases_of_the_sums_over_positions(case):
@@ -934,7 +947,7 @@ def test_step_gradients_are_judged_on_errors_pooled_over_upstream_draws():
         return verdict
 
     assert not judged(exact).failures
-    off = judged(lambda w: (1.01 * w * w,))
+    off = judged(lambda w: (1.01 * w * w,))  # 500 times its bound (2 x the floor): no luck, no more draws
     assert off.failures[0].startswith("grad w: error 1.000e-02 above 2 x") and "pooled over 5" in off.failures[0]
     assert off.errors["grad w"] == pytest.approx(1e-2, rel=1e-4) and off.yardsticks["grad w"] < 1e-6
     refs = [torch.tensor([10.0], dtype=torch.float64), torch.tensor([1e-3], dtype=torch.float64)]
@@ -943,6 +956,38 @@ def test_step_gradients_are_judged_on_errors_pooled_over_upstream_draws():
     assert math.isnan(cases.pooled_error([torch.tensor([1.0]), torch.tensor([float("nan")])], refs))
     assert cases.pooled_error([torch.tensor([0.0])], [torch.tensor([-1.7e-20], dtype=torch.float64)]) == 0.0
     assert cases.upstream_seeds(7)[0] == 7 and len(set(cases.upstream_seeds(7))) == cases.UPSTREAM_DRAWS
+
+
+def test_a_gradient_of_few_elements_past_the_rule_over_five_draws_is_judged_over_more():
+    """Two computations that err alike, each with a rounding error of the same size in another
+    direction of the output: over five upstream draws at seed 83 one gradient's pooled error is four
+    times the other's (a draw of luck; cases.POOLED_TERMS), over the 64 draws that a gradient of one
+    element gets then it is 1.04 times, within the rule, and the verdict keeps the 64 draws' errors."""
+    c = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64, device=DEVICE)
+    ours_off, theirs_off = torch.zeros_like(c), torch.zeros_like(c)
+    ours_off[:4], theirs_off[4:] = 1e-3, 1e-3
+    w = torch.tensor([0.7], device=DEVICE, dtype=torch.float64, requires_grad=True)
+    w64 = w.detach().clone().requires_grad_()
+    like = torch.zeros(8, device=DEVICE)
+
+    def scaled(column):
+        return lambda w: ((c + column) * w,)
+
+    five = [cases.upstream(8, torch.float32, s) for s in cases.upstream_seeds(83)]
+    over_five = [cases.pooled_error([(g * (c + off)).sum(0, keepdim=True) for g in five],
+                                    [(g * c).sum(0, keepdim=True) for g in five]) for off in (ours_off, theirs_off)]
+    assert over_five[0] > 2 * over_five[1]  # the premise: five draws alone would fail ours
+    verdict = cases.Verdict()
+    cases.judge_typical_errors(verdict, ["w"], scaled(ours_off), scaled(theirs_off), scaled(torch.zeros_like(c)),
+                               dict(w=w), dict(w=w64), like, 83, torch.bfloat16, factor=2.0)
+    assert not verdict.failures and cases.draws_for(1) == 64
+    assert verdict.errors["grad w"] == pytest.approx(1.04 * verdict.yardsticks["grad w"], rel=0.01)
+    # three times the yardstick's error at every draw: within LUCKLESS, so drawn again, and still past
+    verdict = cases.Verdict()
+    cases.judge_typical_errors(verdict, ["w"], lambda w: (c * 1.003 * w,), lambda w: (c * 1.001 * w,),
+                               scaled(torch.zeros_like(c)), dict(w=w), dict(w=w64), like, 83, torch.bfloat16,
+                               factor=2.0)
+    assert len(verdict.failures) == 1 and "pooled over 64 upstream" in verdict.failures[0]
 
 
 def test_a_second_form_of_the_same_computation_is_consulted_only_where_the_first_fails():

@@ -164,10 +164,10 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         if HAS_SEQ_IDX:
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
             keep &= seq_s[:, None] == seq_t[None, :]
-        decay = tl.exp2(tl.where(keep, hi_t[None, :] - hi_s[:, None], float("-inf"))) * tl.exp2(lo_t)[None, :]
+        weights = tl.exp2(tl.where(keep, hi_t[None, :] - hi_s[:, None], float("-inf"))) * tl.exp2(lo_t)[None, :]
         dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                       mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        acc += mm((CBT * decay).to(dyt.dtype), dyt, PRECISION)
+        acc += mm((CBT * weights).to(dyt.dtype), dyt, PRECISION)
     acc *= tl.exp2(-lo_s)[:, None]
 
     mask = row_ok[:, None] & p_ok[None, :]
@@ -253,8 +253,8 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, mt, CHUNK)
         hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, ms, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + ms) * tl.exp2(-lo_s)
-        decay = tl.exp2(tl.where(keep, hi_t[:, None] - hi_s[None, :], float("-inf"))) * tl.exp2(lo_t)[:, None]
-        term = mm(dyt, xsT, PRECISION) * decay * dt_s[None, :]
+        weights = tl.exp2(tl.where(keep, hi_t[:, None] - hi_s[None, :], float("-inf"))) * tl.exp2(lo_t)[:, None]
+        term = mm(dyt, xsT, PRECISION) * weights * dt_s[None, :]
         dCB += term
         # W[t, s] counts for d(dt'_k A) where t >= k > s. With u = k - 1 the column index, the
         # pairs below row u and left of column u + 1: on the diagonal tile t > u >= s, a sum over

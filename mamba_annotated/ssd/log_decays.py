@@ -6,8 +6,9 @@ sum is only good to half an ulp of |a| (1.5e-5 there), so a difference of two of
 to an ulp of |a|, however small the difference: relative error 3e-5 in a weight near the chunk's
 end, where a decaying chunk's state sits. So :mod:`.chunk_cumsum` adds the steps in float64 and
 stores each sum, in log2 units (times log2(e), for ``exp2``), as two float32 numbers: hi, the
-nearest float32, and lo, the rest. The pair holds the sum to about 2^-48 of itself, and the
-kernels never do float64 arithmetic:
+nearest float32, and lo, the rest. The pair holds the float64 sum to about 2^-48 of itself (the
+tests allow 2^-46: the scaling to log2 units and back rounds too), and the kernels never do
+float64 arithmetic:
 
 * a tile of weights exp(a_t - a_s) (the diagonal blocks) takes exp2(hi_t - hi_s) per weight. That
   difference is exact where the two are within a factor 2 of each other (Sterbenz's lemma), which
