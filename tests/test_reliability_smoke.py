@@ -430,11 +430,12 @@ TYPICAL_INTERPRETER_CASES = {
 }
 # An interpreter sweep case (seed 80270) past the step-gradient rule, pooled over upstream gradients
 # too (over 32 draws, its dA having two elements: 2.3e-4 against the foil's 8.8e-8; past what luck
-# gives, so the judge fails it over five): with the shift at L = 17 and chunk 16, the foil's shifted output at row 16 is its
-# first call's row 15, inside the first chunk, so no output of the foil reads a state entering a
-# chunk, while ours reads the state entering chunk 1 for row 16, stored and read in bfloat16: dA
-# 1.7e-4 against the foil's 1.2e-7 (4.6e-4 while the interpreter truncated to bfloat16; at L = 16 or
-# in float32 both are 1e-7; at L = 18, where the foil reads that state too, both are 1e-3).
+# gives, so the judge fails it over five): with the shift at L = 17 and chunk 16, the foil's shifted
+# output at row 16 is its first call's row 15, inside the first chunk, so no output of the foil reads
+# a state entering a chunk, while ours reads the state entering chunk 1 for row 16, stored and read
+# in bfloat16: dA 1.7e-4 against the foil's 1.2e-7 (4.6e-4 while the interpreter truncated to
+# bfloat16; at L = 16 or in float32 both are 1e-7; at L = 18, where the foil reads that state too,
+# both are 1e-3).
 OPEN_INTERPRETER_CASES = {
     "ssd_bfloat16_final_state_cancels_in_the_interpreter": at_seed("ssd_bfloat16_dA_on_gpu", 31),
     "bidirectional_bfloat16_dA_the_foil_reads_no_state": ("bidirectional_chunk_scan", 80270, dict(
