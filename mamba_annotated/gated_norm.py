@@ -33,15 +33,8 @@ import triton.language as tl
 
 from .library import absent, contiguous, define_op, last_dim_contiguous
 from .runtime import DEVICE, sm_count
-from .triton_ops import block_size, cdiv, sigmoid
+from .triton_ops import block_size, cdiv, silu_and_slope
 from .validation import check_same_device, check_tensor
-
-
-@triton.jit
-def silu_and_slope(z):
-    """(silu(z), silu'(z)) in float32."""
-    sig = sigmoid(z)
-    return z * sig, sig * (1.0 + z * (1.0 - sig))
 
 
 @triton.jit

@@ -91,6 +91,13 @@ def sigmoid(x):
 
 
 @triton.jit
+def silu_and_slope(z):
+    """(silu(z), silu'(z)) in float32: the gate of Mamba blocks, out = y silu(z), and its derivative."""
+    sig = sigmoid(z)
+    return z * sig, sig * (1.0 + z * (1.0 - sig))
+
+
+@triton.jit
 def is_nonfinite(x):
     """NaN or +-inf, elementwise (bfloat16 is widened first: the interpreter holds it as integers,
     where NaN == NaN)."""

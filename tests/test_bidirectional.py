@@ -752,3 +752,17 @@ def test_fused_64_bit_indexing():
     out = bidirectional_chunk_scan(**inputs, chunk_size=256, seq_idx=seq_idx, dt_softplus=True)
     sliced = {k: (v[:, -tail:] if k in TIME_ARGS and v is not None else v) for k, v in inputs.items()}
     assert_close(out[:, -tail:], bidirectional_ref(**sliced, dt_softplus=True), tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("D_shape", ["head", "channel"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_dD_with_the_gate_is_summed_before_its_rounding(D_shape, shift):
+    """Defect (H100 sweep, seed 509003: bfloat16 dD of one head with the gate at L = 2, 2.2e-3 off
+    against the two-call foil's 1e-8): the gradient reaching y, d_out silu(z), was rounded to
+    bfloat16 and dD summed from that copy. The gate's backward now sums dD (ssd/gate.py)."""
+    inputs = make_inputs(batch=2, length=2, heads=1, headdim=64, groups=1, dtype=torch.bfloat16, D_shape=D_shape)
+    differentiable = {k: (v.requires_grad_() if k in ("x", "D", "z") else v) for k, v in inputs.items()}
+    errors = [assert_gradients_close(lambda **a: bidirectional_chunk_scan(**a, chunk_size=16, shift=shift),
+                                     lambda **a: bidirectional_ref(**a, shift=shift), differentiable, tol=1.0,
+                                     seed=seed)["D"] for seed in range(4)]
+    assert max(errors) < 1e-4, errors

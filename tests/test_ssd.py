@@ -854,3 +854,18 @@ def test_64_bit_indexing():
     out = ssd_chunk_scan(**inputs, chunk_size=256, seq_idx=seq_idx, dt_softplus=True)
     sliced = {k: (v[:, -tail:] if v.dim() >= 3 else v) for k, v in inputs.items()}
     assert_close(out[:, -tail:], ssd_quadratic_ref(**sliced, dt_softplus=True), tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("D_shape", ["head", "channel"])
+def test_dD_with_the_gate_is_summed_before_its_rounding(D_shape):
+    """Defect (H100 sweep, bidirectional seed 509003; SSD formed dD alike): with the gate z, the
+    gradient reaching y, d_out silu(z), was rounded to bfloat16 and dD summed from that copy: 2e-3
+    off at L = 2, where a float32 sum is 1e-6 off. The gate's backward now sums dD (.gate)."""
+    inputs = make_inputs(batch=2, length=2, heads=1, headdim=64, groups=1, dstate=16, dtype=torch.bfloat16,
+                         D_shape=D_shape)
+    inputs.pop("initial_states")
+    differentiable = {k: (v.requires_grad_() if k in ("x", "D", "z") else v) for k, v in inputs.items()}
+    errors = [assert_gradients_close(lambda **a: ssd_chunk_scan(**a, chunk_size=16, dt_softplus=True),
+                                     lambda **a: ssd_quadratic_ref(**a, dt_softplus=True), differentiable, tol=1.0,
+                                     seed=seed)["D"] for seed in range(4)]
+    assert max(errors) < 1e-4, errors

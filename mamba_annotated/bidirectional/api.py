@@ -5,7 +5,8 @@ from typing import Optional
 import torch
 
 from ..library import absent, contiguous, define_op, last_dim_contiguous, traced_or_captured
-from ..ssd.api import INDEX_DTYPES, check_ssd_inputs, gate_backward
+from ..ssd.api import INDEX_DTYPES, check_ssd_inputs
+from ..ssd.gate import gate_backward
 from ..triton_ops import cdiv
 from ..validation import check_same, check_same_device, check_tensor
 from .backward import bidirectional_backward
@@ -103,14 +104,17 @@ def bidirectional_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     if x.numel() == 0:
         return [torch.zeros_like(t, memory_format=torch.contiguous_format) if t is not None else absent(x)
                 for t in inputs]
-    dy, dz = gate_backward(d_out, y, z, x.dtype) if z is not None else (d_out, None)
+    dy, dz, dD = gate_backward(d_out, y, z, x, D) if z is not None else (d_out, None, None)
     shared_step = dt_rev is None
     saved = Saved(a, dt_out, a if shared_step else b, dt_out if shared_step else dt_rev_out, G,
                   None if shift else Gd, states_in)
     grads = bidirectional_backward(dy, x, dt, A.contiguous(), B, C, saved, D=contiguous(D),
                                    dt_bias=contiguous(dt_bias), seq_idx=seq_idx, dt_softplus=dt_softplus,
-                                   dt_limit=(dt_min, dt_max), shift=shift, dt_rev=dt_rev, B_rev=B_rev, C_rev=C_rev)
+                                   dt_limit=(dt_min, dt_max), shift=shift, dt_rev=dt_rev, B_rev=B_rev, C_rev=C_rev,
+                                   sum_D=z is None)
     grads["z"] = dz
+    if z is not None:
+        grads["D"] = dD
     return [grads[name] if t is not None else absent(x) for name, t in zip(INPUT_NAMES, inputs)]
 
 

@@ -35,8 +35,9 @@ def queries_to_rows(d_query, d_query_rev, C, C_rev):
 
 
 def bidirectional_backward(dy, x, dt, A, B, C, saved, *, D=None, dt_bias=None, seq_idx=None, dt_softplus=False,
-                           dt_limit=(0.0, math.inf), shift=False, dt_rev=None, B_rev=None, C_rev=None):
-    """dy: gradient of y before the gate (like x, any strides); saved: the forward pass's record.
+                           dt_limit=(0.0, math.inf), shift=False, dt_rev=None, B_rev=None, C_rev=None, sum_D=True):
+    """dy: gradient of y before the gate (like x, any strides); saved: the forward pass's record;
+    ``sum_D`` False where the gate's backward sums dD (:mod:`..ssd.gate`; D's gradient is None then).
 
     Returns a dict of gradients: x, dt, A, B, C, D, dt_bias, dt_rev, B_rev, C_rev (None where the
     input is None), each in its input's shape and dtype, contiguous."""
@@ -48,7 +49,7 @@ def bidirectional_backward(dy, x, dt, A, B, C, saved, *, D=None, dt_bias=None, s
                                        out_dtype=x.dtype)
     del dH
     dx, rows, dD = chunk_scan_bwd_dx(saved.G, saved.Gd, x, dy, B, B_r, dS[0], dS[1], *steps, A, D=D,
-                                     seq_idx=seq_idx, shift=shift, shared_step=dt_rev is None)
+                                     seq_idx=seq_idx, shift=shift, shared_step=dt_rev is None, sum_D=sum_D)
     dB, dC, dB_rev, dC_rev, (diag, state) = chunk_scan_bwd_dbc(
         x, dy, B, C, B_r, C_r, saved.G, saved.states_in[0], saved.states_in[1], dS[0], dS[1], *steps, A,
         seq_idx=seq_idx, shift=shift)

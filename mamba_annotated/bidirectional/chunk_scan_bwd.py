@@ -115,8 +115,8 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
                              stride_br_b, stride_br_l, stride_br_g, stride_br_n,
                              stride_seq_b, stride_seq_l,
-                             HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                             SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr, CHUNK: tl.constexpr,
+                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr, CHUNK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -228,10 +228,10 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
             dx += dys * tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
         else:
             dx += dys * tl.load(D_ptr + h).to(tl.float32)
-        # one partial sum per 16 rows of the chunk, whatever BLOCK_M is (chapter 5's layout)
-        sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
-        slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
-        tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
+        if SUM_D:  # one partial sum per 16 rows of the chunk, whatever BLOCK_M is (chapter 5's layout)
+            sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+            slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+            tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
              dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -506,30 +506,32 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
 
 
 def chunk_scan_bwd_dx(G, Gd, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A, *, D=None, seq_idx=None,
-                      shift=False, shared_step=True):
+                      shift=False, shared_step=True, sum_D=True):
     """Returns dx (x's shape and dtype, contiguous), the per-position planes (4, batch, heads,
-    chunks, Q) float32 (DIRECT ... STATE_COLUMN_REV) and dD (like D) or None."""
+    chunks, Q) float32 (DIRECT ... STATE_COLUMN_REV) and dD (like D; None without D or with
+    ``sum_D`` False, as in chapter 5's :func:`~..ssd.chunk_scan_bwd.chunk_scan_bwd_dx`)."""
+    sum_D = sum_D and D is not None
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = a.shape[2], a.shape[3]
     dx = outputs.empty(x.shape, x.dtype, x.device)
     rows = outputs.empty((4,) + tuple(a.shape), torch.float32, x.device)
     dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
-                            x.device) if D is not None else None
+                            x.device) if sum_D else None
     grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
     chunk_scan_bwd_dx_kernel[grid](
         G, Gd if Gd is not None else G, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A,
         D if D is not None else a, seq_idx if seq_idx is not None else a, dx, rows[DIRECT], rows[DIRECT_REV],
-        rows[STATE_COLUMN], rows[STATE_COLUMN_REV], dD_part if D is not None else rows,
+        rows[STATE_COLUMN], rows[STATE_COLUMN_REV], dD_part if sum_D else rows,
         length, heads, groups, n_chunks, headdim, dstate,
         *x.stride(), *dy.stride(), *dx.stride(), *B.stride(), *B_rev.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_SEQ_IDX=seq_idx is not None,
-        SHIFT=int(shift), SHARED_STEP=shared_step, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
-        PRECISION=dot_precision(x.dtype),
+        HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
+        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_STEP=shared_step, CHUNK=chunk_size,
+        BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
     )
     dD = None
-    if D is not None:
+    if sum_D:
         dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))
         dD = (dD if D.dim() == 2 else dD.sum(dim=-1)).to(D.dtype)
     return dx, rows, dD

@@ -9,6 +9,7 @@ from ..validation import check_same, check_same_device, check_tensor
 from ..triton_ops import cdiv
 from .backward import ssd_backward
 from .forward import Saved, ssd_forward
+from .gate import gate_backward
 
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 MAX_HEADDIM = 128  # the backward kernels hold a whole row of headdim in registers
@@ -148,15 +149,6 @@ def fake_ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
 INPUT_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
-def gate_backward(d_out, y, z, dtype):
-    """out = y * silu(z): (dy = d_out * silu(z) in ``dtype``, dz = d_out * y * silu'(z) in z's dtype,
-    contiguous), computed in float32."""
-    zf, gate = z.float(), torch.sigmoid(z.float())
-    dy = (d_out.float() * zf * gate).to(dtype)
-    dz = (d_out.float() * y.float() * gate * (1 + zf * (1 - gate))).to(z.dtype).contiguous()
-    return dy, dz
-
-
 def ssd_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                     chunk_size: int, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
                     dt_bias: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
@@ -173,11 +165,13 @@ def ssd_backward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         if initial_states is not None and d_final is not None and x.shape[1] == 0:
             grads[-1].copy_(d_final)  # after no step the final state is the initial one
         return grads
-    dy, dz = gate_backward(d_out, y, z, x.dtype) if z is not None else (d_out, None)
+    dy, dz, dD = gate_backward(d_out, y, z, x, D) if z is not None else (d_out, None, None)
     grads = ssd_backward(dy, x, dt, A.contiguous(), B, C, Saved(dA_cumsum, dt_out, CB, states_in), D=contiguous(D),
                          dt_bias=contiguous(dt_bias), initial_states=initial_states, seq_idx=seq_idx,
-                         d_final=d_final, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max))
+                         d_final=d_final, dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), sum_D=z is None)
     grads["z"] = dz
+    if z is not None:
+        grads["D"] = dD
     return [grads[name] if t is not None else absent(x) for name, t in zip(INPUT_NAMES, inputs)]
 
 

@@ -25,16 +25,17 @@ from .chunk_state import chunk_state
 from .state_passing import state_passing_backward
 
 
-def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=None, d_final=None):
-    """Steps 1-3: a dict of the gradients of x, B, C, D and initial_states (None where absent), and
-    the :class:`~.chunk_scan_bwd.DecayGradients` that step 4 turns into those of dt, A, dt_bias."""
+def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=None, d_final=None, sum_D=True):
+    """Steps 1-3: a dict of the gradients of x, B, C, D and initial_states (None where absent; D's
+    too with ``sum_D`` False, the gate's backward having summed it), and the
+    :class:`~.chunk_scan_bwd.DecayGradients` that step 4 turns into those of dt, A, dt_bias."""
     dA_cumsum, dt_out = saved.dA_cumsum, saved.dt_out
     dH = chunk_state(dy, C, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=False)
     dS, d_initial, carry = state_passing_backward(dH, dA_cumsum, saved.states_in, length=x.shape[1],
                                                   seq_idx=seq_idx, d_final=d_final, initial_states=initial_states,
                                                   out_dtype=x.dtype)
     del dH
-    dx, d_step, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D=D, seq_idx=seq_idx)
+    dx, d_step, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D=D, seq_idx=seq_idx, sum_D=sum_D)
     dB, dC, (pairs, from_start, to_end) = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum,
                                                              dt_out, seq_idx=seq_idx)
     grads = dict(x=dx, B=dB, C=dC, D=dD,
@@ -47,14 +48,15 @@ def step_gradients_by_name(d_dt, dA, d_bias, A, dt_bias):
 
 
 def ssd_backward(dy, x, dt, A, B, C, saved, *, D=None, dt_bias=None, initial_states=None, seq_idx=None,
-                 d_final=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
+                 d_final=None, dt_softplus=False, dt_limit=(0.0, math.inf), sum_D=True):
     """dy: gradient of y before the gate (like x, any strides); d_final: gradient of the final
-    states or None; saved: what the forward pass kept (:class:`~.forward.Saved`).
+    states or None; saved: what the forward pass kept (:class:`~.forward.Saved`); ``sum_D`` False
+    where the gate's backward sums dD (:mod:`.gate`).
 
     Returns a dict of gradients: x, dt, A, B, C, D, dt_bias, initial_states (None where absent),
     each in its input's shape and dtype, contiguous.
     """
     grads, decay = chunk_gradients(dy, x, B, C, saved, D=D, initial_states=initial_states, seq_idx=seq_idx,
-                                   d_final=d_final)
+                                   d_final=d_final, sum_D=sum_D)
     step = dt_backward(dt, A, saved.dt_out, decay, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     return {**grads, **step_gradients_by_name(*step, A, dt_bias)}

@@ -110,9 +110,10 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
                              stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
                              stride_seq_b, stride_seq_l,
-                             HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     h = pid % heads
     c = (pid // heads) % n_chunks
@@ -184,11 +185,12 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
             dx += dys * D[None, :]
         else:
             dx += dys * tl.load(D_ptr + h).to(tl.float32)
-        # one partial sum per 16 rows of the chunk, whatever BLOCK_M is: every configuration writes
-        # every slot, so none keeps a stale value from the autotuner's trial runs of another one
-        sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
-        slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
-        tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
+        if SUM_D:
+            # one partial sum per 16 rows of the chunk, whatever BLOCK_M is: every configuration writes
+            # every slot, so none keeps a stale value from the autotuner's trial runs of another one
+            sums = tl.sum(tl.reshape(rounded_product(dys, xs), (BLOCK_M // 16, 16, BLOCK_P)), axis=1)
+            slot = pid.to(tl.int64) * (CHUNK // 16) + pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+            tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
              dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -385,9 +387,12 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
     tl.store(dC_ptr + out, dC.to(dC_ptr.dtype.element_ty), mask=rn_mask)
 
 
-def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=None):
+def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=None, sum_D=True):
     """Returns dx (x's shape and dtype, contiguous), d dt direct (batch, heads, chunks, Q) float32
-    and dD (like D) or None. x, dy, B and seq_idx are addressed by their own strides; D contiguous."""
+    and dD (like D; None without D or with ``sum_D`` False: the gate's backward sums it then, from
+    the unrounded dy, :mod:`.gate`). x, dy, B and seq_idx are addressed by their own strides; D
+    contiguous."""
+    sum_D = sum_D and D is not None
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
@@ -396,18 +401,19 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=No
     # dD: one partial row per (chunk, head, 16 rows), summed here (a layout that does not depend
     # on the tuned BLOCK_M, so each run writes all of it)
     dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
-                            x.device) if D is not None else None
+                            x.device) if sum_D else None
     grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
     chunk_scan_bwd_dx_kernel[grid](
         CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,
-        seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if D is not None else ddt,
+        seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if sum_D else ddt,
         length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *dy.stride(), *dx.stride(), *B.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_SEQ_IDX=seq_idx is not None,
-        CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
+        HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
+        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
+        PRECISION=dot_precision(x.dtype),
     )
     dD = None
-    if D is not None:
+    if sum_D:
         dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))
         dD = (dD if D.dim() == 2 else dD.sum(dim=-1)).to(D.dtype)
     return dx, ddt, dD
