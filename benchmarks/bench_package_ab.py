@@ -30,6 +30,8 @@ CASES = {
     "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case()",
     "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
     "bidirectional bwd (4, 4096, 80, 64, 128)": "bidirectional_backward_case()",
+    "ssd fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.ssd_chunk_scan)",
+    "bidirectional fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.bidirectional_chunk_scan)",
 }
 
 WORKER = r'''
@@ -82,6 +84,17 @@ def bidirectional_backward_case():  # as ssd_backward_case
     saved = bidirectional_forward(x, dt, A, B, C, 256, dt_softplus=True)[2]
     dy = torch.randn_like(x)
     return lambda: bidirectional_backward(dy, x, dt, A, B, C, saved, dt_softplus=True)
+
+def gated_training_case(op):  # through autograd, so the gate's backward is timed with the rest
+    x, dt, A, B, C = ssd_inputs()
+    D, z, dy = torch.randn(x.shape[2], device=dev), torch.randn_like(x), torch.randn_like(x)
+    inputs = [t.requires_grad_() for t in (x, dt, B, C, D, z)]
+
+    def step():
+        with torch.enable_grad():
+            out = op(x, dt, A, B, C, 256, D=D, z=z, dt_softplus=True)
+            return torch.autograd.grad(out, inputs, dy)
+    return step
 
 def bidirectional_case():
     x, dt, A, B, C = ssd_inputs()

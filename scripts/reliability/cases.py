@@ -710,8 +710,12 @@ class SSDChunkScan(ChunkedSSM):
         # yardstick is its arithmetic, so it gets contiguous copies, through which the gradients reach
         # the views
         def peer_fn(**args):
+            # copies with standard strides: .contiguous() keeps a tensor torch already calls
+            # contiguous as it is, such as D (heads, 1) whose last dimension has the stride of a
+            # transposed view, and mamba_ssm asserts D.stride(-1) == 1 (H100 sweep seed 612001)
             return self.call(params, peer.mamba_chunk_scan_combined)(
-                **{k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+                **{k: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
+                   for k, v in args.items()})
         try:
             judge_typical_errors(verdict, names, self.ours(params), peer_fn,
                                  self.call(params, ssd_quadratic_ref), self.views(params, leaves),
