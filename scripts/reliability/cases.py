@@ -218,9 +218,20 @@ def gradients_of_arguments(fn, args, grad_out):
     :func:`mamba_annotated.testing.gradients`, which differentiates fresh leaves, the arguments
     here are the views themselves (strided, stride 0), so the op's backward sees them as a user
     passes them and its gradient is judged before any reduction over a broadcast dim."""
+    return gradients_for_upstreams(fn, args, [grad_out])[0]
+
+
+def gradients_for_upstreams(fn, args, upstreams):
+    """:func:`gradients_of_arguments` at each upstream gradient of ``upstreams``, from one forward
+    pass: a gradient is linear in the upstream one and the backward passes read the forward's saved
+    tensors without changing them, so this gives what a forward pass per upstream gives (the judge
+    draws up to 64 upstream gradients of a case; in the interpreter the forward passes were about a
+    third of that time)."""
     out = flat(fn(**args))
     wrt = [k for k, v in args.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-    return dict(zip(wrt, torch.autograd.grad(out, [args[k] for k in wrt], grad_out.to(out.dtype))))
+    tensors = [args[k] for k in wrt]
+    return [dict(zip(wrt, torch.autograd.grad(out, tensors, grad_out.to(out.dtype), retain_graph=True)))
+            for grad_out in upstreams]
 
 
 # The 16-bit step gradients of the chunked ops are judged on typical errors, over UPSTREAM_DRAWS
@@ -290,7 +301,7 @@ def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like
 
     def yardstick_draws(same, upstreams):
         try:
-            return [gradients_of_arguments(same, args, grad_out) for grad_out in upstreams]
+            return gradients_for_upstreams(same, args, upstreams)
         except Exception as e:  # named with the line that raised: mamba_ssm's asserts carry no message
             where = traceback.extract_tb(e.__traceback__)[-1]
             raise YardstickFailed(f"{type(e).__name__}: {e} ({Path(where.filename).name}:{where.lineno})") from e
@@ -298,8 +309,8 @@ def judge_typical_errors(verdict, names, fn, same_fn, ref_fn, args, args64, like
     def draw_up_to(count):
         new = [upstream(like.numel(), like.dtype, s) for s in upstream_seeds(seed, count)[len(grads_out):]]
         yardstick.extend(yardstick_draws(same_fn, new))
-        for grad_out, same in zip(new, yardstick[len(grads_out):]):
-            ours, want = gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(ref_fn, args64, grad_out)
+        for ours, same, want in zip(gradients_for_upstreams(fn, args, new), yardstick[len(grads_out):],
+                                    gradients_for_upstreams(ref_fn, args64, new)):
             for name in names:
                 for found, grads in zip(draws[name], (ours, same, want)):
                     found.append(grads[name])
@@ -706,13 +717,12 @@ class SSDChunkScan(ChunkedSSM):
             verdict.unjudged += [f"grad {name} ({dtype}: the rule needs mamba_ssm)" for name in names]
             return
         # mamba_ssm raised bare asserts on some layouts of its inputs (on the H100 at ssd_combined.py
-        # line 278 and ssd_bmm.py line 243, in 26 of 312 sweep cases; none with contiguous inputs): the
-        # yardstick is its arithmetic, so it gets contiguous copies, through which the gradients reach
-        # the views
+        # line 278 and ssd_bmm.py line 243, in 26 of 312 sweep cases): the yardstick is its arithmetic,
+        # so it gets copies with standard strides, through which the gradients reach the views. Not
+        # .contiguous(): it keeps a tensor torch already calls contiguous as it is, such as D (heads, 1)
+        # with a transposed view's stride in its last dimension, and mamba_ssm asserts D.stride(-1) == 1
+        # (H100 sweep seed 612001)
         def peer_fn(**args):
-            # copies with standard strides: .contiguous() keeps a tensor torch already calls
-            # contiguous as it is, such as D (heads, 1) whose last dimension has the stride of a
-            # transposed view, and mamba_ssm asserts D.stride(-1) == 1 (H100 sweep seed 612001)
             return self.call(params, peer.mamba_chunk_scan_combined)(
                 **{k: v.clone(memory_format=torch.contiguous_format) if isinstance(v, torch.Tensor) else v
                    for k, v in args.items()})
