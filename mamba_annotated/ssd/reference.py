@@ -86,6 +86,27 @@ def ssd_matrix(dt, A, B, C, seq_idx=None):
     return CB * decay * dt.transpose(1, 2)[:, :, None, :]
 
 
+def final_state_weights(dt, a, seq_idx):
+    """(batch, L, heads): the weight of position s in the final state, the state after the last
+    position (row L-1 of M, kept per (p, n)), from the processed dt and its cumulative sum a = cumsum(dt A)."""
+    batch, length, _ = dt.shape
+    last = same_sequence(seq_idx, batch, length, dt.device)[:, -1]     # (batch, L): same sequence as L-1
+    return torch.exp(a[:, -1:, :] - a) * dt * last[..., None]
+
+
+def final_state_term_norms(x, dt, A, B, *, dt_bias=None, seq_idx=None, dt_softplus=False,
+                           dt_limit=(0.0, math.inf)):
+    """(batch, heads, headdim, dstate) float64: the root of the sum over positions of the squared terms
+    w_s x_s B_s of the final state (no initial state). A kernel that rounds each term's w_s x_s to a
+    16-bit dtype before its dot, as the chunk-state kernel does, adds noise of about this size times
+    the dtype's rounding: the reliability sweep's rule for a 16-bit final state whose terms cancel."""
+    heads = x.shape[2]
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    weight = final_state_weights(dt, torch.cumsum(dt * A.double(), dim=1), seq_idx)
+    squares = torch.einsum("bsh,bshp,bshn->bhpn", weight ** 2, x.double() ** 2, per_head(B, heads).double() ** 2)
+    return squares.sqrt()
+
+
 def ssd_quadratic_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
                       dt_softplus=False, dt_limit=(0.0, math.inf), return_final_states=False):
     """y = M x (+ the initial state's contribution), skip and gate; the quadratic form, float64.
@@ -108,10 +129,7 @@ def ssd_quadratic_ref(x, dt, A, B, C, *, D=None, z=None, dt_bias=None, initial_s
     out = skip_and_gate(y, x, D, z)
     if not return_final_states:
         return out
-    # the final state is the state after the last position: row L-1 of M, kept per (p, n)
-    last = same_sequence(seq_idx, batch, length, x.device)[:, -1]      # (batch, L): same seq as L-1
-    weight = torch.exp(a[:, -1:, :] - a) * dt * last[..., None]         # (batch, L, heads)
-    final = torch.einsum("bsh,bshp,bshn->bhpn", weight, x.double(), per_head(B, heads))
+    final = torch.einsum("bsh,bshp,bshn->bhpn", final_state_weights(dt, a, seq_idx), x.double(), per_head(B, heads))
     if initial_states is not None:
         carries = (torch.exp(a[:, -1]) * reach[:, -1:])                 # (batch, heads)
         final = final + carries[..., None, None] * initial_states.double()
