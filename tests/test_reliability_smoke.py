@@ -193,7 +193,7 @@ def test_norm_cases_catch_a_norm_five_percent_off(monkeypatch):
     assert failures and failures[0].startswith("out: relative error"), failures
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws: there the fixed bound fails")
+@pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws (past the fixed bound)")
 def test_a_16bit_final_state_is_judged_against_the_noise_of_rounding_its_terms(monkeypatch):
     """SSD's bfloat16 final state whose terms cancel (seed 31 of a one-head, one-channel case): past
     the fixed relative bound, within the noise of rounding each term to bfloat16; the same state with
