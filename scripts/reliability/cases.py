@@ -723,7 +723,7 @@ class SSDChunkScan(ChunkedSSM):
     # terms (final_state_term_norms). The sum of the squared errors over that of the variances is then
     # at most a chi-square over its degrees of freedom n (n = (sum v_i)^2 / sum v_i^2 for unequal
     # variances v_i), and the rule is its 1e-6 quantile (Wilson and Hilferty's approximation; 27 at
-    # n = 1, about 5 standard deviations of one element, 2.1 at n = 64, 1.06 at n = 10^5): a pooled test
+    # n = 1, about 5 standard deviations of one element, 2.1 at n = 64, 1.02 at n = 10^5): a pooled test
     # that tightens with the number of elements, so that an error the size of a few tenths of a percent
     # of the terms, which a wrong decay or a dropped term gives, fails it.
     NOISE_QUANTILE_Z = 4.75  # the standard normal's 1 - 1e-6 quantile
