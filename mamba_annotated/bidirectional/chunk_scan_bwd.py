@@ -116,7 +116,8 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
                              stride_br_b, stride_br_l, stride_br_g, stride_br_n,
                              stride_seq_b, stride_seq_l,
                              HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-                             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr, CHUNK: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr,
+                             CHUNK: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                              BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
