@@ -26,7 +26,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import block_size, cdiv, silu_and_slope
+from ..triton_ops import block_size, cdiv, rounded_product, silu_and_slope
 
 ROW_TILE = 256 if INTERPRETED else 4096  # elements of one program's tile: rows of one head, headdim wide
 
@@ -40,7 +40,7 @@ def gate_backward_kernel(d_out_ptr, y_ptr, z_ptr, x_ptr, dy_ptr, dz_ptr, dD_ptr,
                          stride_x_b, stride_x_l, stride_x_h, stride_x_p,
                          HAS_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
     block = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)  # h * a head stride passes 2^31 in a heads-major view of a large tensor
     r = block * BLOCK_R + tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
     mask = (r < rows)[:, None] & (p < headdim)[None, :]
@@ -61,14 +61,16 @@ def gate_backward_kernel(d_out_ptr, y_ptr, z_ptr, x_ptr, dy_ptr, dz_ptr, dD_ptr,
     if HAS_D:
         x = tl.load(x_ptr + b * stride_x_b + t * stride_x_l + h * stride_x_h + p * stride_x_p,
                     mask=mask, other=0.0).to(tl.float32)
+        # rounded products: every lane of the sum's last shuffles stores it, and lanes must agree
         tl.store(dD_ptr + (block.to(tl.int64) * heads + h) * headdim + p,
-                 tl.sum(g * x, axis=0)[None, :], mask=p < headdim)
+                 tl.sum(rounded_product(g, x), axis=0)[None, :], mask=p < headdim)
 
 
 def gate_backward(d_out: torch.Tensor, y: torch.Tensor, z: torch.Tensor, x: torch.Tensor,
                   D: Optional[torch.Tensor]):
     """(dy in x's dtype, dz in z's dtype, both contiguous; dD like D, or None without D) for
-    out = y silu(z), y holding D x. All four tensors are (batch, length, heads, headdim)."""
+    out = y silu(z), y holding D x. All four tensors are (batch, length, heads, headdim), with at
+    least one position (the ops return earlier for an empty input)."""
     batch, length, heads, headdim = x.shape
     rows = batch * length
     block_p = block_size(headdim)
@@ -77,12 +79,11 @@ def gate_backward(d_out: torch.Tensor, y: torch.Tensor, z: torch.Tensor, x: torc
     dy = outputs.empty(x.shape, x.dtype, x.device)
     dz = outputs.empty(z.shape, z.dtype, x.device)
     dD_blocks = outputs.empty((blocks, heads, headdim), torch.float32, x.device) if D is not None else dy
-    if rows:
-        gate_backward_kernel[(blocks, heads)](
-            d_out, y, z, x, dy, dz, dD_blocks, rows, length, heads, headdim,
-            *d_out.stride(), *y.stride(), *z.stride(), *x.stride(),
-            HAS_D=D is not None, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4)
+    gate_backward_kernel[(blocks, heads)](
+        d_out, y, z, x, dy, dz, dD_blocks, rows, length, heads, headdim,
+        *d_out.stride(), *y.stride(), *z.stride(), *x.stride(),
+        HAS_D=D is not None, BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4)
     if D is None:
         return dy, dz, None
-    dD = dD_blocks.sum(0) if rows else torch.zeros((heads, headdim), dtype=torch.float32, device=x.device)
+    dD = dD_blocks.sum(0)
     return dy, dz, (dD if D.dim() == 2 else dD.sum(-1)).to(D.dtype)
