@@ -97,3 +97,101 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, window=(-1, -1), so
     slopes = alibi_slopes.double() if alibi_slopes is not None else None
     return naive_attention(q.double(), k.double(), v.double(), causal, softmax_scale, window, softcap, slopes,
                            dropout_p, dropout_mask)
+
+
+def rotate_ref(x, cos, sin, positions, interleaved):
+    """Rotary embedding in float64 (see :mod:`.rotary` for the pairs), rounded to x's dtype: x
+    (batch, L, heads, d), ``positions`` (batch, L) rows of the (seqlen_ro, rotary_dim / 2) tables."""
+    half = cos.shape[1]
+    angle_cos = cos.double()[positions][:, :, None]
+    angle_sin = sin.double()[positions][:, :, None]
+    rot = x[..., :2 * half].double()
+    if interleaved:
+        x_a, x_b = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x_a * angle_cos - x_b * angle_sin, x_b * angle_cos + x_a * angle_sin], -1).flatten(-2)
+    else:
+        x_a, x_b = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x_a * angle_cos - x_b * angle_sin, x_b * angle_cos + x_a * angle_sin], -1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], -1)
+
+
+def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, causal=False, window=(-1, -1),
+                      rotary_interleaved=True):
+    """What flash_attn's ``flash_attn_with_kvcache`` attends over, written out sequence by sequence:
+    (queries, keys, values, k_cache after, v_cache after), the first three lists of one tensor per
+    sequence b: its queries (1, seqlen_q, heads, d), rotated if rotary tables are given, and its keys
+    and values (1, L_b, kv_heads, d) read from the cache after the append.
+
+    The rules, from flash_attn 2.8 (``flash_attn_interface.py`` and ``csrc/flash_attn/src``):
+    sequence b lives in cache row cache_batch_idx[b] (b without it), or in the pages
+    block_table[b, p // page_size], row p % page_size, of a paged cache; it holds positions
+    [cache_leftpad[b], cache_seqlens[b]) (0 and the cache's capacity when not given); new keys
+    and values go to positions cache_seqlens[b] + t, the keys rotated at those positions; the
+    queries are rotated at cache_seqlens[b] + i when the attention is causal or local (``window``
+    as flash_attn resolves it, not (-1, -1)), else all at cache_seqlens[b]. Rotation is exact in
+    float64, then rounded to the inputs' dtype (:func:`rotate_ref`), as the op rounds it.
+    """
+    batch, seqlen_q = q.shape[:2]
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    ends = [capacity] * batch if cache_seqlens is None else (
+        [int(cache_seqlens)] * batch if isinstance(cache_seqlens, int) else cache_seqlens.tolist())
+    starts = [0] * batch if cache_leftpad is None else cache_leftpad.tolist()
+    rows = list(range(batch)) if cache_batch_idx is None else cache_batch_idx.tolist()
+
+    def location(b, p):
+        """(cache row or page, row within it) of position p of sequence b."""
+        if paged:
+            return int(block_table[b, p // page_size]), p % page_size
+        return rows[b], p
+
+    rotary = rotary_cos is not None
+    new = 0 if k is None else k.shape[1]
+    if k is not None:
+        if rotary:
+            positions = torch.tensor(ends, device=q.device)[:, None] + torch.arange(new, device=q.device)
+            k = rotate_ref(k, rotary_cos, rotary_sin, positions, rotary_interleaved)
+        for b in range(batch):
+            for t in range(new):
+                k_cache[location(b, ends[b] + t)] = k[b, t]
+                v_cache[location(b, ends[b] + t)] = v[b, t]
+    if rotary:
+        per_row = causal or window != (-1, -1)
+        positions = torch.tensor(ends, device=q.device)[:, None] + (
+            torch.arange(seqlen_q, device=q.device) if per_row else torch.zeros(seqlen_q, dtype=torch.long,
+                                                                               device=q.device))
+        q = rotate_ref(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
+    queries, keys, values = [], [], []
+    for b in range(batch):
+        where = [location(b, p) for p in range(starts[b], ends[b] + new)]
+        gather = lambda cache: (torch.stack([cache[w] for w in where]) if where  # noqa: E731
+                                else cache.new_zeros((0, *cache.shape[2:])))
+        queries.append(q[b:b + 1])
+        keys.append(gather(k_cache)[None])
+        values.append(gather(v_cache)[None])
+    return queries, keys, values, k_cache, v_cache
+
+
+def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                      cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                      window=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, attend=None):
+    """The float64 ground truth of ``attention_with_kvcache``: (out, lse, k_cache after, v_cache
+    after), out (batch, seqlen_q, heads, d) and lse (batch, heads, seqlen_q) float64, the caches in
+    their dtype. Each sequence of :func:`kvcache_sequences` goes through :func:`attention_ref`, its
+    queries and keys bottom-right aligned with its own key count. ``window`` is (left, right) as
+    flash_attn resolves ``window_size`` (against the cache's capacity). ``attend`` replaces
+    attention_ref (:func:`naive_attention` gives the same computation in the inputs' dtype)."""
+    attend = attend or attention_ref
+    queries, keys, values, k_after, v_after = kvcache_sequences(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        causal, window, rotary_interleaved)
+    outs, lses = [], []
+    for b, (q_b, k_b, v_b) in enumerate(zip(queries, keys, values)):
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b])
+        out, lse = attend(q_b, k_b, v_b, causal, softmax_scale, window, softcap, slopes)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses), k_after, v_after
