@@ -734,6 +734,26 @@ def test_nonfinite_probes_report_per_op(tmp_path):
     assert report["rmsnorm_fn"] == dict(cases=2, failures=0, problems=[])  # x and z: only their row is reached
 
 
+def test_kvcache_probes_reach_each_sequence_at_its_own_positions():
+    """A NaN at cache position t is a key of each sequence that holds t and that the append leaves
+    (different rows for different cache_seqlens); a NaN new key t sits at cache_seqlens[b] + t.
+    Two probes of nonfinite.py's run, with the reach they were judged by."""
+    op = cases.OPS["attention_with_kvcache"]
+    params = nonfinite.plain_cases(op)[0]
+    seed_everything(0)
+    leaves = op.inputs(params)
+    args = op.views(params, leaves)
+    for name, t in (("k_cache", 5), ("v", 1)):
+        reach = nonfinite.reached(op, params, args, name, t, params["dims"]["Lq"])
+        assert reach.shape == (params["dims"]["batch"], params["dims"]["Lq"])
+        assert nonfinite.probe(op, params, leaves, name, t, float("nan")) == []
+        position = t if name == "k_cache" else args["cache_seqlens"].long() + t
+        held = (position >= args["cache_leftpad"]) & (position < args["cache_seqlens"] + params["dims"]["new"])
+        if name == "k_cache":  # the slots of the new keys are overwritten
+            held &= position < args["cache_seqlens"]
+        assert reach.any() and not (reach & ~held[:, None]).any()
+
+
 def test_leaks_arguments_and_skip_without_cuda():
     assert leaks.parse_args(["--calls", "7"]).calls == 7
     if not torch.cuda.is_available():
@@ -877,7 +897,7 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert "sanitize attention racecheck: 2 WAW at k (f.py:9), one instruction, one warp" in printed
 
 
-@pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan"])
+@pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan", "attention_with_kvcache"])
 def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
     """The sanitizer's driver runs each op whose kernels have a checked pass once more, with a NaN
     in the input that wakes that pass, so that compute-sanitizer watches it too."""

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from mamba_annotated import attention, bidirectional_chunk_scan, linear_scan, selective_scan, sequential_scan
+from mamba_annotated import attention, attention_with_kvcache, bidirectional_chunk_scan, linear_scan, selective_scan
+from mamba_annotated import sequential_scan
 from mamba_annotated import rmsnorm_fn, selective_state_update, ssd_chunk_scan, ssd_state_update
 from mamba_annotated.attention.api import resolve_window
-from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes, naive_attention
+from mamba_annotated.attention.reference import (attention_logits, geometric_alibi_slopes, kvcache_reference,
+                                                 naive_attention)
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import bidirectional_ref
 from mamba_annotated.gated_norm import rmsnorm_ref
@@ -44,6 +46,7 @@ from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_within_same_
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+from test_attention_kvcache import kvcache_positions_mask, rotated_key_slack  # noqa: E402  (the tests' rules)
 from test_bidirectional import fused_grad_tol  # noqa: E402  (the tests' bounds: one copy of each rule)
 from test_decoding import selective_step_ref  # noqa: E402
 from test_gated_norm import rms_norm_f64  # noqa: E402
@@ -1055,6 +1058,231 @@ class Attention(Op):
         return self.call(params, bound, dropout_mask)(**self.views(params, leaves64))
 
 
+class AttentionWithKVCache(Op):
+    """attention_with_kvcache: a few queries (mostly one, a decoding step) over a KV cache that the
+    op appends to in place, in any of its layouts (contiguous, rows picked by cache_batch_idx,
+    pages of any size), with every option. The caches are inputs seen through layouts of their own
+    (never expanded: the op writes them), and each call works on copies of them made through the
+    same layouts, so that a call can be repeated (reproducibility, leaks, CUDA graphs). Every cache
+    position that no sequence holds, the slots the new keys go to included, is NaN: a read of one
+    shows in the outputs (0 x NaN reaches even a masked product), and so does an append that left
+    a slot unwritten. Outputs: out, lse and both caches after the call; nothing to differentiate
+    (flash_attn's function has no backward either). Judged by the tests' rules
+    (tests/test_attention_kvcache.py): out and lse at most 2x the error of the same attention in
+    PyTorch at the inputs' dtype, the caches element by element (rotated keys within one unit of
+    their dtype of the float64 rotation)."""
+    name = "attention_with_kvcache"
+    differentiable = False
+    minimum = {"batch": 1, "Lq": 1, "heads": 1, "kv_heads": 1, "head_dim": 16, "capacity": 1, "new": 0,
+               "page_size": 1}
+    defaults = {"layout": "contiguous", "causal": False, "window_size": [-1, -1], "softcap": 0.0, "alibi": None,
+                "rotary": None, "leftpad": False, "seqlens": "tensor", "num_splits": 0, "softmax_scale": None}
+    free_dims = ("batch", "capacity")
+    CACHES = ("k_cache", "v_cache")
+    CACHE_LAYOUTS = tuple(layout for layout in LAYOUTS if layout != "expanded")
+
+    def draw(self, rng):
+        heads = rng.choice(size(gpu=(1, 2, 4, 8, 32), cpu=(1, 2, 4)))
+        Lq = pick(rng, (3, 1), (1, rng.choice(size(gpu=(2, 3, 7, 16, 33, 130), cpu=(2, 3, 7)))))
+        new = pick(rng, (2, 0), (2, 1), (1, rng.randint(1, max(Lq, 2))))
+        dims = dict(batch=rng.choice(size(gpu=(1, 2, 3, 8, 64), cpu=(1, 2, 3))), Lq=Lq, heads=heads,
+                    kv_heads=rng.choice(divisors(heads)),
+                    head_dim=pick(rng, (2, rng.choice(size(gpu=(64, 128, 256, 80, 96), cpu=(16, 32)))),
+                                  (1, rng.randint(16, size(gpu=256, cpu=40)))),
+                    capacity=draw_length(rng, size(gpu=(64, 128, 256), cpu=(16,)), size(gpu=16385, cpu=60)),
+                    new=new, page_size=rng.choice(size(gpu=(1, 3, 16, 64, 256), cpu=(1, 3, 5, 16))))
+        side = 2 * Lq + 8
+        window = pick(rng, (3, [-1, -1]), (1, [rng.randint(0, side), rng.randint(0, side)]),
+                      (1, [rng.randint(0, side), -1]), (1, [-1, rng.randint(0, 3)]))
+        opts = dict(layout=rng.choice(["contiguous", "indexed", "paged"]), causal=rng.random() < 0.5,
+                    window_size=window, softcap=pick(rng, (3, 0.0), (1, rng.choice([5.0, 30.0]))),
+                    alibi=pick(rng, (3, None), (1, rng.choice(["heads", "batch, heads"]))),
+                    rotary=rng.choice([None, "interleaved", "neox"]) if new else None,
+                    rotary_fraction=rng.choice([0.25, 0.5, 1.0]), rotary_dtype=rng.choice(["float32", "same"]),
+                    leftpad=rng.random() < 0.3, seqlens=rng.choice(["tensor", "tensor", "int"] + ([] if new else ["none"])),
+                    num_splits=rng.choice([0, 0, 1, 2, 3, 7, size(gpu=32, cpu=5)]),
+                    softmax_scale=pick(rng, (4, None), (1, rng.choice([0.0, -0.5, 0.3]))))
+        layouts = draw_layouts(rng, ("q", "k", "v"))
+        layouts.update({name: rng.choice(self.CACHE_LAYOUTS) if rng.random() < 0.5 else "contiguous"
+                        for name in self.CACHES})
+        return self.fix(dict(dims=dims, dtype=rng.choice(list(DTYPES)), opts=opts, layouts=layouts))
+
+    def fix(self, params):
+        d, opts = params["dims"], params["opts"]
+        d["head_dim"] = min(max(d["head_dim"], 16), 256)
+        if d["heads"] % d["kv_heads"]:
+            d["kv_heads"] = max(g for g in divisors(d["heads"]) if g <= d["kv_heads"])
+        if not d["new"]:
+            opts["rotary"] = None
+        elif opts["seqlens"] == "none":
+            opts["seqlens"] = "tensor"
+        # the float64 reference gathers every position in Python: a cap on the positions it reads
+        d["capacity"] = max(d["new"], 1, min(d["capacity"], DENSE_CAP // (d["batch"] * d["heads"] * d["Lq"])))
+        return params
+
+    def cache_size(self, params):
+        """(rows or pages, positions per row or page, capacity of a sequence)."""
+        d = params["dims"]
+        if params["opts"]["layout"] == "paged":
+            pages = -(-d["capacity"] // d["page_size"])
+            return d["batch"] * pages + 2, d["page_size"], pages * d["page_size"]
+        return d["batch"] + (1 if params["opts"]["layout"] == "indexed" else 0), d["capacity"], d["capacity"]
+
+    def shapes(self, params):
+        d = params["dims"]
+        rows, positions, _ = self.cache_size(params)
+        new = (d["batch"], d["new"], d["kv_heads"], d["head_dim"])
+        cache = (rows, positions, d["kv_heads"], d["head_dim"])
+        return dict(q=(d["batch"], d["Lq"], d["heads"], d["head_dim"]), k=new, v=new, k_cache=cache, v_cache=cache)
+
+    def inputs(self, params):
+        dtype, opts, lay, s, d = DTYPES[params["dtype"]], params["opts"], params["layouts"], self.shapes(params), \
+            params["dims"]
+        batch, new = d["batch"], d["new"]
+        rows, _, capacity = self.cache_size(params)
+        leaves = {name: leaf(lambda t: randn(*t, dtype=dtype), s[name], lay[name], grad=False)
+                  for name in ("q", "k_cache", "v_cache", *(("k", "v") if new else ()))}
+        index = dict(dtype=torch.int32, device=DEVICE)
+        ends = torch.randint(0, capacity - new + 1, (batch,), device=DEVICE).to(torch.int32)
+        if opts["seqlens"] != "tensor":
+            ends = ends[:1].expand(batch).contiguous() if opts["seqlens"] == "int" else torch.full((batch,), capacity, **index)
+        if opts["seqlens"] != "none":
+            leaves["cache_seqlens"] = ends
+        starts = torch.zeros(batch, **index)
+        if opts["leftpad"]:
+            starts = (torch.rand(batch, device=DEVICE) * (ends + 1)).floor().to(torch.int32).clamp(max=ends)
+            leaves["cache_leftpad"] = starts
+        if opts["layout"] == "indexed":
+            leaves["cache_batch_idx"] = torch.randperm(rows, device=DEVICE)[:batch].to(torch.int32)
+        elif opts["layout"] == "paged":
+            pages = capacity // d["page_size"]
+            leaves["block_table"] = torch.randperm(rows, device=DEVICE)[:batch * pages].view(batch, pages).to(torch.int32)
+        if opts["rotary"]:
+            half = max(1, int(opts["rotary_fraction"] * d["head_dim"]) // 2)
+            angles = torch.rand(capacity + d["Lq"], half, device=DEVICE, dtype=torch.float64) * 2 * math.pi
+            table_dtype = dtype if opts["rotary_dtype"] == "same" else torch.float32
+            leaves["rotary_cos"], leaves["rotary_sin"] = (f(angles).to(table_dtype) for f in (torch.cos, torch.sin))
+        if opts["alibi"] is not None:
+            shape = (d["heads"],) if opts["alibi"] == "heads" else (batch, d["heads"])
+            leaves["alibi_slopes"] = geometric_alibi_slopes(math.prod(shape), DEVICE).reshape(shape)
+        held = kvcache_positions_mask(self.as_case(params, leaves), starts.tolist(), ends.tolist())
+        for name in self.CACHES:  # NaN wherever no sequence holds a key, the slots of the new ones included
+            view(leaves[name], s[name], lay[name])[~held] = math.nan
+        return leaves
+
+    def as_case(self, params, args):
+        """The arguments as the tests' helpers take them (a dict of attention_with_kvcache's keywords),
+        the caches seen through their layouts."""
+        s, lay = self.shapes(params), params["layouts"]
+        case = {name: value for name, value in args.items() if name not in self.CACHES}
+        case.update({name: view(args[name], s[name], lay[name]) for name in self.CACHES})
+        if params["opts"]["rotary"]:
+            case["rotary_interleaved"] = params["opts"]["rotary"] == "interleaved"
+        return case
+
+    def views(self, params, leaves):
+        """The arguments, the caches still their bases: each call views copies of them (:meth:`ours`)."""
+        args = super().views(params, {k: v for k, v in leaves.items() if k not in self.CACHES})
+        args.update({name: leaves[name] for name in self.CACHES})
+        return args
+
+    def options(self, params):
+        """attention_with_kvcache's keyword options of the case."""
+        opts = params["opts"]
+        return dict(causal=opts["causal"], window_size=tuple(opts["window_size"]), softcap=opts["softcap"],
+                    softmax_scale=opts["softmax_scale"], num_splits=opts["num_splits"],
+                    rotary_interleaved=opts["rotary"] != "neox")
+
+    def ours(self, params):
+        """(out, lse, k_cache after, v_cache after) of one call on copies of the caches."""
+        s, lay = self.shapes(params), params["layouts"]
+
+        def run(**args):
+            caches = {name: view(args.pop(name).detach().clone(), s[name], lay[name]) for name in self.CACHES}
+            if params["opts"]["seqlens"] == "int":
+                args["cache_seqlens"] = int(args["cache_seqlens"][0])
+            out, lse = attention_with_kvcache(**args, **caches, **self.options(params), return_softmax_lse=True)
+            return out, lse, caches["k_cache"], caches["v_cache"]
+        return run
+
+    def reference(self, params, attend=None):
+        """kvcache_reference on the case's arguments (the caches through their layouts): (out, lse,
+        k_cache after, v_cache after), out and lse in float64, or in the inputs' dtype through
+        ``attend`` (the same computation)."""
+        opts = params["opts"]
+
+        def run(**args):
+            case = self.as_case(params, args)
+            window = resolve_window(opts["causal"], tuple(opts["window_size"]), self.cache_size(params)[2])
+            return kvcache_reference(**case, softmax_scale=opts["softmax_scale"], causal=opts["causal"], window=window,
+                                     softcap=opts["softcap"], attend=attend)
+        return run
+
+    def judge(self, params, leaves, seed):
+        verdict, dtype = Verdict(), DTYPES[params["dtype"]]
+        args = self.views(params, leaves)
+        with torch.no_grad():
+            out, lse, k_after, v_after = self.ours(params)(**args)
+            ref_out, ref_lse, ref_k, ref_v = self.reference(params)(**args)
+            same_out, same_lse, _, _ = self.reference(params, attend=naive_attention)(**args)
+        if out.numel():
+            same_computation_rule(verdict, "out", out, same_out, ref_out, dtype)
+            same_computation_rule(verdict, "lse", lse, same_lse, ref_lse, dtype)
+        slack = rotated_key_slack(self.as_case(params, args))
+        for name, got, want, allowed in (("k_cache", k_after, ref_k, slack), ("v_cache", v_after, ref_v, 0 * slack)):
+            exact = (got == want) | (got.isnan() & want.isnan())
+            close = (got.double() - want.double()).abs() <= allowed
+            wrong = int((~(exact | close)).sum())
+            if wrong:
+                verdict.failures.append(f"{name} after the append: {wrong} elements differ from the reference's")
+        return verdict
+
+    def small(self):
+        base = dict(batch=3, Lq=3, heads=4, kv_heads=2, head_dim=size(gpu=80, cpu=24), capacity=size(gpu=301, cpu=23),
+                    new=3, page_size=size(gpu=16, cpu=5))
+        return [self.fix(dict(dims=dict(base), dtype="bfloat16",
+                              opts=dict(self.defaults, layout="paged", causal=True, window_size=[9, -1], alibi="heads",
+                                        rotary="neox", rotary_fraction=0.5, rotary_dtype="float32", leftpad=True,
+                                        num_splits=3),
+                              layouts=dict(q="transposed", k="strided", v="expanded", k_cache="reversed",
+                                           v_cache="offset"))),
+                self.fix(dict(dims=dict(base, Lq=1, new=1, heads=8), dtype="float32",
+                              opts=dict(self.defaults, layout="indexed", softcap=5.0, softmax_scale=-0.5,
+                                        rotary="interleaved", rotary_fraction=1.0, rotary_dtype="same", num_splits=2),
+                              layouts=dict(q="offset", k="contiguous", v="reversed", k_cache="strided",
+                                           v_cache="transposed")))]
+
+    def reach(self, params, args, name, t):
+        """(batch, seqlen_q) bool: the query rows that a non-finite value at position t of input
+        ``name`` may reach, sequence by sequence (scripts/reliability/nonfinite.py). q: row t.
+        k, v: the new key t, at cache_seqlens[b] + t. k_cache, v_cache (contiguous layout: cache row
+        b is sequence b): position t where sequence b holds a key there that the append leaves;
+        then the rows whose window holds that position."""
+        d, opts = params["dims"], params["opts"]
+        batch, Lq, new = d["batch"], d["Lq"], d["new"]
+        rows = torch.arange(Lq, device=DEVICE)
+        if name == "q":
+            return (rows == t)[None].expand(batch, Lq)
+        capacity = self.cache_size(params)[2]
+        ends = args.get("cache_seqlens", torch.full((batch,), capacity, device=DEVICE)).long()
+        starts = args.get("cache_leftpad", torch.zeros(batch, dtype=torch.long, device=DEVICE)).long()
+        position = ends + t if name in ("k", "v") else torch.full_like(ends, t)
+        held = (position >= starts) & (position < ends + new)
+        if name in ("k_cache", "v_cache"):
+            held &= (position < ends) | (position >= ends + new)  # the slots of the new keys are overwritten
+        left, right = resolve_window(opts["causal"], tuple(opts["window_size"]), capacity)
+        distance = rows[None] + (ends + new - Lq - position)[:, None]
+        seen = held[:, None].expand(batch, Lq)
+        if right >= 0:
+            seen = seen & (distance >= -right)
+        if left >= 0:
+            seen = seen & (distance <= left)
+        return seen
+
+    def measure(self, params):
+        return dict(params["dims"])
+
+
 class DecodingSteps(Op):
     """A decoding step (ssd_state_update, selective_state_update) taken ``steps`` times in a row
     from a given state, which the step updates in place. Each step's inputs come stacked along
@@ -1329,7 +1557,8 @@ class GatedRMSNorm(Op):
 
 OPS = {op.name: op for op in (FirstOrderScan("linear_scan", linear_scan),
                               FirstOrderScan("sequential_scan", sequential_scan), SelectiveScan(),
-                              SSDChunkScan(), BidirectionalChunkScan(), Attention(), SSDStateUpdate(),
+                              SSDChunkScan(), BidirectionalChunkScan(), Attention(), AttentionWithKVCache(),
+                              SSDStateUpdate(),
                               SelectiveStateUpdate(), GatedRMSNorm())}
 
 

@@ -36,6 +36,7 @@ from mamba_annotated.testing import seed_everything  # noqa: E402
 PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -1, -1),
           "selective_scan": (("u", "delta", "B", "C"), -1, -1), "ssd_chunk_scan": (("x", "dt", "B", "C"), 1, 1),
           "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1),
+          "attention_with_kvcache": (("q", "k", "v", "k_cache", "v_cache"), 1, 1),
           "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1),
           "rmsnorm_fn": (("x", "z"), 1, 1)}
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
@@ -63,6 +64,8 @@ def plain_cases(op):
     if op.name == "attention":
         params["dims"]["Lk"] = params["dims"]["Lq"]
         params["opts"]["causal"] = True
+    if op.name == "attention_with_kvcache":  # cache row b holds sequence b: a position t of the cache is one key
+        params["opts"]["layout"] = "contiguous"
     if op.name not in ("ssd_chunk_scan", "bidirectional_chunk_scan"):
         return [params]
     packed = json.loads(json.dumps(params))
@@ -81,6 +84,8 @@ def reference(op, params):
         return lambda a, b, h0=None: linear_scan_ref(a, b, h0, opts["reverse"])
     if op.name == "selective_scan":
         return lambda **a: selective_scan_ref(**a, delta_softplus=opts["delta_softplus"])
+    if op.name == "attention_with_kvcache":
+        return lambda **a: op.reference(params)(**a)[0]
     if op.name == "attention":
         from mamba_annotated.attention.reference import attention_ref
         return lambda q, k, v: attention_ref(q, k, v, opts["causal"], opts["softmax_scale"])[0]
@@ -93,7 +98,11 @@ def reference(op, params):
 def reached(op, params, args, name, t, length):
     """(batch-independent) positions of the output the poison may reach: from t on (causal), and
     only in t's packed sequence; for attention, the rows whose window holds key t (k, v) or row t
-    (q); for the bidirectional op, t's packed sequence."""
+    (q); for the bidirectional op, t's packed sequence. For attention over a KV cache, (batch,
+    length): each sequence's own rows (its keys sit at positions of its own,
+    :meth:`cases.AttentionWithKVCache.reach`)."""
+    if op.name == "attention_with_kvcache":
+        return op.reach(params, args, name, t)
     positions = torch.arange(length)
     if op.name == "rmsnorm_fn":  # row by row: a row's groups read nothing of the others
         return positions == t
@@ -127,6 +136,8 @@ def probe(op, params, leaves, name, t, value):
     reach = reached(op, params, args, name, t, length).to(out.device)
     shape = [1] * out.dim()
     shape[out_dim] = length
+    if reach.dim() == 2:  # per sequence
+        shape[0] = reach.shape[0]
     reach = reach.view(shape).expand(out.shape)
     problems = []
     before = ~reach
@@ -134,7 +145,7 @@ def probe(op, params, leaves, name, t, value):
     if changed.any():
         where = before.nonzero()[changed.nonzero()[:, 0]][:, out_dim].unique().tolist()
         problems.append(f"{int(changed.sum())} outputs it cannot reach changed (positions {where[:8]})")
-    if op.name == "attention":  # every row that sees the value: the whole row
+    if op.name in ("attention", "attention_with_kvcache"):  # every row that sees the value: the whole row
         mismatch = out[reach].isfinite()
     elif op.name == "bidirectional_chunk_scan":  # which of t's sequence read it: tests/test_bidirectional.py
         mismatch = torch.zeros(1, dtype=torch.bool)
