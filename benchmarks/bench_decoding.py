@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from mamba_annotated import attention_with_kvcache
 from mamba_annotated.attention.split_kv import DECODING_CONFIG, decoding_config, default_splits, split_kv_attention
-from mamba_annotated.bench import copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms, print_table, progress
+from mamba_annotated.bench import (copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms, print_table,
+                                   progress)
 from mamba_annotated.runtime import DEVICE, device_name
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

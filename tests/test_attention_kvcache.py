@@ -411,6 +411,8 @@ BAD_INPUTS = [
     (lambda c: dict(k_cache=c["k_cache"][..., :16], v_cache=c["v_cache"][..., :16]), ValueError,
      "k_cache must have shape .* head_dim=32"),
     (lambda c: dict(q=c["q"][:, :, :3]), ValueError, "kv_heads of k_cache and v_cache .2. must divide"),
+    (lambda c: dict(k_cache=c["k_cache"][:1], v_cache=c["v_cache"][:1]), ValueError,
+     "k_cache must have a row for each of the 2 sequences of q"),
     (lambda c: dict(q=c["q"][..., :8], k_cache=c["k_cache"][..., :8], v_cache=c["v_cache"][..., :8]), ValueError,
      "head_dim .* between 16 and 256"),
     (lambda c: dict(k=c["k"], v=None), ValueError, "k and v must be given together; got k alone"),
@@ -511,6 +513,38 @@ def test_default_splits_fill_the_gpu_only_when_the_batch_does_not(monkeypatch):
     assert split_kv.default_splits(1, 8, 100, cuda, block_n=64) == 1           # two key blocks: no split
     assert split_kv.default_splits(1, 8, 512, cuda, block_n=64) == 4           # at least two blocks each
     assert split_kv.default_splits(1, 8, 131072, torch.device("cpu"), block_n=64) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.large_memory
+@pytest.mark.skipif(not ON_GPU, reason="offsets past 2^31 need caches of billions of elements")
+@pytest.mark.parametrize("layout", ["indexed", "paged"])
+def test_cache_offsets_past_2_31_elements(layout):
+    """A sequence whose keys lie past element 2^31 of its cache (cache row 2 of 2^20 positions, or
+    pages from number 2^13 on, of 2^18 elements each): the offsets are formed in int64, the append
+    lands there too. About 13 GiB of bfloat16 caches."""
+    kv_heads, head_dim, length = 8, 128, 4000
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+    if layout == "indexed":
+        shape, place = (3, 1 << 20, kv_heads, head_dim), dict(cache_batch_idx=ints([2]))
+    else:
+        pages = -(-(length + 1) // 256)
+        shape, place = ((1 << 13) + pages, 256, kv_heads, head_dim), dict(block_table=ints([[(1 << 13) + i for i in
+                                                                                              range(pages)]]))
+    k_cache, v_cache = torch.randn(shape, **bf16), torch.randn(shape, **bf16)
+    q, k, v = torch.randn(1, 1, 32, head_dim, **bf16), torch.randn(1, 1, kv_heads, head_dim, **bf16), \
+        torch.randn(1, 1, kv_heads, head_dim, **bf16)
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=ints([length]), num_splits=4,
+                                      return_softmax_lse=True, **place)
+    if layout == "indexed":
+        keys, values = k_cache[2:3, :length + 1], v_cache[2:3, :length + 1]
+    else:
+        keys, values = (t[(1 << 13):].flatten(0, 1)[None, :length + 1] for t in (k_cache, v_cache))
+    assert torch.equal(keys[0, length], k[0, 0]) and torch.equal(values[0, length], v[0, 0])
+    ref_out, ref_lse = attention_ref(q, keys, values)
+    same_out, same_lse = naive_attention(q, keys, values)
+    assert_within_same_computation("out", out, same_out, ref_out, torch.bfloat16)
+    assert_within_same_computation("lse", lse, same_lse, ref_lse, torch.bfloat16)
 
 
 # --- torch.library, torch.compile, CUDA graphs -----------------------------------------------------

@@ -897,7 +897,8 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
     assert "sanitize attention racecheck: 2 WAW at k (f.py:9), one instruction, one warp" in printed
 
 
-@pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan", "attention_with_kvcache"])
+@pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan",
+                                     "attention_with_kvcache"])
 def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
     """The sanitizer's driver runs each op whose kernels have a checked pass once more, with a NaN
     in the input that wakes that pass, so that compute-sanitizer watches it too."""

@@ -66,6 +66,9 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         if not k_cache.shape[1]:
             raise ValueError(f"k_cache's pages must hold at least one position (page_block_size >= 1); "
                              f"got shape {tuple(k_cache.shape)}")
+    elif cache_batch_idx is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache must have a row for each of the {batch} sequences of q (or cache_batch_idx to "
+                         f"pick its rows); got shape {tuple(k_cache.shape)}")
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
             check_tensor(name, t, dtypes=INDEX_DTYPES, shape=(batch,))
@@ -161,7 +164,8 @@ def check_indices(q, k_cache, new, rotary_cos, cache_seqlens, cache_batch_idx, c
         page_size = k_cache.shape[1]
         pages = torch.arange(block_table.shape[1], device=block_table.device)
         starts = cache_leftpad if cache_leftpad is not None else torch.zeros_like(ends)
-        read = (pages >= (starts // page_size)[:, None]) & (pages < ((ends + new + page_size - 1) // page_size)[:, None])
+        first, last = starts // page_size, (ends + new + page_size - 1) // page_size  # the pages [first, last) read
+        read = (pages >= first[:, None]) & (pages < last[:, None])
         in_range = (block_table >= 0) & (block_table < k_cache.shape[0])
         torch._assert_async((in_range | ~read).all(),
                             f"block_table's entries for the pages a sequence holds must index the pages of k_cache "
@@ -210,7 +214,8 @@ def attend_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             append(k_cache, k, positions, cache_batch_idx, block_table)
             append(v_cache, v, positions, cache_batch_idx, block_table)
         if rotary_cos is not None:
-            offsets = torch.arange(seqlen_q, device=q.device) if rotate_per_row else q.new_zeros(seqlen_q, dtype=torch.long)
+            offsets = (torch.arange(seqlen_q, device=q.device) if rotate_per_row
+                       else torch.zeros(seqlen_q, dtype=torch.long, device=q.device))
             q = rotate(q, rotary_cos, rotary_sin, cache_seqlens.long()[:, None] + offsets, rotary_interleaved)
         capacity = cache_capacity(k_cache, block_table)
         if q.numel() == 0 or k_cache.shape[2] == 0:

@@ -1099,7 +1099,8 @@ class AttentionWithKVCache(Op):
                     alibi=pick(rng, (3, None), (1, rng.choice(["heads", "batch, heads"]))),
                     rotary=rng.choice([None, "interleaved", "neox"]) if new else None,
                     rotary_fraction=rng.choice([0.25, 0.5, 1.0]), rotary_dtype=rng.choice(["float32", "same"]),
-                    leftpad=rng.random() < 0.3, seqlens=rng.choice(["tensor", "tensor", "int"] + ([] if new else ["none"])),
+                    leftpad=rng.random() < 0.3,
+                    seqlens=rng.choice(["tensor", "tensor", "int"] + ([] if new else ["none"])),
                     num_splits=rng.choice([0, 0, 1, 2, 3, 7, size(gpu=32, cpu=5)]),
                     softmax_scale=pick(rng, (4, None), (1, rng.choice([0.0, -0.5, 0.3]))))
         layouts = draw_layouts(rng, ("q", "k", "v"))
@@ -1144,8 +1145,10 @@ class AttentionWithKVCache(Op):
                   for name in ("q", "k_cache", "v_cache", *(("k", "v") if new else ()))}
         index = dict(dtype=torch.int32, device=DEVICE)
         ends = torch.randint(0, capacity - new + 1, (batch,), device=DEVICE).to(torch.int32)
-        if opts["seqlens"] != "tensor":
-            ends = ends[:1].expand(batch).contiguous() if opts["seqlens"] == "int" else torch.full((batch,), capacity, **index)
+        if opts["seqlens"] == "int":  # every sequence alike
+            ends = ends[:1].expand(batch).contiguous()
+        elif opts["seqlens"] == "none":  # the whole cache
+            ends = torch.full((batch,), capacity, **index)
         if opts["seqlens"] != "none":
             leaves["cache_seqlens"] = ends
         starts = torch.zeros(batch, **index)
@@ -1156,7 +1159,8 @@ class AttentionWithKVCache(Op):
             leaves["cache_batch_idx"] = torch.randperm(rows, device=DEVICE)[:batch].to(torch.int32)
         elif opts["layout"] == "paged":
             pages = capacity // d["page_size"]
-            leaves["block_table"] = torch.randperm(rows, device=DEVICE)[:batch * pages].view(batch, pages).to(torch.int32)
+            table = torch.randperm(rows, device=DEVICE)[:batch * pages].view(batch, pages)
+            leaves["block_table"] = table.to(torch.int32)
         if opts["rotary"]:
             half = max(1, int(opts["rotary_fraction"] * d["head_dim"]) // 2)
             angles = torch.rand(capacity + d["Lq"], half, device=DEVICE, dtype=torch.float64) * 2 * math.pi
