@@ -17,7 +17,8 @@ Why split
     kernel writes the final output itself and the merge is not launched.
 
 Parallelism
-    Grid (splits, batch, kv_heads x query-row blocks). The query heads that share a kv head read
+    Grid (kv_heads x query-row blocks, batch, splits): the first axis, the one whose size may pass
+    65,535 (a long prompt's query rows), is the one CUDA lets grow to 2^31 - 1. The query heads that share a kv head read
     the same keys, so they are packed into the rows of one tile (grouped-query attention): the
     tile's rows are (query i, head g of the group) for r = i * group + g, and every key block loaded
     serves them all. At a decoding step (one query, 32 heads over 8 kv heads) a tile holds the 4
@@ -119,12 +120,12 @@ def split_kv_attention_kernel(
         WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
         SCALE_FIRST: tl.constexpr, LEFTPAD: tl.constexpr, LAYOUT: tl.constexpr, SPLIT: tl.constexpr,
         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    split = tl.program_id(0)
+    split = tl.program_id(2)
     b = tl.program_id(1)
     rows_total = seqlen_q * group
     row_blocks = tl.cdiv(rows_total, BLOCK_M)
-    kv_head = tl.program_id(2) // row_blocks
-    row0 = (tl.program_id(2) % row_blocks) * BLOCK_M
+    kv_head = tl.program_id(0) // row_blocks
+    row0 = (tl.program_id(0) % row_blocks) * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)
     row_valid = rows < rows_total
     query = rows // group                   # the tile's rows: (query, head of the group), head fastest
@@ -297,7 +298,7 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
         pages_strides = (pages.stride(0), 0)
     page_size = k_cache.shape[1] if layout == "paged" else 1
     qk_scale, cap2 = logit_scales(softmax_scale, softcap)
-    grid = (num_splits, batch, kv_heads * cdiv(seqlen_q * group, block_m))
+    grid = (kv_heads * cdiv(seqlen_q * group, block_m), batch, num_splits)
     split_kv_attention_kernel[grid](
         q, k_cache, v_cache, partial_out, partial_lse, key_end if key_start is None else key_start, key_end,
         key_end if pages is None else pages, key_end if alibi_slopes is None else alibi_slopes,
