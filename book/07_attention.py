@@ -20,7 +20,8 @@
 # - how an *{term}`online softmax`* computes attention in one sweep over the keys, and why one float per query row, the {term}`log-sum-exp`, is all the backward pass needs to rebuild any tile of the attention matrix;
 # - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (`split`: two kernels; `fused`: one kernel; `atomic`: atomic adds into $dQ$), measured against each other;
 # - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one;
-# - how sliding windows, soft-capping and ALiBi change the scores, what they do to the gradient, and why a window's cost follows its width rather than $L^2$.
+# - how sliding windows, soft-capping and ALiBi change the scores, what they do to the gradient, and why a window's cost follows its width rather than $L^2$;
+# - how dropout works without storing its mask, and how a decoding step (one query against a long key/value cache, appended in place, paged, rotated by rotary embeddings) is split across the GPU and merged by log-sum-exps.
 #
 # :::{admonition} Notation
 # | symbol | meaning |
@@ -52,21 +53,23 @@ import torch.nn.functional as F
 from matplotlib.patches import Rectangle
 
 from mamba_annotated import runtime
-from mamba_annotated.attention import attention
+from mamba_annotated.attention import attention, attention_with_kvcache
 from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel, backward_config, dkdv_program,
                                                 dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attend_key_blocks, attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, naive_attention, window_mask
 from mamba_annotated.attention.api import resolve_window
-from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes
+from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes, kvcache_reference
 from mamba_annotated.attention.scores import approximate_tanh, dropout_keep, key_range, logits2, tanh, visible
 from mamba_annotated.attention.simple import (attention_backward_simple, attention_dkdv_simple_kernel,
                                               attention_dq_simple_kernel, attention_forward_simple,
                                               attention_forward_simple_kernel)
+from mamba_annotated.attention.split_kv import merge_splits_kernel
 from mamba_annotated.attention.teaching import attention_bwd_fused_kernel, attention_variant
 from mamba_annotated.bench import median_ms, print_table, tflops
-from mamba_annotated.figures import COLORS, show_fragment, show_source
-from mamba_annotated.testing import check, check_within_same_computation, gradients, randn, seed_everything
+from mamba_annotated.figures import COLORS, MIXER_COLORS, show_fragment, show_source
+from mamba_annotated.testing import (check, check_within_same_computation, gradients, randn, seed_everything,
+                                     tolerance)
 
 seed_everything(0)
 device = runtime.DEVICE
@@ -847,10 +850,137 @@ plt.show()
 # :class: dropdown
 # From the tuning sweep behind the tile tables (`benchmarks/bench_attention.py --tune` on an H200, Triton 3.6, bfloat16, batch 4, 16 heads, $L = 4096$). Forward, head dim 128: 128 x 128 tiles ran at 487 TFLOP/s, 128 x 64 at 471. Backward, head dim 64: the whole backward pass took 2.0 ms with each loop on its own tiles (dK/dV 128 keys x 32 queries, dQ 128 queries x 64 keys) and 2.3 ms with the dQ tiles for both loops; head dim 128: 3.75 ms with either tiling for both loops.
 # ```
+
+# %% [markdown]
+# ## Decoding: one query against a long cache
 #
+# A trained model writes text one token at a time. At each step it computes the new token's query, key and value in every layer, appends the key and value to a *KV cache* (the keys and values of every earlier token of the sequence, one cache per layer), and attends with the new query over the whole cache. Exercise 2 below shows why the causal mask drops out of that step: with the diagonal aligned to the bottom-right corner, the last query sees every key. So a decoding step is attention with $L_q = 1$ over $L$ cached keys.
+#
+# That one row changes what limits the kernel. It does $4 H L d$ FLOPs per sequence, but it reads the whole cache, $2 L H_{kv} d$ numbers. At $L = 131072$ keys, 8 key/value heads and head dim 128 in bfloat16, the cache of one layer is $2 \cdot 131072 \cdot 8 \cdot 128 \cdot 2$ bytes = 512 MiB, and the step does about one FLOP per byte read. No kernel can beat the time it takes to read those bytes at the GPU's memory bandwidth, $t_{\min} = \text{bytes} / \text{bandwidth}$, which we measure, as everywhere in the book, with a large device-to-device copy. A decoding kernel is good when it comes close to $t_{\min}$.
+#
+# The forward kernel of this chapter cannot. Its grid has one program per (block of 128 query rows, batch row, head). With one query, batch 1 and 32 heads that is 32 programs: 32 of the H200's 132 SMs work, each streaming the 131072 keys of its head alone, while the other 100 SMs idle. Each program's tile also has 128 rows of which one is a query, so the products are 1/128 useful. Two changes fix that.
+#
+# **Pack the heads that share keys.** With grouped-query attention, the 4 query heads of one key/value head read the same keys. Put them in the rows of one tile: the tile's rows are (query $i$, head $g$ of the group), and every key block loaded serves all of them. The tile shrinks to 16 rows (the least `tl.dot` takes), and each key is read from memory once, by one program, instead of four times by four.
+#
+# **Split the keys** ("flash decoding" {cite}`dao2023flashdecoding`). Now batch 1 has only 8 programs, one per key/value head. Cut each sequence's keys into $S$ contiguous ranges and give every range its own program: $8 S$ programs, each running the online softmax over its range and writing a *partial* result, the output $o_s$ normalised over its own keys and their log-sum-exp $\mathrm{lse}_s$. A second, small kernel merges the partials of each row:
+#
+# $$
+# \mathrm{lse} = \log \sum_s e^{\mathrm{lse}_s}, \qquad o = \sum_s e^{\mathrm{lse}_s - \mathrm{lse}}\, o_s .
+# $$
+#
+# This is exercise 1's merge, for $S$ parts instead of two: each part is normalised by its own $\sum_j e^{S_{ij}} = e^{\mathrm{lse}_s}$, so weighting it by $e^{\mathrm{lse}_s}$ undoes its normalisation, and dividing by $e^{\mathrm{lse}}$ applies the joint one. A range that holds no key the row sees has $\mathrm{lse}_s = -\infty$ and weight 0. `num_splits=0` (the default) picks $S$ so that the programs give every SM one, and does not split at all when the batch alone fills the GPU, since each split writes a partial that the merge reads back.
+#
+# The merge kernel, one program per (batch row and query, head), over the $S$ partials at once:
+
+# %%
+show_source(merge_splits_kernel)
+
+# %% [markdown]
+# A NaN in a split must survive the merge, and that took care: `tl.max` on the GPU skips NaN, so a split whose keys held a NaN would hand the maximum to the other splits. Its own weight $e^{\mathrm{lse}_s - m}$ is still NaN, so the NaN reaches the output through the sum, as long as no split is dropped by a test on its lse (NaN fails every comparison). The tests feed a non-finite key to one split and check that exactly the rows that see it come out NaN.
+#
+# **The cache, and what the op does before attending.** `attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)` takes flash_attn's `flash_attn_with_kvcache` arguments in their order, with their defaults and returns. Sequence $b$ holds `cache_seqlens[b]` keys. The new keys and values `k`, `v` (one token or several) are written into the cache *in place* at positions `cache_seqlens[b]` onward, rotated first by the rotary embedding {cite}`su2021roformer` when `rotary_cos` and `rotary_sin` are given (the query too, at its own position), and then the queries attend over the cache, now `cache_seqlens[b] + seqlen_new` long. The cache can be one row per sequence, rows picked by `cache_batch_idx`, or *paged* {cite}`kwon2023pagedattention`: fixed-size pages in one pool, sequence $b$'s position $p$ in page `block_table[b, p // page_size]`, so sequences grow without reserving their longest length up front. The kernel reads the page of each key from the table as it loads a key block, so the three layouts run the same loop. Positions past a sequence's length are never loaded: whatever an unused cache row holds, stale keys or NaN, cannot reach the output.
+#
+# The check, in the chapter's way: three sequences of different lengths in a paged cache with pages of 16 keys, two new tokens each, rotary embeddings, 8 query heads over 2 key/value heads, causal, against float64 (the same computation in float32 as the yardstick), and the cache after the append compared exactly with the float64 reference's. Then the same step with 1, 3 and 8 splits: the splits change the order of the sums, not the result beyond rounding.
+
+# %%
+def paged_decoding_step(dtype, num_splits=0):
+    """Three sequences of 37, 5 and 60 cached keys in a pool of shuffled 16-key pages, two new tokens
+    each (their queries too), rotary tables, 8 query heads over 2 key/value heads, causal. Returns
+    (out, lse, k_cache, v_cache) of the op and (out, lse, k_cache, v_cache) of the float64 reference
+    and of the same computation in the inputs' dtype."""
+    seed_everything(7)
+    batch, heads, kv_heads, head_dim, page_size, pages_each, new = 3, 8, 2, 64, 16, 5, 2
+    pool = batch * pages_each + 4  # more pages than the sequences use, in shuffled order
+    block_table = torch.randperm(pool, device=device)[:batch * pages_each].view(batch, pages_each).to(torch.int32)
+    k_cache, v_cache = (randn(pool, page_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    q = randn(batch, new, heads, head_dim, dtype=dtype)
+    k, v = (randn(batch, new, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    cache_seqlens = torch.tensor([37, 5, 60], dtype=torch.int32, device=device)
+    positions = torch.arange(pages_each * page_size, device=device, dtype=torch.float64)
+    frequencies = 10000.0 ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = positions[:, None] * frequencies  # RoPE's angles, position x frequency
+    inputs = dict(q=q, k=k, v=v, rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
+                  cache_seqlens=cache_seqlens, block_table=block_table)
+    ours_k, ours_v = k_cache.clone(), v_cache.clone()  # the op appends in place
+    out, lse = attention_with_kvcache(k_cache=ours_k, v_cache=ours_v, **inputs, causal=True, num_splits=num_splits,
+                                      return_softmax_lse=True)
+    reference = {name: kvcache_reference(k_cache=k_cache, v_cache=v_cache, **inputs, causal=True, window=(-1, 0),
+                                         attend=attend)
+                 for name, attend in (("float64", None), ("same", naive_attention))}
+    return (out, lse, ours_k, ours_v), reference
+
+
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    (out, lse, k_after, v_after), reference = paged_decoding_step(dtype)
+    ref_out, ref_lse, ref_k, ref_v = reference["float64"]
+    same_out, same_lse, _, _ = reference["same"]
+    check_within_same_computation(f"{dtype}: out", out, same_out, ref_out, dtype)
+    check_within_same_computation(f"{dtype}: lse", lse, same_lse, ref_lse, dtype)
+    # the values are copied exactly. The new keys are rotated in float32 and rounded once, the
+    # reference's in float64 and rounded once; a rotated channel a cos - b sin can lose the low bits
+    # of a and b, so the two may differ by a unit of the dtype relative to |a| + |b| (at most 2 |k|)
+    assert torch.equal(v_after, ref_v), "v_cache after the append"
+    key_error = (k_after.double() - ref_k.double()).abs().max().item()
+    unit = torch.finfo(dtype).eps * 2 * k_after.abs().max().item()
+    assert key_error <= unit, "k_cache after the append"
+    print(f"{dtype}: v_cache after the append equal to the reference's, k_cache within a unit")
+
+(out_1, *_), _ = paged_decoding_step(torch.float32, num_splits=1)
+for splits in (3, 8):
+    (out_s, *_), reference = paged_decoding_step(torch.float32, num_splits=splits)
+    check_within_same_computation(f"{splits} splits: out", out_s, reference["same"][0], reference["float64"][0],
+                                  torch.float32)
+    check(f"{splits} splits against 1 split", out_s, out_1, tolerance(torch.float32))
+
+# %% [markdown]
+# **Speed.** `benchmarks/bench_decoding.py` times one decoding step (one query per sequence, 32 query heads over 8 key/value heads, head dim 128, bfloat16) over contiguous caches full to $N$ keys, at batch 1 to 64, beside PyTorch's SDPA on the same cache: SDPA as PyTorch picks its backend, and pinned to each backend. SDPA gets the grouped heads with `enable_gqa=True` where a backend takes it, else with the key/value heads repeated in a copy made outside the timed call. The floor is the cache's bytes over the copy bandwidth measured in the same run. The cell reads the stored run, `data/decoding_bench.json`.
+
+# %%
+decoding = json.loads((pathlib.Path("data") / "decoding_bench.json").read_text())
+decoding_rows = decoding["rows"]
+print(f"stored run: {decoding['device']}, {decoding['dtype']}, {decoding['heads']} heads over {decoding['kv_heads']} "
+      f"kv heads, d {decoding['head_dim']}, copy bandwidth {decoding['copy_GBps']:.0f} GB/s")
+print_table([{k: r[k] for k in ("N", "impl", "gqa", "splits", "ms", "GB/s", "% floor")}
+             for r in decoding_rows if r["batch"] == 1])
+decoding_impls = list(dict.fromkeys(r["impl"] for r in decoding_rows if r["impl"] != "ours (kernels)"))
+# ours in the output colour, PyTorch's choices in the others
+decoding_colors = dict(zip(decoding_impls, (COLORS["y"], COLORS["x"], COLORS["h"], COLORS["carry"], COLORS["decay"],
+                                            MIXER_COLORS["transformer"])))
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+longest = max(r["N"] for r in decoding_rows)
+for impl in decoding_impls:
+    at_batch_1 = sorted((r["N"], r["ms"] * 1e3) for r in decoding_rows if r["impl"] == impl and r["batch"] == 1)
+    axes[0].plot(*zip(*at_batch_1), marker="o", label=impl, color=decoding_colors[impl])
+    at_longest = sorted((r["batch"], r["% floor"]) for r in decoding_rows if r["impl"] == impl and r["N"] == longest)
+    axes[1].plot(*zip(*at_longest), marker="o", label=impl, color=decoding_colors[impl])
+floor_at_batch_1 = sorted({(r["N"], r["floor_ms"] * 1e3) for r in decoding_rows if r["batch"] == 1})
+axes[0].plot(*zip(*floor_at_batch_1), color="black", linestyle=":", label="memory floor")
+axes[0].set(title="one decoding step, batch 1", xlabel="cached keys N", ylabel="time (µs)")
+axes[0].set_xscale("log", base=2)
+axes[0].set_yscale("log")
+axes[1].set(title=f"N = {longest}", xlabel="batch", ylabel="% of the memory floor", ylim=(0, 105))
+axes[1].set_xscale("log", base=2)
+for ax in axes:
+    ax.grid(alpha=0.3)
+axes[0].legend(fontsize="small")
+plt.show()
+
+
+def decoding_row(impl, batch, n):
+    return next((r for r in decoding_rows if r["impl"] == impl and r["batch"] == batch and r["N"] == n), None)
+
+
+ours_longest, sdpa_longest = decoding_row("ours", 1, longest), decoding_row("sdpa default", 1, longest)
+print(f"batch 1, N = {longest}: ours {ours_longest['ms'] * 1e3:.0f} µs, {ours_longest['% floor']:.0f} % of the floor "
+      f"({ours_longest['floor_ms'] * 1e3:.0f} µs); SDPA as PyTorch picks {sdpa_longest['ms'] * 1e3:.0f} µs")
+cases = sorted({(r["batch"], r["N"]) for r in decoding_rows})
+ahead = [case for case in cases if decoding_row("ours", *case)["ms"] <= decoding_row("sdpa default", *case)["ms"]]
+print(f"ours at least as fast as SDPA as PyTorch picks in {len(ahead)} of {len(cases)} (batch, N) cases")
+
+# %% [markdown]
 # ## What we have
 #
-# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping, ALiBi and dropout work forward and backward, alone or together; the dropout mask is a function of a seed and each pair's index, drawn again in the backward pass rather than stored.
+# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping, ALiBi and dropout work forward and backward, alone or together; the dropout mask is a function of a seed and each pair's index, drawn again in the backward pass rather than stored. For generation, `attention_with_kvcache` takes `flash_attn_with_kvcache`'s arguments: it appends the new keys and values to a contiguous, indexed or paged cache in place, rotates them and the queries by rotary embeddings, and splits each sequence's keys across programs when the batch alone cannot fill the GPU, merging the partial results by their log-sum-exps.
 #
 # The [last chapter](08_models.ipynb) puts this kernel, the selective scan and the SSD chunk scan into blocks of real models, trains them side by side, and generates text with them.
 #
