@@ -164,14 +164,15 @@ def kvcache_sequences(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
             torch.arange(seqlen_q, device=q.device) if per_row else torch.zeros(seqlen_q, dtype=torch.long,
                                                                                device=q.device))
         q = rotate_ref(q, rotary_cos, rotary_sin, positions, rotary_interleaved)
-    queries, keys, values = [], [], []
-    for b in range(batch):
+    def gather(cache, b):
+        """(1, L_b, kv_heads, d): sequence b's positions [start, end + new) of ``cache``."""
         where = [location(b, p) for p in range(starts[b], ends[b] + new)]
-        gather = lambda cache: (torch.stack([cache[w] for w in where]) if where  # noqa: E731
-                                else cache.new_zeros((0, *cache.shape[2:])))
-        queries.append(q[b:b + 1])
-        keys.append(gather(k_cache)[None])
-        values.append(gather(v_cache)[None])
+        rows = torch.stack([cache[w] for w in where]) if where else cache.new_zeros((0, *cache.shape[2:]))
+        return rows[None]
+
+    queries = [q[b:b + 1] for b in range(batch)]
+    keys = [gather(k_cache, b) for b in range(batch)]
+    values = [gather(v_cache, b) for b in range(batch)]
     return queries, keys, values, k_cache, v_cache
 
 

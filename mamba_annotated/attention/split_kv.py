@@ -251,11 +251,12 @@ def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, stri
     weights = tl.exp2((lse_s - shift) * LOG2E)  # a NaN partial keeps its NaN weight
     total = tl.sum(weights, 0)
     empty_row = total == 0.0
+    total_safe = tl.where(empty_row, 1.0, total)
     partial_rows = ((splits * batch + b) * seqlen_q + query) * heads + head
     partial = tl.load(partial_out_ptr + partial_rows[:, None] * head_dim + offs_d[None, :],
                       mask=split_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    out = tl.sum(weights[:, None] * partial, 0) / tl.where(empty_row, 1.0, total)
-    lse = tl.where(empty_row, float("inf"), shift + tl.log(total))
+    out = tl.sum(weights[:, None] * partial, 0) / total_safe
+    lse = tl.where(empty_row, float("inf"), shift + tl.log(total_safe))
     out_ptrs = out_ptr + b.to(tl.int64) * stride_ob + query.to(tl.int64) * stride_om + head * stride_oh + offs_d
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < head_dim)
     tl.store(lse_ptr + (b.to(tl.int64) * heads + head) * seqlen_q + query, lse)
