@@ -49,9 +49,9 @@ Cache layouts (LAYOUT)
 Non-finite partials
     A split whose keys include a NaN or an inf that a row sees ends that row's partial as NaN (its
     sum l is NaN: NaN is neither 0, the mark of a split that saw nothing, nor finite). The merge
-    keeps NaN in: its largest lse only shifts the exponentials (``tl.max`` skips a NaN on the GPU
-    and keeps it in the interpreter; the NaN partial's own weight exp(NaN) is NaN either way), and
-    no partial is dropped by a test on its lse, which NaN would fail. A row whose merged weights sum
+    keeps NaN in: its largest lse only shifts the exponentials (``tl.max`` skips a NaN, on the GPU
+    and in the interpreter alike, but the NaN partial's own weight exp(NaN - largest) is NaN and
+    makes the sum NaN), and no partial is dropped by a test on its lse, which NaN would fail. A row whose merged weights sum
     to exactly 0 saw no key at all: out = 0 and lse = +inf (flash_attn's convention).
 
 Shapes: q (batch, seqlen_q, heads, d), any strides with the last one 1; the caches any strides;
