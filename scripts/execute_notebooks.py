@@ -1,8 +1,15 @@
 """Execute notebooks in place with nbclient (the GPU pipeline's step 2).
 
-usage: python scripts/execute_notebooks.py book/01_sequential_scan.ipynb [...]
+usage: python scripts/execute_notebooks.py [--fill-missing] book/01_sequential_scan.ipynb [...]
 Cells run from the book/ folder, as in Jupyter; no timing metadata is written, so a re-run
 changes only outputs.
+
+--fill-missing runs every cell (later cells need the state of earlier ones) but writes back only
+the outputs of the code cells that had none: the cells a chapter gained since its last GPU run.
+The other cells keep their stored outputs. That is for a chapter that grew while the code its
+earlier cells run did not change: their stored outputs are still those of a GPU run of the
+current code, and the prose that quotes the timings a live benchmark cell printed stays true. The
+strict nbval run that follows re-runs every cell against the stored outputs, old and new.
 """
 import pathlib
 import sys
@@ -15,10 +22,13 @@ from nbclient import NotebookClient
 SLOW_CELL_S = 10  # cells that take longer are named in the log, to see where a notebook's time goes
 
 
-def execute(path: pathlib.Path) -> None:
+def execute(path: pathlib.Path, fill_missing: bool = False) -> None:
     """Run every cell; the notebook is written back even when a cell fails (the outputs so far, the
-    error in its cell), so a failed GPU run can be read."""
+    error in its cell), so a failed GPU run can be read. With ``fill_missing`` only the code cells
+    that had no outputs get the new ones (module docstring)."""
     nb = nbformat.read(path, as_version=4)
+    stored = {i: (cell.outputs, cell.get("execution_count")) for i, cell in enumerate(nb.cells)
+              if cell.cell_type == "code" and cell.outputs}
     started = {}
 
     def on_start(cell, cell_index):
@@ -35,15 +45,22 @@ def execute(path: pathlib.Path) -> None:
     try:
         client.execute()
     finally:
+        if fill_missing:
+            filled = sum(1 for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and i not in stored)
+            for i, (outputs, count) in stored.items():
+                nb.cells[i].outputs, nb.cells[i].execution_count = outputs, count
+            print(f"  {path.name}: outputs written to {filled} cells that had none; {len(stored)} kept", flush=True)
         nbformat.write(nb, path)
 
 
-def main(paths) -> int:
+def main(args) -> int:
+    fill_missing = "--fill-missing" in args
+    paths = [a for a in args if a != "--fill-missing"]
     failed = []
     for name in paths:
         start = time.time()
         try:
-            execute(pathlib.Path(name))
+            execute(pathlib.Path(name), fill_missing)
             print(f"executed {name} in {time.time() - start:.0f} s", flush=True)
         except Exception as e:  # report every notebook, then fail
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
