@@ -89,7 +89,8 @@ def time_case(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    splits = default_splits(batch, kv_heads, length, DEVICE)
+    config = decoding_config(head_dim, q.dtype)
+    splits = default_splits(batch, kv_heads, length, DEVICE, block_n=config["BLOCK_N"])
     key_end = seqlens
     impls = {"ours": lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
              "ours (kernels)": lambda: split_kv_attention(q, k_cache, v_cache, key_end=key_end,
@@ -138,7 +139,8 @@ def tune(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    heuristic = default_splits(batch, kv_heads, length, DEVICE)
+    default = decoding_config(head_dim, q.dtype)
+    heuristic = default_splits(batch, kv_heads, length, DEVICE, block_n=default["BLOCK_N"])
 
     def measure(config, splits):
         try:
@@ -151,7 +153,7 @@ def tune(batch, length, heads, kv_heads, head_dim):
               f"{gbps(cache_bytes, ms):.0f} GB/s, {100 * floor_ms / ms:.0f} % of the floor", flush=True)
         return ms
 
-    print(f"default {decoding_config()} (DECODING_CONFIG {DECODING_CONFIG}); heuristic splits {heuristic}; "
+    print(f"default {default} (DECODING_CONFIG {DECODING_CONFIG}); heuristic splits {heuristic}; "
           f"floor {floor_ms * 1e3:.1f} us", flush=True)
     configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
     times = {json.dumps(config): measure(config, heuristic) for config in configs}

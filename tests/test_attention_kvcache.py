@@ -12,7 +12,12 @@ once, against float64 rounded once).
 """
 import inspect
 import math
+import os
 import random
+import re
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -490,10 +495,27 @@ def test_out_of_range_indices_raise(indices, message):
     if paged:
         case["k_cache"], case["v_cache"] = case["k_cache"][:8], case["v_cache"][:8]
     case |= {name: ints(value) for name, value in indices.items()}
+    if ON_GPU:
+        assert_refused_in_a_process_of_its_own(case, message)
+        return
     k_cache = case["k_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
         attention_with_kvcache(**case)
     assert torch.equal(case["k_cache"], k_cache), "nothing is written when an index is out of range"
+
+
+def assert_refused_in_a_process_of_its_own(case, message):
+    """On a GPU a failed ``torch._assert_async`` is a device-side assert, which leaves the CUDA
+    context unusable (as any of PyTorch's own device-side index checks does): the call runs in a
+    child process, which must fail with ``message`` in its error output."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "case.pt")
+        torch.save(case, path)
+        script = ("import sys, torch; from mamba_annotated import attention_with_kvcache; "
+                  "attention_with_kvcache(**torch.load(sys.argv[1])); torch.cuda.synchronize()")
+        child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
+    assert child.returncode != 0, "an out-of-range index must stop the call"
+    assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
 def test_block_table_entries_past_a_sequence_are_not_checked():
@@ -508,7 +530,8 @@ def test_default_splits_fill_the_gpu_only_when_the_batch_does_not(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(split_kv, "sm_count", lambda: 132)
     assert split_kv.default_splits(64, 8, 131072, cuda, block_n=64) == 1       # 512 programs already
-    assert split_kv.default_splits(1, 8, 131072, cuda, block_n=64) == 17       # one program per SM
+    assert split_kv.default_splits(16, 8, 131072, cuda, block_n=64) == 3       # 128: fewer than two per SM
+    assert split_kv.default_splits(1, 8, 131072, cuda, block_n=64) == 33       # two programs per SM
     assert split_kv.default_splits(1, 1, 131072, cuda, block_n=64) == 128      # capped
     assert split_kv.default_splits(1, 8, 100, cuda, block_n=64) == 1           # two key blocks: no split
     assert split_kv.default_splits(1, 8, 512, cuda, block_n=64) == 4           # at least two blocks each

@@ -152,8 +152,9 @@ def check_indices(q, k_cache, new, rotary_cos, cache_seqlens, cache_batch_idx, c
         torch._assert_async(((cache_seqlens >= 0) & (cache_seqlens <= capacity - new)).all(),
                             f"cache_seqlens + seqlen_new ({new}) must be between 0 and the cache's capacity "
                             f"({capacity}) for every sequence")
-    ends = cache_seqlens if cache_seqlens is not None else torch.full((q.shape[0],), capacity, dtype=torch.int32,
-                                                                      device=q.device)
+    ends = cache_seqlens
+    if ends is None and (cache_leftpad is not None or block_table is not None):  # made only where it is read
+        ends = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
     if cache_leftpad is not None:
         torch._assert_async(((cache_leftpad >= 0) & (cache_leftpad <= ends)).all(),
                             "cache_leftpad must be between 0 and cache_seqlens for every sequence")
@@ -221,12 +222,16 @@ def attend_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if q.numel() == 0 or k_cache.shape[2] == 0:
             lse = torch.full((batch, heads, seqlen_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse
-        key_end = (cache_seqlens + new if cache_seqlens is not None
-                   else torch.full((batch,), capacity, dtype=torch.int32, device=q.device)).to(torch.int32)
+        # one past each sequence's last key, int32 (cache_seqlens is int32; a decoding step without
+        # new keys launches nothing for it: each small op costs microseconds of host time)
+        if cache_seqlens is None:
+            key_end = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+        else:
+            key_end = cache_seqlens + new if new else cache_seqlens
         # a right edge at or past seqlen_q - 1 hides no key from any query: the kernels drop it
         window = (window_left, window_right if window_right < seqlen_q - 1 else -1)
         group = heads // k_cache.shape[2]
-        block_n = decoding_config()["BLOCK_N"]
+        block_n = decoding_config(head_dim, q.dtype)["BLOCK_N"]
         if num_splits == 0:
             row_blocks = -(-seqlen_q * group // rows_per_tile(seqlen_q * group))
             num_splits = default_splits(batch, k_cache.shape[2], capacity, q.device, row_blocks=row_blocks,

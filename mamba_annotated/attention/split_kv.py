@@ -77,15 +77,24 @@ from .scores import alibi_strides, logit_scales, logits2, softcap_mode, visible
 LAYOUTS = ("contiguous", "indexed", "paged")
 MAX_SPLITS = 128
 
-# A first guess, to be tuned on a GPU with ``benchmarks/bench_decoding.py --tune``: a key tile of
-# 64 rows, 4 warps, 3 stages of the load pipeline.
+# Tuned on an H200 (Triton 3.6) with ``benchmarks/bench_decoding.py --tune`` at batch 1, 131072 cached
+# keys, 32 heads over 8, head dim 128, bfloat16: 64-key tiles, 4 warps, 3 stages were within 0.1 % of
+# the best of 27 configurations (data/decoding_tune.json).
 DECODING_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def decoding_config() -> dict:
-    """BLOCK_N, num_warps and num_stages of :func:`split_kv_attention`. The interpreter gets a
-    key tile of 16 (its cost grows with the tile; the tests' short caches then span several)."""
-    return dict(BLOCK_N=16, num_warps=4, num_stages=1) if INTERPRETED else dict(DECODING_CONFIG)
+def decoding_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """BLOCK_N, num_warps and num_stages of :func:`split_kv_attention`. Each pipeline stage holds a
+    key tile and a value tile: float32 at head dims past 128 (256-column tiles) would ask 276 KiB of
+    shared memory with 64-key tiles (the GPU sweep's seed 723150), past the 227 KiB an H100 or H200
+    gives a program, so there the tile has 32 keys. The interpreter gets a key tile of 16 (its cost
+    grows with the tile; the tests' short caches then span several)."""
+    if INTERPRETED:
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    config = dict(DECODING_CONFIG)
+    if dtype == torch.float32 and block_size(head_dim) > 128:
+        config["BLOCK_N"] = 32
+    return config
 
 
 def rows_per_tile(rows: int) -> int:
@@ -94,18 +103,21 @@ def rows_per_tile(rows: int) -> int:
     return block_size(rows, smallest=16, largest=64)
 
 
-def default_splits(batch: int, kv_heads: int, seqlen_k: int, device: torch.device, *, row_blocks: int = 1,
-                   block_n: int | None = None) -> int:
-    """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone fill the
-    GPU (a split costs a partial written and read back), else enough splits to give every SM a
-    program, with at least two key blocks per split, and at most MAX_SPLITS. ``seqlen_k`` is the
-    longest a sequence can be (the cache's capacity: the lengths themselves are on the device)."""
+def default_splits(batch: int, kv_heads: int, seqlen_k: int, device: torch.device, *, block_n: int,
+                   row_blocks: int = 1) -> int:
+    """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone give the
+    SMs most of two programs each (a split costs a partial written and read back), else enough
+    splits for two programs per SM, with at least two key blocks per split, and at most MAX_SPLITS.
+    Two per SM, not one: while one program waits on its loads the other computes, and on an H200 at
+    batch 1, 131072 keys, 8 kv heads, 32 splits (256 programs) took 142.5 us against 168.3 us for
+    17 (136 programs) (data/decoding_tune.json). ``seqlen_k`` is the longest a sequence can be (the
+    cache's capacity: the lengths themselves are on the device)."""
     tiles = batch * kv_heads * row_blocks
     sms = sm_count() if device.type == "cuda" else 1
-    if tiles * 5 >= sms * 4:  # at least 80 % of the SMs busy without splitting
+    if tiles * 5 >= sms * 8:  # at least 80 % of two programs per SM without splitting
         return 1
-    key_blocks = cdiv(max(seqlen_k, 1), block_n or decoding_config()["BLOCK_N"])
-    return max(1, min(MAX_SPLITS, cdiv(sms, max(tiles, 1)), key_blocks // 2))
+    key_blocks = cdiv(max(seqlen_k, 1), block_n)
+    return max(1, min(MAX_SPLITS, cdiv(2 * sms, max(tiles, 1)), key_blocks // 2))
 
 
 @lean_launch
@@ -279,7 +291,7 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
     batch, seqlen_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    cfg = dict(config or decoding_config())
+    cfg = dict(config or decoding_config(head_dim, q.dtype))
     block_n = cfg.pop("BLOCK_N")
     block_m = rows_per_tile(seqlen_q * group)
     block_d = block_size(head_dim)
