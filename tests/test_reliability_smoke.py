@@ -488,6 +488,16 @@ ALL_SUM_CASES = {**FIXED_SUM_CASES, **TYPICAL_SUM_CASES, **TYPICAL_INTERPRETER_C
 # half the chunk too), on an H100 with the kernels as at 8fc534f. A change that makes one fail again is a
 # regression of the kernels or the judge
 PASSING_GPU_SWEEP_CASES = {
+    # Fixed in decoding_config (issue 15). attention_with_kvcache float32 at head dim 203 (a 256-column
+    # tile) raised OutOfResources on an H200: 64-key tiles in 3 stages asked 282,688 bytes of shared
+    # memory, past its 232,448; float32 past head dim 128 now takes 32-key tiles
+    "kvcache_float32_head_dim_203_shared_memory": ("attention_with_kvcache", 723150, dict(
+        dims=dict(Lq=1, batch=1, capacity=31, head_dim=203, heads=1, kv_heads=1, new=1, page_size=64),
+        dtype="float32",
+        layouts=dict(k="strided", k_cache="transposed", q="contiguous", v="transposed", v_cache="contiguous"),
+        opts=dict(alibi=None, causal=False, layout="contiguous", leftpad=False, num_splits=32, rotary=None,
+                  rotary_dtype="same", rotary_fraction=0.5, seqlens="int", softcap=0.0, softmax_scale=None,
+                  window_size=[-1, -1]))),
     # Fixed in the kernels (issue 14). SSD float32 at L = 2039, chunk 256: final state 2.7e-5 against 1e-5,
     # dA 5.1e-4 against 1e-4, from chunk sums kept in float32 (README: "What 71461 was"); with the sums'
     # low part kept (two float32 planes) 8.0e-8 and 3.6e-6 on an H100, where mamba_ssm with exact float32
