@@ -105,13 +105,14 @@ def rows_per_tile(rows: int) -> int:
 
 def default_splits(batch: int, kv_heads: int, seqlen_k: int, device: torch.device, *, block_n: int,
                    row_blocks: int = 1) -> int:
-    """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone give the
-    SMs most of two programs each (a split costs a partial written and read back), else enough
-    splits for two programs per SM, with at least two key blocks per split, and at most MAX_SPLITS.
-    Two per SM, not one: while one program waits on its loads the other computes, and on an H200 at
-    batch 1, 131072 keys, 8 kv heads, 32 splits (256 programs) took 142.5 us against 168.3 us for
-    17 (136 programs) (data/decoding_tune.json). ``seqlen_k`` is the longest a sequence can be (the
-    cache's capacity: the lengths themselves are on the device)."""
+    """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone come close
+    to two programs per SM (a split costs a partial written and read back), else enough splits for
+    two whole rounds of programs on the SMs, with at least two key blocks per split, and at most
+    MAX_SPLITS. Whole rounds matter more than the count: on an H200 at batch 1, 131072 keys, 8 kv
+    heads, 16, 32 and 64 splits (128, 256, 512 programs on 132 SMs) took 143.3, 142.5 and 144.3 us,
+    17 splits (136 programs, 4 of them in a second round) 168.3 us (data/decoding_tune.json).
+    ``seqlen_k`` is the longest a sequence can be (the cache's capacity: the lengths themselves are
+    on the device)."""
     tiles = batch * kv_heads * row_blocks
     sms = sm_count() if device.type == "cuda" else 1
     if tiles * 5 >= sms * 8:  # at least 80 % of two programs per SM without splitting
