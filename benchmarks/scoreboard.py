@@ -250,6 +250,28 @@ def attention_dropout(data):
                   rows, [f"Dropout multiplies the time by {min(factors):.1f} to {max(factors):.1f}."])]
 
 
+def decoding(data):
+    d = load("decoding_bench.json", data)
+    cases = list(dict.fromkeys((r["batch"], r["N"]) for r in d["rows"]))
+    peers = [i for i in dict.fromkeys(r["impl"] for r in d["rows"]) if i.startswith("sdpa")]
+    verdict, rows = Verdict(), []
+    for batch, n in cases:
+        found = {r["impl"]: r for r in d["rows"] if r["batch"] == batch and r["N"] == n}
+        ours, kernels = found["ours"], found["ours (kernels)"]
+        cells = []
+        for peer in peers:
+            theirs = found.get(peer)  # a backend that refused the case has no row
+            speed = verdict.add(peer, f"batch {batch}, N {n}", theirs["ms"] / ours["ms"]) if theirs else None
+            cells.append(f"{number(theirs['ms'])} ({times(speed)})" if theirs else "–")
+        rows.append([batch, n, ours["splits"], number(ours["ms"]), f"{ours['% floor']:.0f}%", number(kernels["ms"]),
+                     *cells])
+    return [Table(f"a decoding step over a contiguous KV cache ({d['heads']} heads over {d['kv_heads']} kv heads, "
+                  f"head dim {d['head_dim']}, {d['dtype']}, one query; ms, speed in brackets; floor: the cache's "
+                  "bytes over the measured copy bandwidth)", "decoding_bench.json", d["device"],
+                  ["batch", "N", "splits", "ours ms", "of copy floor", "our kernels alone ms", *peers], rows,
+                  verdict.sentences("attention_with_kvcache"))]
+
+
 def gated_norm(data):
     d = load("gated_norm_bench.json", data)
     peers = [i for i in dict.fromkeys(r["impl"] for r in d["results"]) if i != "ours"]
@@ -313,7 +335,7 @@ def models(data):
 
 TOPICS = {"linear_scan": linear_scan, "selective_scan": selective_scan, "ssd": ssd, "bidirectional": bidirectional,
           "attention": attention, "attention_features": attention_features, "attention_dropout": attention_dropout,
-          "gated_norm": gated_norm, "host_cost": host_cost, "models": models}
+          "decoding": decoding, "gated_norm": gated_norm, "host_cost": host_cost, "models": models}
 
 
 def tables(topic, data=DATA):
