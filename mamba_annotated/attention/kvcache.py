@@ -25,6 +25,16 @@ def cache_capacity(k_cache: torch.Tensor, block_table: Optional[torch.Tensor]) -
     return block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
 
 
+def check_like_q(q, **tensors):
+    """Each named tensor: 4-d, of q's dtype, on q's device."""
+    for name, t in tensors.items():
+        check_tensor(name, t, ndim=4)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+
+
 def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                          cache_leftpad, block_table, num_splits):
     """Every check that needs no value of a tensor (no synchronisation): types, dtypes, devices,
@@ -32,12 +42,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
     the argument."""
     check_tensor("q", q, ndim=4)
     batch, seqlen_q, heads, head_dim = q.shape
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, ndim=4)
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+    check_like_q(q, k_cache=k_cache, v_cache=v_cache)
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (last dimension of q, k_cache, v_cache) must be between {MIN_HEAD_DIM} and "
                          f"{MAX_HEAD_DIM}; got {head_dim}")
@@ -78,12 +83,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         raise ValueError(f"k and v must be given together; got {'k' if k is not None else 'v'} alone")
     new = 0
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
-            check_tensor(name, t, ndim=4)
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
-            if t.device != q.device:
-                raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
+        check_like_q(q, k=k, v=v)
         new = k.shape[1]
         if k.shape != (batch, new, kv_heads, head_dim):
             raise ValueError(f"k must have shape (batch={batch}, seqlen_new, kv_heads={kv_heads}, "
