@@ -25,6 +25,7 @@ import torch
 from mamba_annotated import attention_with_kvcache
 from mamba_annotated.attention import split_kv
 from mamba_annotated.attention.api import resolve_window
+from mamba_annotated.attention.index_checks import index_flags
 from mamba_annotated.attention.kvcache import attention_with_kvcache_op
 from mamba_annotated.attention.reference import (attention_ref, geometric_alibi_slopes, kvcache_reference,
                                                  kvcache_sequences, naive_attention)
@@ -516,6 +517,36 @@ def assert_refused_in_a_process_of_its_own(case, message):
         child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
     assert child.returncode != 0, "an out-of-range index must stop the call"
     assert re.search(message, child.stderr), child.stderr[-2000:]
+
+
+def test_index_check_kernel_reads_every_sequence_and_every_page_it_holds():
+    """The check kernel walks the batch and the block table in tiles of 64: an index out of range
+    in the last sequence of a batch of 70, or in the last page it holds of a 70-page table, fails
+    its check and only its check; an entry past the pages a sequence holds is not read."""
+    batch, pages, page_size, rows = 70, 70, 3, 500
+    seqlens = torch.full((batch,), pages * page_size - 1, **INT32)
+    leftpad = torch.zeros(batch, **INT32)
+    batch_idx = torch.arange(batch, **INT32)
+    table = torch.randint(0, rows, (batch, pages), **INT32)
+
+    def flags(**changed):
+        args = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, cache_batch_idx=batch_idx, block_table=table) | changed
+        return index_flags(batch=batch, capacity=pages * page_size, new=1, cache_rows=rows, page_size=page_size,
+                           rotary_limit=pages * page_size - 1, **args).tolist()
+
+    def with_entry(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    assert flags() == [1, 1, 1, 1, 1]
+    assert flags(cache_seqlens=with_entry(seqlens, -1, pages * page_size)) == [0, 1, 1, 1, 0]
+    assert flags(cache_leftpad=with_entry(leftpad, -1, -1)) == [1, 0, 1, 1, 1]
+    assert flags(cache_batch_idx=with_entry(batch_idx, -1, rows)) == [1, 1, 0, 1, 1]
+    assert flags(block_table=with_entry(table, (batch - 1, pages - 1), rows)) == [1, 1, 1, 0, 1]
+    shorter = with_entry(seqlens, -1, 10)  # the last sequence holds positions [0, 11): pages 0-3
+    assert flags(cache_seqlens=shorter, block_table=with_entry(table, (batch - 1, 4), -1)) == [1, 1, 1, 1, 1]
+    assert flags(cache_seqlens=shorter, block_table=with_entry(table, (batch - 1, 3), -1)) == [1, 1, 1, 0, 1]
 
 
 def test_block_table_entries_past_a_sequence_are_not_checked():

@@ -14,6 +14,7 @@ import torch
 from ..library import NAMESPACE, last_dim_contiguous, traced_or_captured
 from ..validation import check_tensor
 from .api import check_alibi_slopes, check_real, check_softcap, resolve_window, MAX_HEAD_DIM, MIN_HEAD_DIM
+from .index_checks import CHECKS, index_flags
 from .rotary import rotate
 from .split_kv import MAX_SPLITS, decoding_config, default_splits, rows_per_tile, split_kv_attention
 
@@ -144,35 +145,35 @@ def check_bool(name, value):
 
 def check_indices(q, k_cache, new, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                   rotate_per_row):
-    """The checks that read index tensors, on the device and without synchronising
-    (``torch._assert_async``: on a GPU a failed one stops the stream with this message; on the CPU
-    it raises at once). Skipped while torch.compile traces or a CUDA graph captures."""
+    """The checks that read index tensors, on the device and without synchronising: one launch of
+    :mod:`.index_checks`' kernel, then one ``torch._assert_async`` per check this call needs (on a
+    GPU a failed one stops the stream with its message; on the CPU it raises at once). Skipped
+    while torch.compile traces or a CUDA graph captures."""
+    if cache_seqlens is None and cache_leftpad is None and cache_batch_idx is None and block_table is None:
+        return
     capacity = cache_capacity(k_cache, block_table)
+    rows = k_cache.shape[0]
+    rotary = rotary_cos is not None and rotate_per_row and q.shape[1] > new
+    flags = index_flags(batch=q.shape[0], capacity=capacity, new=new, cache_rows=rows, cache_seqlens=cache_seqlens,
+                        cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx, block_table=block_table,
+                        page_size=k_cache.shape[1], rotary_limit=rotary_cos.shape[0] - q.shape[1] if rotary else None)
+    # the messages are formatted only for the checks asked (each f-string costs host time)
     if cache_seqlens is not None:
-        torch._assert_async(((cache_seqlens >= 0) & (cache_seqlens <= capacity - new)).all(),
+        torch._assert_async(flags[CHECKS.index("cache_seqlens")],
                             f"cache_seqlens + seqlen_new ({new}) must be between 0 and the cache's capacity "
                             f"({capacity}) for every sequence")
-    ends = cache_seqlens
-    if ends is None and (cache_leftpad is not None or block_table is not None):  # made only where it is read
-        ends = torch.full((q.shape[0],), capacity, dtype=torch.int32, device=q.device)
     if cache_leftpad is not None:
-        torch._assert_async(((cache_leftpad >= 0) & (cache_leftpad <= ends)).all(),
+        torch._assert_async(flags[CHECKS.index("cache_leftpad")],
                             "cache_leftpad must be between 0 and cache_seqlens for every sequence")
     if cache_batch_idx is not None:
-        torch._assert_async(((cache_batch_idx >= 0) & (cache_batch_idx < k_cache.shape[0])).all(),
-                            f"cache_batch_idx must index the rows of k_cache (0 <= index < {k_cache.shape[0]})")
+        torch._assert_async(flags[CHECKS.index("cache_batch_idx")],
+                            f"cache_batch_idx must index the rows of k_cache (0 <= index < {rows})")
     if block_table is not None and block_table.numel():
-        page_size = k_cache.shape[1]
-        pages = torch.arange(block_table.shape[1], device=block_table.device)
-        starts = cache_leftpad if cache_leftpad is not None else torch.zeros_like(ends)
-        first, last = starts // page_size, (ends + new + page_size - 1) // page_size  # the pages [first, last) read
-        read = (pages >= first[:, None]) & (pages < last[:, None])
-        in_range = (block_table >= 0) & (block_table < k_cache.shape[0])
-        torch._assert_async((in_range | ~read).all(),
-                            f"block_table's entries for the pages a sequence holds must index the pages of k_cache "
-                            f"(0 <= entry < {k_cache.shape[0]})")
-    if rotary_cos is not None and rotate_per_row and q.shape[1] > new:
-        torch._assert_async((cache_seqlens <= rotary_cos.shape[0] - q.shape[1]).all(),
+        torch._assert_async(flags[CHECKS.index("block_table")],
+                            f"block_table's entries for the pages a sequence holds must index the pages of "
+                            f"k_cache (0 <= entry < {rows})")
+    if rotary:
+        torch._assert_async(flags[CHECKS.index("rotary")],
                             f"rotary_cos and rotary_sin need a row for every query position, cache_seqlens + "
                             f"seqlen_q ({q.shape[1]}) <= seqlen_ro ({rotary_cos.shape[0]})")
 
