@@ -11,7 +11,10 @@ Times are medians of ``triton.testing.do_bench`` (:func:`mamba_annotated.bench.m
 
 Rows: ``ours`` is the public call (argument checks, the device-side index checks, the launch
 plan and the kernels); ``ours (kernels)`` calls :func:`split_kv_attention` directly, the same
-kernels without the checks, to show what a captured CUDA graph would replay. Peers: SDPA
+kernels without the checks. A server captures its decoding step in a CUDA graph and replays it,
+which takes the host out of the step: ``ours (CUDA graph)`` and ``sdpa default (CUDA graph)``
+replay one captured call each (on a GPU; the index checks are skipped while capturing, so ours
+replays the two kernels). Peers: SDPA
 (``F.scaled_dot_product_attention``) on transposed views of the same cache, as PyTorch picks its
 backend and pinned to each of its backends with ``torch.nn.attention.sdpa_kernel``; grouped-query
 heads go in with ``enable_gqa=True`` (the kv heads are not copied), and where a backend refuses
@@ -85,6 +88,21 @@ def sdpa_call(backend, q, k_cache, v_cache, gqa):
     return run
 
 
+def graph_replay(fn):
+    """``fn`` captured once in a CUDA graph (after warm-up calls on a side stream, as capture
+    needs): returns the graph's replay, which launches the captured kernels with no host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_case(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
@@ -95,9 +113,16 @@ def time_case(batch, length, heads, kv_heads, head_dim):
     impls = {"ours": lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
              "ours (kernels)": lambda: split_kv_attention(q, k_cache, v_cache, key_end=key_end,
                                                           softmax_scale=head_dim ** -0.5, num_splits=splits)}
+    if DEVICE.type == "cuda":
+        impls["ours (CUDA graph)"] = graph_replay(impls["ours"])
     rows = []
     for name, fn in impls.items():
         rows.append(dict(batch=batch, N=length, impl=name, gqa="", splits=splits, ms=median_ms(fn)))
+    if DEVICE.type == "cuda":
+        replay = graph_replay(sdpa_call(None, q, k_cache, v_cache, "enable_gqa"))
+        rows.append(dict(batch=batch, N=length, impl="sdpa default (CUDA graph)", gqa="enable_gqa", splits="",
+                         ms=median_ms(replay)))
+        del replay
     repeat_bytes = cache_bytes * (heads // kv_heads)
     for name, backend in sdpa_backends().items():
         for gqa in ("enable_gqa", "repeat"):

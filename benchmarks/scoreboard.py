@@ -253,22 +253,28 @@ def attention_dropout(data):
 def decoding(data):
     d = load("decoding_bench.json", data)
     cases = list(dict.fromkeys((r["batch"], r["N"]) for r in d["rows"]))
-    peers = [i for i in dict.fromkeys(r["impl"] for r in d["rows"]) if i.startswith("sdpa")]
+    graphed = " (CUDA graph)"  # replays of a captured call, compared with each other
+    impls = list(dict.fromkeys(r["impl"] for r in d["rows"]))
+    peers = [i for i in impls if i.startswith("sdpa")]
+    graph_columns = ["ours" + graphed] if "ours" + graphed in impls else []
     verdict, rows = Verdict(), []
     for batch, n in cases:
         found = {r["impl"]: r for r in d["rows"] if r["batch"] == batch and r["N"] == n}
         ours, kernels = found["ours"], found["ours (kernels)"]
-        cells = []
+        cells = [number(found[c]["ms"]) for c in graph_columns]
         for peer in peers:
             theirs = found.get(peer)  # a backend that refused the case has no row
-            speed = verdict.add(peer, f"batch {batch}, N {n}", theirs["ms"] / ours["ms"]) if theirs else None
+            mine = found["ours" + graphed] if peer.endswith(graphed) else ours
+            speed = verdict.add(peer, f"batch {batch}, N {n}", theirs["ms"] / mine["ms"]) if theirs else None
             cells.append(f"{number(theirs['ms'])} ({times(speed)})" if theirs else "–")
         rows.append([batch, n, ours["splits"], number(ours["ms"]), f"{ours['% floor']:.0f}%", number(kernels["ms"]),
                      *cells])
     return [Table(f"a decoding step over a contiguous KV cache ({d['heads']} heads over {d['kv_heads']} kv heads, "
-                  f"head dim {d['head_dim']}, {d['dtype']}, one query; ms, speed in brackets; floor: the cache's "
-                  "bytes over the measured copy bandwidth)", "decoding_bench.json", d["device"],
-                  ["batch", "N", "splits", "ours ms", "of copy floor", "our kernels alone ms", *peers], rows,
+                  f"head dim {d['head_dim']}, {d['dtype']}, one query; ms, speed in brackets, a CUDA graph's "
+                  "replay against ours replayed; floor: the cache's bytes over the measured copy bandwidth)",
+                  "decoding_bench.json", d["device"],
+                  ["batch", "N", "splits", "ours ms", "of copy floor", "our kernels alone ms", *graph_columns, *peers],
+                  rows,
                   verdict.sentences("attention_with_kvcache"))]
 
 
