@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..attention.rotary import rotate
 from ..gated_norm import rmsnorm_fn
 
 
@@ -152,16 +153,9 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x, seqlen_offset):
         """x (batch, L, heads, head_dim) at positions seqlen_offset ... seqlen_offset + L - 1."""
         positions = torch.arange(seqlen_offset, seqlen_offset + x.shape[1], device=x.device, dtype=torch.float32)
-        angles = torch.outer(positions, self.inv_freq.to(x.device))        # (L, dim / 2)
-        cos, sin = angles.cos()[:, None], angles.sin()[:, None]           # broadcast over heads
-        rot, rest = x[..., :self.dim].float(), x[..., self.dim:]
-        if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-        else:
-            x1, x2 = rot.chunk(2, dim=-1)
-            rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-        return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+        angles = torch.outer(positions, self.inv_freq.to(x.device))  # (L, dim / 2): the tables for these positions
+        rows = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return rotate(x, angles.cos(), angles.sin(), rows, self.interleaved)
 
     def forward(self, q, k, seqlen_offset=0):
         return self.rotate(q, seqlen_offset), self.rotate(k, seqlen_offset)
