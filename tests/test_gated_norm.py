@@ -21,7 +21,7 @@ def rms_norm_f64(x, weight, bias=None, z=None, eps=1e-6, group_size=None, norm_b
 def test_outputs_and_gradients_match_float64(dtype, gated, norm_before_gate, group_size, with_bias):
     """Rows of an odd count and width 72 (not a power of two: masked lanes), one group or three;
     the weight in float32 as a model keeps it under autocast, x and z in ``dtype``."""
-    rows, width = size(gpu=1001, cpu=37), 72
+    rows, width = size(gpu=1001, cpu=13), 72  # 3 x 13 rows: the backward's last band of rows is short
     inputs = dict(x=randn(3, rows, width, dtype=dtype).requires_grad_(),
                   weight=(1 + 0.5 * randn(width)).requires_grad_(),
                   bias=(0.3 * randn(width)).requires_grad_() if with_bias else None,
