@@ -37,6 +37,9 @@ PATHS = [(256, None), (16, 1000), (16, 1), (16, 2), (16, 3), (4, 1)]
 @pytest.mark.parametrize("length", [1, 16, 97, 130])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_every_path_forward_and_backward(block, blocks_per_segment, length, reverse):
+    if INTERPRETED and block == 4 and length == 130:
+        pytest.skip("4-wide blocks over 130 steps run on the GPU only (25 s each in the interpreter); 97 steps "
+                    "walk the same path there")
     a, b, h0 = random_scan_inputs((2, length), torch.float32, with_h0=True)
     tol = tolerance(torch.float32)
     h = linear_scan_forward(a, b, h0, reverse=reverse, block=block, blocks_per_segment=blocks_per_segment)
