@@ -214,6 +214,7 @@ def split_view(*shape):
 def non_contiguous_op_args():
     """(op, arguments of its forward custom op) for every public op, inputs as strided views."""
     from mamba_annotated.attention.api import attention_op
+    from mamba_annotated.attention.varlen import attention_varlen_op
     from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
     from mamba_annotated.gated_norm import gated_rms_norm_op
     from mamba_annotated.ssd.api import ssd_chunk_scan_op
@@ -228,6 +229,9 @@ def non_contiguous_op_args():
     A_ssd, B_ssd, C_ssd = grad(-uniform(2, low=0.5, high=1.5), split_view(1, 17, 1, 16), split_view(1, 17, 1, 16))
     qkv = randn(1, 13, 3, 2, 16)
     q, k, v = grad(*(qkv[:, :, i] for i in range(3)))
+    packed_qkv = randn(15, 3, 2, 16)  # three sequences packed, one row past the last
+    packed_q, packed_k, packed_v = grad(*packed_qkv.unbind(1))
+    cu_seqlens = torch.tensor([0, 6, 6, 14], dtype=torch.int32, device=DEVICE)
     return [
         ("linear_scan", linear_scan_op, (a, b, None, False)),
         ("sequential_scan", sequential_scan_op, (a, b, None, True)),
@@ -237,6 +241,8 @@ def non_contiguous_op_args():
         ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
          (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
         ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None, 0.0, None)),
+        ("attention_varlen", attention_varlen_op,
+         (packed_q, packed_k, packed_v, cu_seqlens, cu_seqlens, 8, 8, 0.25, -1, 0, 0.0, None, 0.0, None)),
         ("gated_rms_norm", gated_rms_norm_op,
          (*grad(split_view(1, 17, 24)), *grad(randn(24), randn(24), split_view(1, 17, 24)), 1e-5, 12, False)),
     ]

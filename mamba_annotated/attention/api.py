@@ -16,24 +16,27 @@ from .probabilities import marked_probabilities
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
-def check_attention_inputs(q, k, v):
+def check_attention_inputs(q, k, v, packed=False):
     """q (batch, seqlen_q, heads, d); k, v (batch, seqlen_k, kv_heads, d); kv_heads divides heads.
-    Any size may be 0 but the head dim."""
-    check_tensor("q", q, ndim=4)
-    check_tensor("k", k, ndim=4)
-    check_tensor("v", v, ndim=4)
-    batch, seqlen_q, heads, head_dim = q.shape
+    Any size may be 0 but the head dim. ``packed``: flash_attn's varlen layout, q (total_q, heads,
+    d), k, v (total_k, kv_heads, d)."""
+    ndim = 3 if packed else 4
+    check_tensor("q", q, ndim=ndim)
+    check_tensor("k", k, ndim=ndim)
+    check_tensor("v", v, ndim=ndim)
+    heads, head_dim = q.shape[-2], q.shape[-1]
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the device of q ({q.device}); got {t.device}")
-    if k.shape[0] != batch or k.shape[3] != head_dim:
-        raise ValueError(f"k must have shape (batch={batch}, seqlen_k, kv_heads, head_dim={head_dim}) "
-                         f"to match q {tuple(q.shape)}; got {tuple(k.shape)}")
+    if k.shape[-1] != head_dim or (not packed and k.shape[0] != q.shape[0]):
+        expected = "(total_k, kv_heads" if packed else f"(batch={q.shape[0]}, seqlen_k, kv_heads"
+        raise ValueError(f"k must have shape {expected}, head_dim={head_dim}) to match q {tuple(q.shape)}; "
+                         f"got {tuple(k.shape)}")
     if v.shape != k.shape:
         raise ValueError(f"v must have the shape of k {tuple(k.shape)}; got {tuple(v.shape)}")
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[-2]
     divides = heads % kv_heads == 0 if kv_heads else heads == 0  # no kv head: no query head either
     if not divides:
         raise ValueError(f"the kv_heads of k and v ({kv_heads}) must divide the heads of q ({heads})")
@@ -72,15 +75,15 @@ def check_softcap(softcap) -> float:
     return float(softcap) if softcap > 0 else 0.0
 
 
-def check_alibi_slopes(alibi_slopes, q):
+def check_alibi_slopes(alibi_slopes, q, batch=None):
     """ALiBi slopes: float32, (heads,) or (batch, heads), on q's device; constants, as in flash_attn,
     which returns no gradient for them (a slope that requires one is refused rather than left
-    without it)."""
+    without it). ``batch`` defaults to q's first size (packed sequences pass theirs)."""
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a tensor or None; got {type(alibi_slopes).__name__}")
-    batch, _, heads, _ = q.shape
+    batch, heads = q.shape[0] if batch is None else batch, q.shape[-2]
     if alibi_slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, as in flash_attn; got {alibi_slopes.dtype}")
     if alibi_slopes.device != q.device:
@@ -98,6 +101,21 @@ def check_dropout(dropout_p) -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
     return float(dropout_p)
+
+
+def checked_options(q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, window_reach,
+                    batch=None) -> tuple[float, int, int, float, float]:
+    """The options flash_attn_func and flash_attn_varlen_func share, checked and resolved:
+    (softmax_scale, window_left, window_right, softcap, dropout_p). ``window_reach``: the key count
+    a window side is read against (:func:`resolve_window`); ``batch``: for the ALiBi slopes' shape."""
+    dropout_p = check_dropout(dropout_p)
+    softcap = check_softcap(softcap)
+    check_alibi_slopes(alibi_slopes, q, batch)
+    if softmax_scale is not None:
+        check_real("softmax_scale", softmax_scale)
+    window_left, window_right = resolve_window(causal, window_size, window_reach)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    return scale, window_left, window_right, softcap, dropout_p
 
 
 def draw_dropout_seed(dropout_p: float, device: torch.device) -> Optional[torch.Tensor]:
@@ -238,13 +256,8 @@ def attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_s
     holds lse already). lse is not differentiable. Differentiable in q, k and v.
     """
     check_attention_inputs(q, k, v)
-    dropout_p = check_dropout(dropout_p)
-    softcap = check_softcap(softcap)
-    check_alibi_slopes(alibi_slopes, q)
-    if softmax_scale is not None:
-        check_real("softmax_scale", softmax_scale)
-    window_left, window_right = resolve_window(causal, window_size, k.shape[1])
-    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    scale, window_left, window_right, softcap, dropout_p = checked_options(
+        q, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, k.shape[1])
     dropout_seed = draw_dropout_seed(dropout_p, q.device)
     out, lse = attention_op(q, k, v, scale, window_left, window_right, softcap, alibi_slopes, dropout_p, dropout_seed)
     if return_attn_probs:

@@ -25,6 +25,13 @@ Kernels
     (dO V^T) * Z, while delta = rowsum(dO * O) holds as before. Two other schedules of the same
     loops, one kernel and dQ by atomics, are chapter 7's foils (:mod:`.teaching`).
 
+Packed sequences (VARLEN, :mod:`.packed`)
+    As in the forward pass: the grids cover the longest sequence, each program moves to its
+    sequence's rows and works with its lengths, and a key block (dK/dV) or query block (dQ) that
+    starts past its sequence's end returns at once. The preprocess kernel is unchanged: lse,
+    delta and lse2 are (heads, total_q), to it one sequence of total_q rows. dQ rows past the last
+    sequence, and dK, dV rows past it, are written 0: out does not depend on those rows.
+
 Shapes: q, dq (batch, seqlen_q, heads, d), k, v, dk, dv (batch, seqlen_k, kv_heads, d), out and
 dout like q; any strides with the last one 1 (each tensor is addressed with its own strides), none
 empty. lse (batch, heads, seqlen_q) float32.
@@ -43,6 +50,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm
+from .packed import fill_unowned_rows, packed_strides, sequence_rows
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -102,7 +110,7 @@ def attention_bwd_preprocess_kernel(out_ptr, dout_ptr, lse_ptr, delta_ptr, lse2_
 @triton.jit
 def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
                       offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
-                      window_left, window_right, seed, row_base, dropout_p, stride_qm, stride_dom,
+                      window_left, window_right, seed, row_base, max_seqlen_k, dropout_p, stride_qm, stride_dom,
                       WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -138,7 +146,7 @@ def dkdv_query_blocks(dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, 
                                        WINDOW_LEFT, WINDOW_RIGHT), p_t, 0.0)
         dp_t = mm(v, tl.trans(do), PRECISION)
         if DROPOUT:  # out used the kept p / (1 - dropout_p): so do dV and the gradient of P
-            keep_t = dropout_keep(seed, row_base, rows[None, :], offs_n[:, None], seqlen_k, dropout_p)
+            keep_t = dropout_keep(seed, row_base, rows[None, :], offs_n[:, None], max_seqlen_k, dropout_p)
             dv += mm(tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0).to(do.dtype), do, PRECISION)
             dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
         else:
@@ -160,12 +168,16 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
-                 seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale,
-                 window_left, window_right, dropout_p,
-                 WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                 DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dk, dv of keys [key_block * BLOCK_N, + BLOCK_N) of one (batch, kv head), summed over its group."""
+                 seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k, total_q, heads, group, head_dim, qk_scale, cap2,
+                 softmax_scale, window_left, window_right, dropout_p,
+                 VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """dk, dv of keys [key_block * BLOCK_N, + BLOCK_N) of one (batch, kv head), summed over its group.
+    ``max_seqlen_q``, ``max_seqlen_k``: the sizes the dropout counter is laid out over (the lengths,
+    unless packed). VARLEN: the pointers are at the sequence's first rows (lse2 and delta too, which
+    are (heads, total_q)), seqlen_q and seqlen_k its own lengths."""
     start_n = key_block * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -209,13 +221,17 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
         row_tile = lo + tl.arange(0, BLOCK_M)[:, None].to(tl.int64)
         q_ptrs = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + row_tile * stride_qm + offs_d[None, :]
         do_ptrs = dout_ptr + batch.to(tl.int64) * stride_dob + head * stride_doh + row_tile * stride_dom + offs_d[None, :]
-        row_base = (batch * heads + head).to(tl.int64) * seqlen_q
-        lse2_ptrs = lse2_ptr + row_base + lo + offs_m
-        delta_ptrs = delta_ptr + row_base + lo + offs_m
+        row_base = (batch * heads + head).to(tl.int64) * max_seqlen_q  # the dropout counter's first row
+        if VARLEN:
+            lse_rows = head.to(tl.int64) * total_q
+        else:  # lse2, delta (batch, heads, seqlen_q): laid out as the dropout counter
+            lse_rows = row_base
+        lse2_ptrs = lse2_ptr + lse_rows + lo + offs_m
+        delta_ptrs = delta_ptr + lse_rows + lo + offs_m
         dk, dv = dkdv_query_blocks(
             dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptrs, delta_ptrs, lo, hi, mask_until, mask_from,
             offs_m, offs_n, offs_d, seqlen_q, seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2,
-            window_left, window_right, seed, row_base, dropout_p, stride_qm, stride_dom,
+            window_left, window_right, seed, row_base, max_seqlen_k, dropout_p, stride_qm, stride_dom,
             WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI, DROPOUT=DROPOUT,
             EVEN_M=EVEN_M, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_M=BLOCK_M)
 
@@ -235,7 +251,7 @@ def dkdv_program(key_block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_
 @triton.jit
 def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d,
                   seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right,
-                  seed, row_base, dropout_p, stride_kn, stride_vn,
+                  seed, row_base, max_seqlen_k, dropout_p, stride_kn, stride_vn,
                   WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                   DROPOUT: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add the key blocks [lo, hi) to this query block's dq; the blocks that reach past mask_from
@@ -263,7 +279,7 @@ def dq_key_blocks(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mas
                                      WINDOW_LEFT, WINDOW_RIGHT), p, 0.0)
         dp = mm(do, tl.trans(v), PRECISION)
         if DROPOUT:
-            keep = dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p)
+            keep = dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:  # d(c tanh(x / c)) / dx = 1 - tanh^2
@@ -280,12 +296,14 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
-               seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, softmax_scale, window_left, window_right,
-               dropout_p,
-               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dq of queries [query_block * BLOCK_M, + BLOCK_M) of one (batch, head)."""
+               seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k, total_q, heads, group, head_dim, qk_scale, cap2,
+               softmax_scale, window_left, window_right, dropout_p,
+               VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+               EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """dq of queries [query_block * BLOCK_M, + BLOCK_M) of one (batch, head); the other arguments as
+    :func:`dkdv_program`'s."""
     start_m = query_block * BLOCK_M
     kv_head = head // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -303,8 +321,11 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     else:
         q = tl.load(q_ptrs, mask=row_mask, other=0.0)
         do = tl.load(do_ptrs, mask=row_mask, other=0.0)
-    row_base = (batch * heads + head).to(tl.int64) * seqlen_q
-    row_ptrs = row_base + offs_m
+    row_base = (batch * heads + head).to(tl.int64) * max_seqlen_q  # the dropout counter's first row
+    if VARLEN:
+        row_ptrs = head.to(tl.int64) * total_q + offs_m
+    else:  # lse2, delta (batch, heads, seqlen_q): laid out as the dropout counter
+        row_ptrs = row_base + offs_m
     lse2 = tl.load(lse2_ptr + row_ptrs, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(delta_ptr + row_ptrs, mask=offs_m < seqlen_q, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -319,8 +340,9 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
     v_ptrs = v_ptr + batch.to(tl.int64) * stride_vb + kv_head * stride_vh + key_tile * stride_vn + offs_d[None, :]
     dq = dq_key_blocks(
         dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, mask_from, mask_until, offs_m, offs_n, offs_d, seqlen_k,
-        head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, seed, row_base, dropout_p,
-        stride_kn, stride_vn, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP, ALIBI=ALIBI,
+        head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, seed, row_base, max_seqlen_k,
+        dropout_p, stride_kn, stride_vn, WINDOW_LEFT=WINDOW_LEFT, WINDOW_RIGHT=WINDOW_RIGHT, SOFTCAP=SOFTCAP,
+        ALIBI=ALIBI,
         DROPOUT=DROPOUT,
         EVEN_N=EVEN_N, EVEN_D=EVEN_D, PRECISION=PRECISION, BLOCK_N=BLOCK_N)
 
@@ -335,48 +357,95 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
 @lean_launch
 @triton.jit
 def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, seed_ptr,
+                              cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                               stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                               stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                               stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
                               stride_ab, stride_ah,
-                              seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                              window_left, window_right, dropout_p,
-                              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                              ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                              EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                              seqlen_q, seqlen_k, total_q, total_k, heads, kv_heads, head_dim, qk_scale, cap2,
+                              softmax_scale, window_left, window_right, dropout_p,
+                              VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+                              EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (key blocks, batch * kv_heads)."""
-    dkdv_program(tl.program_id(0), tl.program_id(1) // kv_heads, tl.program_id(1) % kv_heads,
+    """Grid (key blocks, batch * kv_heads). VARLEN: packed sequences (:mod:`.packed`), seqlen_q and
+    seqlen_k their longest lengths."""
+    batch = tl.program_id(1) // kv_heads
+    kv_head = tl.program_id(1) % kv_heads
+    max_seqlen_q = seqlen_q
+    max_seqlen_k = seqlen_k
+    if VARLEN:  # from here on seqlen_q, seqlen_k are this sequence's own, the pointers at its first rows
+        batches = tl.num_programs(1) // kv_heads
+        program = tl.program_id(0) + tl.num_programs(0) * batch  # of the programs of this kv head
+        fill_unowned_rows(dk_ptr + kv_head * stride_dkh, stride_dkn, cu_seqlens_k_ptr, batches, total_k, head_dim,
+                          program, tl.num_programs(0) * batches, 0.0, BLOCK_N, BLOCK_D)
+        fill_unowned_rows(dv_ptr + kv_head * stride_dvh, stride_dvn, cu_seqlens_k_ptr, batches, total_k, head_dim,
+                          program, tl.num_programs(0) * batches, 0.0, BLOCK_N, BLOCK_D)
+        q_start, seqlen_q = sequence_rows(cu_seqlens_q_ptr, batch, total_q)
+        k_start, seqlen_k = sequence_rows(cu_seqlens_k_ptr, batch, total_k)
+        if tl.program_id(0) * BLOCK_N >= seqlen_k:  # the grid covers the longest sequence
+            return
+        q_ptr += q_start.to(tl.int64) * stride_qm
+        dout_ptr += q_start.to(tl.int64) * stride_dom
+        lse2_ptr += q_start
+        delta_ptr += q_start
+        k_ptr += k_start.to(tl.int64) * stride_kn
+        v_ptr += k_start.to(tl.int64) * stride_vn
+        dk_ptr += k_start.to(tl.int64) * stride_dkn
+        dv_ptr += k_start.to(tl.int64) * stride_dvn
+    dkdv_program(tl.program_id(0), batch, kv_head,
                  q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, seed_ptr,
                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                  stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                  stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_ab, stride_ah,
-                 seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                 window_left, window_right, dropout_p, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-                 EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                 seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k, total_q, heads, heads // kv_heads, head_dim, qk_scale,
+                 cap2, softmax_scale, window_left, window_right, dropout_p, VARLEN, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                 ALIBI, DROPOUT, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 @lean_launch
 @triton.jit
 def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr, seed_ptr,
+                            cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                             stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                             stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                             stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
-                            seqlen_q, seqlen_k, heads, kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-                            window_left, window_right, dropout_p,
-                            WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                            ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                            EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                            seqlen_q, seqlen_k, total_q, total_k, heads, kv_heads, head_dim, qk_scale, cap2,
+                            softmax_scale, window_left, window_right, dropout_p,
+                            VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, EVEN_M: tl.constexpr,
+                            EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (query blocks, batch * heads)."""
-    dq_program(tl.program_id(0), tl.program_id(1) // heads, tl.program_id(1) % heads,
+    """Grid (query blocks, batch * heads). VARLEN: packed sequences (:mod:`.packed`), seqlen_q and
+    seqlen_k their longest lengths."""
+    batch = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    max_seqlen_q = seqlen_q
+    max_seqlen_k = seqlen_k
+    if VARLEN:  # from here on seqlen_q, seqlen_k are this sequence's own, the pointers at its first rows
+        batches = tl.num_programs(1) // heads
+        fill_unowned_rows(dq_ptr + head * stride_dqh, stride_dqm, cu_seqlens_q_ptr, batches, total_q, head_dim,
+                          tl.program_id(0) + tl.num_programs(0) * batch, tl.num_programs(0) * batches, 0.0,
+                          BLOCK_M, BLOCK_D)
+        q_start, seqlen_q = sequence_rows(cu_seqlens_q_ptr, batch, total_q)
+        k_start, seqlen_k = sequence_rows(cu_seqlens_k_ptr, batch, total_k)
+        if tl.program_id(0) * BLOCK_M >= seqlen_q:  # the grid covers the longest sequence
+            return
+        q_ptr += q_start.to(tl.int64) * stride_qm
+        dout_ptr += q_start.to(tl.int64) * stride_dom
+        dq_ptr += q_start.to(tl.int64) * stride_dqm
+        lse2_ptr += q_start
+        delta_ptr += q_start
+        k_ptr += k_start.to(tl.int64) * stride_kn
+        v_ptr += k_start.to(tl.int64) * stride_vn
+    dq_program(tl.program_id(0), batch, head,
                q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr, seed_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                stride_dqb, stride_dqm, stride_dqh, stride_ab, stride_ah,
-               seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, qk_scale, cap2, softmax_scale,
-               window_left, window_right, dropout_p, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT,
-               EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+               seqlen_q, seqlen_k, max_seqlen_q, max_seqlen_k, total_q, heads, heads // kv_heads, head_dim, qk_scale,
+               cap2, softmax_scale, window_left, window_right, dropout_p, VARLEN, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+               ALIBI, DROPOUT, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
 
 
 def batch_row_head_strides(*tensors):
@@ -399,35 +468,49 @@ def backward_preprocess(out, dout, lse):
 
 
 def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None,
-                       dropout_p=0.0, dropout_seed=None, config=None):
+                       dropout_p=0.0, dropout_seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+                       max_seqlen_k=0, config=None):
     """Gradients (dq, dk, dv) of the forward pass that returned (out, lse), each contiguous in its
-    input's dtype; bitwise reproducible. Shapes and arguments as :func:`.forward.attention_forward`;
-    ``config`` overrides :func:`backward_config`."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    input's dtype; bitwise reproducible. Shapes and arguments as :func:`.forward.attention_forward`,
+    packed sequences too (dq, dk, dv 0 in the rows past the last sequence); ``config`` overrides
+    :func:`backward_config`."""
+    varlen = cu_seqlens_q is not None
+    if varlen:  # the grids and the dropout counter are laid out over the longest sequence
+        (total_q, heads, head_dim), (total_k, kv_heads) = q.shape, k.shape[:2]
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        # delta and lse2 as lse, (heads, total_q): the preprocess kernel sees one sequence of total_q rows
+        delta, lse2 = backward_preprocess(out[None], dout[None], lse[None])
+    else:
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        total_q = total_k = 0
+        delta, lse2 = backward_preprocess(out, dout, lse)
     cfg = config or backward_config(head_dim, q.dtype)
     dkdv_cfg, dq_cfg = dict(cfg["dkdv"]), dict(cfg["dq"])
     bn, bm = dkdv_cfg.pop("BLOCK_N"), dkdv_cfg.pop("BLOCK_M")
     bm2, bn2 = dq_cfg.pop("BLOCK_M"), dq_cfg.pop("BLOCK_N")
     block_d = block_size(head_dim)
-    delta, lse2 = backward_preprocess(out, dout, lse)
 
     dq = outputs.empty(q.shape, q.dtype, q.device)
     dk = outputs.empty(k.shape, k.dtype, k.device)
     dv = outputs.empty(v.shape, v.dtype, v.device)
     alibi = lse if alibi_slopes is None else alibi_slopes  # pointers never read without ALiBi, without dropout
     seed = lse if dropout_seed is None else dropout_seed
-    common = (seqlen_q, seqlen_k, heads, kv_heads, head_dim, *logit_scales(softmax_scale, softcap), softmax_scale,
-              *window, float(dropout_p))
-    flags = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
-                 ALIBI=alibi_slopes is not None, DROPOUT=dropout_p > 0, EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype),
-                 BLOCK_D=block_d)
+    strides = packed_strides if varlen else batch_row_head_strides
+    cu_seqlens = (cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse)  # (pointers not read unpacked)
+    sizes = (seqlen_q, seqlen_k, total_q, total_k, heads, kv_heads, head_dim, *logit_scales(softmax_scale, softcap),
+             softmax_scale, *window, float(dropout_p))
+    flags = dict(VARLEN=varlen, WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0,
+                 SOFTCAP=softcap_mode(softcap, q.dtype), ALIBI=alibi_slopes is not None, DROPOUT=dropout_p > 0,
+                 EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype), BLOCK_D=block_d)
     attention_bwd_dkdv_kernel[(cdiv(seqlen_k, bn), batch * kv_heads)](
-        q, k, v, dout, lse2, delta, dk, dv, alibi, seed, *batch_row_head_strides(q, k, v, dout, dk, dv),
-        *alibi_strides(alibi_slopes), *common,
-        EVEN_M=seqlen_q % bm == 0, EVEN_N=seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn, **flags, **dkdv_cfg)
+        q, k, v, dout, lse2, delta, dk, dv, alibi, seed, *cu_seqlens, *strides(q, k, v, dout, dk, dv),
+        *alibi_strides(alibi_slopes), *sizes,
+        EVEN_M=not varlen and seqlen_q % bm == 0, EVEN_N=not varlen and seqlen_k % bn == 0, BLOCK_M=bm, BLOCK_N=bn,
+        **flags, **dkdv_cfg)
     attention_bwd_dq_kernel[(cdiv(seqlen_q, bm2), batch * heads)](
-        q, k, v, dout, lse2, delta, dq, alibi, seed, *batch_row_head_strides(q, k, v, dout, dq),
-        *alibi_strides(alibi_slopes), *common,
-        EVEN_M=seqlen_q % bm2 == 0, EVEN_N=seqlen_k % bn2 == 0, BLOCK_M=bm2, BLOCK_N=bn2, **flags, **dq_cfg)
+        q, k, v, dout, lse2, delta, dq, alibi, seed, *cu_seqlens, *strides(q, k, v, dout, dq),
+        *alibi_strides(alibi_slopes), *sizes,
+        EVEN_M=not varlen and seqlen_q % bm2 == 0, EVEN_N=not varlen and seqlen_k % bn2 == 0, BLOCK_M=bm2,
+        BLOCK_N=bn2, **flags, **dq_cfg)
     return dq, dk, dv

@@ -48,6 +48,18 @@ Non-finite inputs
     (:func:`..triton_ops.drop_hidden_nonfinite`). The usual inputs pay one reduction per tile
     (``book/data/nonfinite_check_cost.json`` has the measurements).
 
+Packed sequences (VARLEN, :mod:`.packed`)
+    flash_attn's varlen layout: sequences of different lengths one after another in q (total_q,
+    heads, head_dim) and k, v (total_k, kv_heads, head_dim), cu_seqlens giving each one's first
+    row. The grid covers the longest sequence, cdiv(max_seqlen_q, BLOCK_M) x (batch * heads); a
+    program reads its sequence's rows from cu_seqlens, moves its pointers to the first of them
+    and runs the code above on that sequence alone, with its own lengths (bounds masks, the
+    bottom-right diagonal, the key range); a tile that starts past the sequence's end returns at
+    once. lse is flash_attn's packed (heads, total_q). The dropout counter indexes (batch, heads,
+    max_seqlen_q, max_seqlen_k), the layout of the S_dmask a call returns, in every kernel of the
+    op. With VARLEN off, none of it is compiled in (the dense kernel compiles to the same
+    instructions as without it).
+
 Shapes: q (batch, seqlen_q, heads, head_dim), k, v (batch, seqlen_k, kv_heads, head_dim), any
 strides with the last one 1, none empty; query head h reads key/value head h // (heads // kv_heads)
 (grouped-query attention). out like q (contiguous); lse (batch, heads, seqlen_q) float32. Head dims
@@ -68,6 +80,7 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import LN2, any_nonfinite, block_size, cdiv, dot_precision, drop_hidden_nonfinite, mm
+from .packed import fill_unowned_rows, packed_strides, sequence_rows
 from .scores import (alibi_slope2, alibi_strides, dropout_keep, key_range, logit_scales, logits2, softcap_mode,
                      visible)
 
@@ -96,7 +109,7 @@ def forward_config(head_dim: int, dtype: torch.dtype) -> dict:
 @triton.jit
 def attend_key_blocks(q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, lo, hi, mask_from, mask_until,
                       seqlen_k, head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right,
-                      exponent_scale, seed, row_base, dropout_p,
+                      exponent_scale, seed, row_base, max_seqlen_k, dropout_p,
                       WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                       ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_N: tl.constexpr,
                       EVEN_D: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -143,7 +156,7 @@ def attend_key_blocks(q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, l
         alpha = tl.exp2(m_i - m_shift)                       # rescales what was summed under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax's denominator sums every p, dropped or not
         if DROPOUT:  # the 1 / (1 - dropout_p) of the kept ones is applied to out at the end
-            p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], seqlen_k, dropout_p), p, 0.0)
+            p = tl.where(dropout_keep(seed, row_base, offs_m[:, None], cols[None, :], max_seqlen_k, dropout_p), p, 0.0)
         acc = acc * alpha[:, None] + mm(p.to(v.dtype), v, PRECISION)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
@@ -153,14 +166,14 @@ def attend_key_blocks(q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, l
 
 @lean_launch
 @triton.jit
-def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_ptr,
+def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                          stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                          stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_ab, stride_ah,
-                         seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, cap2, window_left, window_right,
-                         dropout_p,
-                         WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                         ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SCALE_FIRST: tl.constexpr, EVEN_M: tl.constexpr,
-                         EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
+                         seqlen_q, seqlen_k, total_q, total_k, heads, group, head_dim, qk_scale, cap2, window_left,
+                         window_right, dropout_p,
+                         VARLEN: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                         SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     if WINDOW_RIGHT:  # causal: the longest rows start first; the short ones fill the tail of the launch
         start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
@@ -169,6 +182,26 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
     batch = tl.program_id(1) // heads
     head = tl.program_id(1) % heads
     kv_head = head // group
+    # the dropout counter indexes the probabilities (batch, heads, max_seqlen_q, max_seqlen_k): the
+    # lengths themselves, unless the sequences are packed
+    max_seqlen_q = seqlen_q
+    max_seqlen_k = seqlen_k
+    if VARLEN:  # packed sequences (:mod:`.packed`): from here on seqlen_q, seqlen_k are this sequence's own
+        batches = tl.num_programs(1) // heads
+        program = tl.program_id(0) + tl.num_programs(0) * batch  # of the programs of this head
+        fill_unowned_rows(out_ptr + head * stride_oh, stride_om, cu_seqlens_q_ptr, batches, total_q, head_dim,
+                          program, tl.num_programs(0) * batches, 0.0, BLOCK_M, BLOCK_D)
+        fill_unowned_rows(lse_ptr + head.to(tl.int64) * total_q, 1, cu_seqlens_q_ptr, batches, total_q, 1,
+                          program, tl.num_programs(0) * batches, float("inf"), BLOCK_M, 1)
+        q_start, seqlen_q = sequence_rows(cu_seqlens_q_ptr, batch, total_q)
+        k_start, seqlen_k = sequence_rows(cu_seqlens_k_ptr, batch, total_k)
+        if start_m >= seqlen_q:  # the grid covers the longest sequence
+            return
+        q_ptr += q_start.to(tl.int64) * stride_qm
+        out_ptr += q_start.to(tl.int64) * stride_om
+        lse_ptr += q_start
+        k_ptr += k_start.to(tl.int64) * stride_kn
+        v_ptr += k_start.to(tl.int64) * stride_vn
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -178,7 +211,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
     row_base = 0
     if DROPOUT:
         seed = tl.load(seed_ptr)
-        row_base = tl.program_id(1).to(tl.int64) * seqlen_q  # this (batch, head)'s first row of probabilities
+        row_base = tl.program_id(1).to(tl.int64) * max_seqlen_q  # this (batch, head)'s first row of probabilities
 
     # 64-bit base offsets; within a tile the offsets are small
     q_ptrs = (q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + start_m.to(tl.int64) * stride_qm
@@ -201,7 +234,7 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
               + (lo + offs_n)[:, None] * stride_vn + offs_d[None, :])
     sweep_args = (q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_d, lo, hi, mask_from, mask_until, seqlen_k,
                   head_dim, causal_offset, qk_scale, cap2, slope2, window_left, window_right, exponent_scale, seed,
-                  row_base, dropout_p)  # (a tuple holds no constexpr strings in Triton 3.6: those are spelled out)
+                  row_base, max_seqlen_k, dropout_p)  # (a tuple holds no constexpr strings in Triton 3.6: spelled out)
     acc, m_i, l_i, hidden_nonfinite = attend_key_blocks(
         *sweep_args, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, DROPOUT, SCALE_FIRST, EVEN_N, EVEN_D, PRECISION,
         BLOCK_M, BLOCK_N, BLOCK_D, DROP_HIDDEN_NONFINITE=False, STAGES=None)
@@ -223,7 +256,10 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
     lse = tl.where(empty_row, float("inf"), (m_i + tl.log2(l_safe)) * LN2)  # base 2 -> natural
     out_ptrs = (out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + start_m.to(tl.int64) * stride_om
                 + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :])
-    lse_ptrs = lse_ptr + tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
+    if VARLEN:  # flash_attn's packed layout, (heads, total_q); lse_ptr is at the sequence's first row
+        lse_ptrs = lse_ptr + head.to(tl.int64) * total_q + offs_m
+    else:
+        lse_ptrs = lse_ptr + tl.program_id(1).to(tl.int64) * seqlen_q + offs_m
     if EVEN_M and EVEN_D:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
     else:
@@ -232,7 +268,8 @@ def attention_fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, alibi_ptr, seed_
 
 
 def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                      dropout_seed=None, config=None):
+                      dropout_seed=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                      config=None):
     """q (B, Nq, H, d), k, v (B, Nk, KVH, d), none empty, last strides 1; ``softmax_scale`` any
     finite float; ``window`` (left, right) with -1 for an unbounded side (causal: (-1, 0));
     ``softcap`` > 0 or 0 for none; ``alibi_slopes`` float32 (H,) or (B, H), or None;
@@ -241,25 +278,41 @@ def attention_forward(q, k, v, *, softmax_scale, window=(-1, -1), softcap=0.0, a
     (B, Nq, H, d) contiguous and lse (B, H, Nq) float32; lse is that of the probabilities before
     dropout.
 
+    Packed sequences (:mod:`.packed`): q (total_q, H, d), k, v (total_k, KVH, d) with
+    ``cu_seqlens_q``, ``cu_seqlens_k`` contiguous int32 (B + 1,) and the longest lengths
+    ``max_seqlen_q`` >= 1, ``max_seqlen_k`` >= 1; out (total_q, H, d) and lse (H, total_q), rows
+    past the last sequence 0 and +inf.
+
     ``config`` overrides :func:`forward_config` (the benchmark's tuning sweep uses it).
     """
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    varlen = cu_seqlens_q is not None
+    if varlen:  # the grid and the dropout counter are laid out over the longest sequence
+        (total_q, heads, head_dim), (total_k, kv_heads) = q.shape, k.shape[:2]
+        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+        lse_shape = (heads, total_q)
+    else:
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        total_q = total_k = 0
+        lse_shape = (batch, heads, seqlen_q)
     cfg = dict(config or forward_config(head_dim, q.dtype))
     block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     block_d = block_size(head_dim)
     out = outputs.empty(q.shape, q.dtype, q.device)
-    lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
+    lse = outputs.empty(lse_shape, torch.float32, q.device)
+    strides = packed_strides(q, k, v, out) if varlen else (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                                           *out.stride()[:3])
     grid = (cdiv(seqlen_q, block_m), batch * heads)
     attention_fwd_kernel[grid](
         q, k, v, out, lse, lse if alibi_slopes is None else alibi_slopes, lse if dropout_seed is None else dropout_seed,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *alibi_strides(alibi_slopes),
-        seqlen_q, seqlen_k, heads, heads // kv_heads, head_dim, *logit_scales(softmax_scale, softcap), *window,
-        float(dropout_p),
-        WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
+        cu_seqlens_q if varlen else lse, cu_seqlens_k if varlen else lse, *strides, *alibi_strides(alibi_slopes),
+        seqlen_q, seqlen_k, total_q, total_k, heads, heads // kv_heads, head_dim, *logit_scales(softmax_scale, softcap),
+        *window, float(dropout_p),
+        VARLEN=varlen, WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
         ALIBI=alibi_slopes is not None, DROPOUT=dropout_p > 0,
         SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None,
-        EVEN_M=seqlen_q % block_m == 0, EVEN_N=seqlen_k % block_n == 0, EVEN_D=head_dim == block_d,
-        PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,
+        EVEN_M=not varlen and seqlen_q % block_m == 0, EVEN_N=not varlen and seqlen_k % block_n == 0,
+        EVEN_D=head_dim == block_d, PRECISION=dot_precision(q.dtype), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, **cfg,
     )
     return out, lse

@@ -196,3 +196,31 @@ def kvcache_reference(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rota
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses), k_after, v_after
+
+
+def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, window=(-1, -1),
+                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_mask=None, attend=None):
+    """The ground truth of ``attention_varlen``: each packed sequence through :func:`attention_ref`
+    on its own (its diagonal bottom-right aligned with its own lengths), the results packed again.
+    q (total_q, heads, d), k, v (total_k, kv_heads, d), cu_seqlens int32 (batch + 1,); ``window``
+    as flash_attn resolves it (against max_seqlen_k); ``alibi_slopes`` (heads,) or (batch, heads);
+    ``dropout_mask`` (batch, heads, max_q, max_k) bool, sequence b's in [b, :, :L_q, :L_k].
+    Returns (out (total_q, heads, d), lse (heads, total_q)) in float64, rows past the last sequence
+    0 and +inf; ``attend`` replaces attention_ref (:func:`naive_attention`: the same computation in
+    the inputs' dtype, whose results keep that dtype)."""
+    attend = attend or attention_ref
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b, (start_q, end_q, start_k, end_k) in enumerate(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])):
+        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b])
+        mask = None if dropout_mask is None else dropout_mask[b:b + 1, :, :end_q - start_q, :end_k - start_k]
+        out, lse = attend(q[None, start_q:end_q], k[None, start_k:end_k], v[None, start_k:end_k], causal, softmax_scale,
+                          window, softcap, slopes, dropout_p, mask)
+        outs.append(out[0])
+        lses.append(lse[0])
+    out, lse = attend(q[None, :0], k[None, :0], v[None, :0], causal, softmax_scale, window, softcap, None, dropout_p,
+                      None)  # no row: the dtypes of the results
+    unowned = q.shape[0] - bounds_q[-1]
+    outs.append(out.new_zeros((unowned, *q.shape[1:])))
+    lses.append(lse.new_full((q.shape[1], unowned), math.inf))
+    return torch.cat(outs), torch.cat(lses, dim=1)

@@ -120,14 +120,16 @@ def key_range(start_m, seqlen_k, causal_offset, window_left, window_right,
 def dropout_keep(seed, row_base, rows, keys, seqlen_k, dropout_p):
     """Whether each (query row, key) pair keeps its probability under dropout. The pair's index
     i = (row_base + row) * seqlen_k + key in the (batch, heads, seqlen_q, seqlen_k) matrix of
-    probabilities, 64 bits wide, is the counter of Philox, a counter-based generator: a pure
-    function of (seed, counter), so the backward kernels regenerate the very mask the forward pass
-    used, whatever their tiles and in whichever orientation, and nothing of size N x N is stored.
+    probabilities (packed sequences: (batch, heads, max_seqlen_q, max_seqlen_k), the kernels
+    passing max_seqlen_k as seqlen_k), 64 bits wide, is the counter of Philox, a counter-based
+    generator: a pure function of (seed, counter), so the backward kernels regenerate the very
+    mask the forward pass used, whatever their tiles and in whichever orientation, and nothing of
+    size N x N is stored.
     The counter goes in as two 32-bit words (low, high), which keeps Philox on 32-bit arithmetic:
     handed one 64-bit counter, some Triton versions run the 64-bit variant, whose 64-bit multiplies
     the GPU emulates. The pair is kept iff the top 24 bits of the first output word, read as a
     fraction u in [0, 1), satisfy u >= dropout_p. ``row_base`` is (batch * heads + head) * seqlen_q
-    in 64 bits."""
+    (max_seqlen_q) in 64 bits."""
     index = (row_base + rows) * seqlen_k + keys
     low = index.to(tl.uint32)  # truncates to the low 32 bits
     high = (index >> 32).to(tl.uint32)

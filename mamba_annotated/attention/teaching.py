@@ -46,13 +46,15 @@ def attention_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_pt
     kv_head = tl.program_id(1) % kv_heads
     group = heads // kv_heads
     if block * BLOCK_N < seqlen_k:
-        # causal is the window (unbounded, 0); no softcap, ALiBi or dropout (lse2_ptr: pointers never read)
+        # unpacked (VARLEN False); causal is the window (unbounded, 0); no softcap, ALiBi or dropout
+        # (lse2_ptr: pointers never read)
         dkdv_program(block, batch, kv_head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr,
                      lse2_ptr, lse2_ptr, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                      stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh, 0, 0,
-                     seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0, 0.0,
-                     False, CAUSAL, False, False, False, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                     seqlen_q, seqlen_k, seqlen_q, seqlen_k, 0, heads, group, head_dim, qk_scale, 0.0, softmax_scale,
+                     -1, 0, 0.0, False, False, CAUSAL, False, False, False, EVEN_M, EVEN_N, EVEN_D, PRECISION, BLOCK_M,
+                     BLOCK_N, BLOCK_D)
     if block * BLOCK_M2 < seqlen_q:
         for g in range(group):
             dq_program(block, batch, kv_head * group + g, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr,
@@ -60,8 +62,9 @@ def attention_bwd_fused_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_pt
                        stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                        stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh,
                        stride_dqb, stride_dqm, stride_dqh, 0, 0,
-                       seqlen_q, seqlen_k, heads, group, head_dim, qk_scale, 0.0, softmax_scale, -1, 0, 0.0,
-                       False, CAUSAL, False, False, False, EVEN_M2, EVEN_N2, EVEN_D, PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
+                       seqlen_q, seqlen_k, seqlen_q, seqlen_k, 0, heads, group, head_dim, qk_scale, 0.0,
+                       softmax_scale, -1, 0, 0.0, False, False, CAUSAL, False, False, False, EVEN_M2, EVEN_N2, EVEN_D,
+                       PRECISION, BLOCK_M2, BLOCK_N2, BLOCK_D)
 
 
 @triton.jit
