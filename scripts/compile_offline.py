@@ -115,18 +115,20 @@ def attention_cases():
     from mamba_annotated.attention.forward import attention_fwd_kernel, forward_config
 
     types = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")} | {
-        "lse_ptr": "*fp32", "alibi_ptr": "*fp32", "seed_ptr": "*i64", "qk_scale": "fp32", "cap2": "fp32",
-        "dropout_p": "fp32"}
+        "lse_ptr": "*fp32", "alibi_ptr": "*fp32", "seed_ptr": "*i64", "cu_seqlens_q_ptr": "*i32",
+        "cu_seqlens_k_ptr": "*i32", "qk_scale": "fp32", "cap2": "fp32", "dropout_p": "fp32"}
     for head_dim in (64, 128):
         cfg = forward_config(head_dim, torch.bfloat16)
         warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-        for causal in (False, True):
-            constexprs = dict(WINDOW_LEFT=False, WINDOW_RIGHT=causal, SOFTCAP=0, ALIBI=False, DROPOUT=False,
-                              SCALE_FIRST=False, EVEN_M=True, EVEN_N=True, EVEN_D=True, PRECISION="tf32",
-                              BLOCK_D=head_dim, **cfg)
-            yield (f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}",
-                   lambda constexprs=constexprs, warps=warps, stages=stages: compile_kernel(
-                       attention_fwd_kernel, types, constexprs, warps, stages))
+        for varlen in (False, True):  # packed sequences (attention_varlen): lengths masked, never even
+            for causal in (False, True):
+                constexprs = dict(VARLEN=varlen, WINDOW_LEFT=False, WINDOW_RIGHT=causal, SOFTCAP=0, ALIBI=False,
+                                  DROPOUT=False, SCALE_FIRST=False, EVEN_M=not varlen, EVEN_N=not varlen,
+                                  EVEN_D=True, PRECISION="tf32", BLOCK_D=head_dim, **cfg)
+                name = f"attention_fwd_kernel d{head_dim} {'causal' if causal else 'full'}{' varlen' if varlen else ''}"
+                yield (name,
+                       lambda constexprs=constexprs, warps=warps, stages=stages: compile_kernel(
+                           attention_fwd_kernel, types, constexprs, warps, stages))
 
 
 def ssd_cases():

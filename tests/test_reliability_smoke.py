@@ -769,6 +769,24 @@ def test_kvcache_probes_reach_each_sequence_at_its_own_positions():
         assert reach.any() and not (reach & ~held[:, None]).any()
 
 
+def test_varlen_probes_reach_the_rows_of_their_sequence():
+    """A NaN in key t of a packed sequence reaches the rows of that sequence whose window holds it,
+    and no other row (:meth:`cases.AttentionVarlen.reach`): a probe of nonfinite.py's run, on the
+    first key that some row sees (the sizes differ between the GPU and the CPU), with its reach."""
+    op = cases.OPS["attention_varlen"]
+    params = nonfinite.plain_cases(op)[0]
+    seed_everything(0)
+    leaves = op.inputs(params)
+    args = op.views(params, leaves)
+    bounds_q, bounds_k = args["cu_seqlens_q"].tolist(), args["cu_seqlens_k"].tolist()
+    total_q = args["q"].shape[0]
+    t = next(t for t in range(bounds_k[-1]) if nonfinite.reached(op, params, args, "v", t, total_q).any())
+    b = next(b for b in range(len(bounds_k) - 1) if bounds_k[b] <= t < bounds_k[b + 1])
+    reach = nonfinite.reached(op, params, args, "v", t, total_q)
+    assert not reach[:bounds_q[b]].any() and not reach[bounds_q[b + 1]:].any()
+    assert nonfinite.probe(op, params, leaves, "v", t, float("nan")) == []
+
+
 def test_leaks_arguments_and_skip_without_cuda():
     assert leaks.parse_args(["--calls", "7"]).calls == 7
     if not torch.cuda.is_available():
@@ -913,7 +931,7 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan",
-                                     "attention_with_kvcache"])
+                                     "attention_with_kvcache", "attention_varlen"])
 def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
     """The sanitizer's driver runs each op whose kernels have a checked pass once more, with a NaN
     in the input that wakes that pass, so that compute-sanitizer watches it too."""

@@ -18,6 +18,7 @@ few steps are held to the bound of the coarser of the inputs' and the state's dt
 dense (quadratic) references stay under a cap on their L x L size.
 """
 import copy
+import itertools
 import json
 import math
 import random
@@ -28,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from mamba_annotated import attention, attention_with_kvcache, bidirectional_chunk_scan, linear_scan, selective_scan
+from mamba_annotated import (attention, attention_varlen, attention_with_kvcache, bidirectional_chunk_scan, linear_scan,
+                             selective_scan)
 from mamba_annotated import sequential_scan
 from mamba_annotated import rmsnorm_fn, selective_state_update, ssd_chunk_scan, ssd_state_update
 from mamba_annotated.attention.api import resolve_window
 from mamba_annotated.attention.reference import (attention_logits, geometric_alibi_slopes, kvcache_reference,
-                                                 naive_attention)
+                                                 naive_attention, varlen_reference, window_mask)
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import bidirectional_ref
 from mamba_annotated.gated_norm import rmsnorm_ref
@@ -942,16 +944,21 @@ class Attention(Op):
         dtype, s, lay = DTYPES[params["dtype"]], self.shapes(params), params["layouts"]
         return {k: leaf(lambda t: randn(*t, dtype=dtype), s[k], lay[k]) for k in ("q", "k", "v")}
 
-    def call(self, params, fn, dropout_mask=None):
-        """``fn(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask)`` with
-        the window as flash_attn resolves it (-1 for an unbounded side, causal: right = 0), ALiBi's
-        geometric slopes, and the keep mask the kernels drew (None without dropout)."""
+    def resolved(self, params):
+        """(options, window, alibi_slopes): the window as flash_attn resolves it against Lk (-1 for an
+        unbounded side, causal: right = 0), ALiBi's geometric slopes (or None)."""
         opts, d = {**self.defaults, **params["opts"]}, params["dims"]
         window = resolve_window(opts["causal"], tuple(opts["window_size"]), d["Lk"])
         slopes = None
         if opts["alibi"] is not None:
             shape = (d["heads"],) if opts["alibi"] == "heads" else (d["batch"], d["heads"])
             slopes = geometric_alibi_slopes(math.prod(shape), DEVICE).reshape(shape)
+        return opts, window, slopes
+
+    def call(self, params, fn, dropout_mask=None):
+        """``fn(q, k, v, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask)`` with
+        the options :meth:`resolved` and the keep mask the kernels drew (None without dropout)."""
+        opts, window, slopes = self.resolved(params)
 
         def run(q, k, v):
             return fn(q, k, v, opts["causal"], opts["softmax_scale"], window, opts["softcap"], slopes,
@@ -1023,7 +1030,7 @@ class Attention(Op):
         less P dD, and P = d lse / dS: the exact gradients with -dD as lse's upstream."""
         args = self.views(params, leaves64)
         out64 = ref_fn(**args)[0]
-        dD = (grad_out.view(out.shape) * (out.double() - out64.detach())).sum(-1).transpose(1, 2)
+        dD = (grad_out.view(out.shape) * (out.double() - out64.detach())).sum(-1).transpose(-1, -2)  # lse's layout
         return gradients_of_arguments(ref_fn, args, torch.cat([grad_out, -dD.flatten()]))
 
     def cancellation_rounding(self, params, leaves64, out, grad_out, dropout_mask):
@@ -1039,6 +1046,12 @@ class Attention(Op):
         root sum of squares over the keys) and dk likewise by sqrt((E^2)^T Q^2), summed over the
         query heads that share a key head. Soft-capping multiplies dS by 1 - tanh^2 <= 1 and is
         left out. dv = P^T dO holds no such difference and gets no allowance."""
+        return self.call(params, self.rounding_bound(out, grad_out), dropout_mask)(**self.views(params, leaves64))
+
+    @staticmethod
+    def rounding_bound(out, grad_out):
+        """The bound of :meth:`cancellation_rounding` as a function of attention's arguments, for the
+        output ``out`` and its upstream gradient (dense layout, (batch, seqlen_q, heads, d))."""
         def bound(q, k, v, causal, scale, window, softcap, slopes, dropout_p, keep):
             batch, heads, kv_heads, head_dim = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
             scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -1055,7 +1068,129 @@ class Attention(Op):
             dq = per_pair * (squared @ k_ ** 2).sqrt()
             dk = (squared.transpose(-1, -2) @ q_ ** 2).view(batch, kv_heads, heads // kv_heads, -1, head_dim).sum(2)
             return {"q": dq.transpose(1, 2), "k": per_pair * dk.sqrt().transpose(1, 2)}
-        return self.call(params, bound, dropout_mask)(**self.views(params, leaves64))
+        return bound
+
+
+class AttentionVarlen(Attention):
+    """attention_varlen: ``batch`` sequences packed into q (total_q, heads, d) and k, v (total_k,
+    kv_heads, d), each of up to Lq queries and Lk keys (some none, queries and keys of different
+    counts), rows past the last sequence, max_seqlen_q = Lq and max_seqlen_k = Lk (at least every
+    length, not always equal to one), every option of attention. The lengths are a function of the
+    sizes (:meth:`lengths`), so that the shapes are too. Judged as attention is (the same rule, the
+    same allowances), each sequence against the float64 reference on its own (varlen_reference).
+    Inputs are seen through the layouts, but k and v never expanded: along their only long dim,
+    the keys of a sequence would all be one key, where dq is exactly 0 and has no relative error."""
+    name = "attention_varlen"
+
+    def fix(self, params):
+        params = super().fix(params)
+        layouts = params.get("layouts", {})
+        for name in ("k", "v"):
+            if layouts.get(name) == "expanded":
+                layouts[name] = "strided"
+        return params
+
+    def draw(self, rng):
+        params = super().draw(rng)
+        params["dims"]["batch"] = rng.randint(1, size(gpu=8, cpu=3))
+        return self.fix(params)
+
+    def lengths(self, params):
+        """([query counts], [key counts], (rows past the last sequence in q, in k, v)): the longest,
+        none, or any between; the first sequence never empty (a judge needs some output)."""
+        d = params["dims"]
+        rng = random.Random(json.dumps(d, sort_keys=True))
+
+        def one(longest, b):
+            return pick(rng, (2, longest), (0 if b == 0 else 1, 0), (3, rng.randint(1, longest)))
+        counts_q = [one(d["Lq"], b) for b in range(d["batch"])]
+        counts_k = [one(d["Lk"], b) for b in range(d["batch"])]
+        return counts_q, counts_k, (rng.choice([0, 0, 1, 5]), rng.choice([0, 0, 2]))
+
+    def shapes(self, params):
+        d = params["dims"]
+        counts_q, counts_k, (unowned_q, unowned_k) = self.lengths(params)
+        kv = (sum(counts_k) + unowned_k, d["kv_heads"], d["head_dim"])
+        return dict(q=(sum(counts_q) + unowned_q, d["heads"], d["head_dim"]), k=kv, v=kv)
+
+    def inputs(self, params):
+        leaves = super().inputs(params)
+        for name, counts in zip(("cu_seqlens_q", "cu_seqlens_k"), self.lengths(params)):
+            leaves[name] = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=DEVICE)
+        return leaves
+
+    def call(self, params, fn, dropout_mask=None):
+        """``fn`` (attention's arguments, as :meth:`Attention.call` passes them) on each sequence:
+        varlen_reference with ``fn`` as its attention."""
+        opts, window, slopes = self.resolved(params)
+
+        def run(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            return varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, opts["causal"], opts["softmax_scale"], window,
+                                    opts["softcap"], slopes, opts["dropout_p"], dropout_mask, attend=fn)
+        return run
+
+    def ours(self, params, return_attn_probs=False):
+        """(out, lse), or (out, lse, S_dmask), as :meth:`Attention.ours`."""
+        opts, window, slopes = self.resolved(params)
+        d = params["dims"]
+
+        def run(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            def attend():
+                return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, d["Lq"], d["Lk"], opts["dropout_p"],
+                                        opts["softmax_scale"], window_size=window, softcap=opts["softcap"],
+                                        alibi_slopes=slopes, return_attn_probs=return_attn_probs, return_lse=True)
+            if opts["dropout_p"] == 0:
+                return attend()
+            with torch.random.fork_rng():
+                torch.manual_seed(self.dropout_seed)
+                return attend()
+        return run
+
+    def cancellation_rounding(self, params, leaves64, out, grad_out, dropout_mask):
+        """:meth:`Attention.cancellation_rounding`, sequence by sequence; 0 past the last one."""
+        opts, window, slopes = self.resolved(params)
+        args = self.views(params, leaves64)
+        q, k, v, grad_out = args["q"], args["k"], args["v"], grad_out.view(out.shape)
+        bounds_q, bounds_k = args["cu_seqlens_q"].tolist(), args["cu_seqlens_k"].tolist()
+        found = {"q": torch.zeros_like(q), "k": torch.zeros_like(k)}
+        for b in range(len(bounds_q) - 1):
+            rows, keys = slice(bounds_q[b], bounds_q[b + 1]), slice(bounds_k[b], bounds_k[b + 1])
+            keep = None if dropout_mask is None else dropout_mask[b:b + 1, :, :rows.stop - rows.start,
+                                                                  :keys.stop - keys.start]
+            bound = self.rounding_bound(out[None, rows], grad_out[None, rows])
+            part = bound(q[None, rows], k[None, keys], v[None, keys], opts["causal"], opts["softmax_scale"], window,
+                         opts["softcap"], None if slopes is None or slopes.dim() == 1 else slopes[b], opts["dropout_p"],
+                         keep)
+            found["q"][rows], found["k"][keys] = part["q"][0], part["k"][0]
+        return found
+
+    def small(self):
+        return [self.fix(dict(dims=dict(batch=3, Lq=size(gpu=77, cpu=19), Lk=size(gpu=131, cpu=23), heads=4,
+                                        kv_heads=2, head_dim=size(gpu=80, cpu=24)), dtype="bfloat16",
+                              opts=dict(self.defaults, causal=True, window_size=[9, -1], alibi="batch, heads"),
+                              layouts=dict(q="transposed", k="strided", v="offset"))),
+                self.fix(dict(dims=dict(batch=2, Lq=size(gpu=65, cpu=17), Lk=size(gpu=65, cpu=17), heads=2,
+                                        kv_heads=1, head_dim=size(gpu=256, cpu=16)), dtype="float32",
+                              opts=dict(self.defaults, softmax_scale=-0.7, softcap=5.0, window_size=[20, 3],
+                                        dropout_p=0.1),
+                              layouts=dict(q="expanded", k="reversed", v="contiguous")))]
+
+    def reach(self, params, args, name, t):
+        """(total_q,) bool: the output rows that a non-finite value at row t of input ``name`` may
+        reach (scripts/reliability/nonfinite.py): q: row t, if it sees a key; k, v: the rows of key
+        t's sequence whose window holds it; none for a row past the last sequence."""
+        window = self.resolved(params)[1]
+        bounds_q, bounds_k = args["cu_seqlens_q"].tolist(), args["cu_seqlens_k"].tolist()
+        reach = torch.zeros(args["q"].shape[0], dtype=torch.bool)
+        bounds = bounds_q if name == "q" else bounds_k
+        for b in range(len(bounds) - 1):
+            if bounds[b] <= t < bounds[b + 1]:
+                seen = window_mask(bounds_q[b + 1] - bounds_q[b], bounds_k[b + 1] - bounds_k[b], window)
+                if name == "q":
+                    reach[t] = seen[t - bounds[b]].any()
+                else:
+                    reach[bounds_q[b]:bounds_q[b + 1]] = seen[:, t - bounds[b]]
+        return reach
 
 
 class AttentionWithKVCache(Op):
@@ -1561,7 +1696,8 @@ class GatedRMSNorm(Op):
 
 OPS = {op.name: op for op in (FirstOrderScan("linear_scan", linear_scan),
                               FirstOrderScan("sequential_scan", sequential_scan), SelectiveScan(),
-                              SSDChunkScan(), BidirectionalChunkScan(), Attention(), AttentionWithKVCache(),
+                              SSDChunkScan(), BidirectionalChunkScan(), Attention(), AttentionVarlen(),
+                              AttentionWithKVCache(),
                               SSDStateUpdate(),
                               SelectiveStateUpdate(), GatedRMSNorm())}
 

@@ -36,6 +36,7 @@ from mamba_annotated.testing import seed_everything  # noqa: E402
 PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -1, -1),
           "selective_scan": (("u", "delta", "B", "C"), -1, -1), "ssd_chunk_scan": (("x", "dt", "B", "C"), 1, 1),
           "bidirectional_chunk_scan": (("x", "dt", "B"), 1, 1), "attention": (("q", "k", "v"), 1, 1),
+          "attention_varlen": (("q", "k", "v"), 0, 0),
           "attention_with_kvcache": (("q", "k", "v", "k_cache", "v_cache"), 1, 1),
           "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1),
           "rmsnorm_fn": (("x", "z"), 1, 1)}
@@ -61,7 +62,7 @@ def plain_cases(op):
     so a value at the first position has another sequence after it in its chunk)."""
     params = json.loads(json.dumps(op.small()[0]))
     params["layouts"] = {k: "contiguous" for k in params["layouts"]}
-    if op.name == "attention":
+    if op.name in ("attention", "attention_varlen"):
         params["dims"]["Lk"] = params["dims"]["Lq"]
         params["opts"]["causal"] = True
     if op.name == "attention_with_kvcache":  # cache row b holds sequence b: a position t of the cache is one key
@@ -89,6 +90,9 @@ def reference(op, params):
     if op.name == "attention":
         from mamba_annotated.attention.reference import attention_ref
         return lambda q, k, v: attention_ref(q, k, v, opts["causal"], opts["softmax_scale"])[0]
+    if op.name == "attention_varlen":
+        from mamba_annotated.attention.reference import varlen_reference
+        return lambda **a: varlen_reference(**a, causal=opts["causal"], softmax_scale=opts["softmax_scale"])[0]
     kw = dict(dt_softplus=opts["dt_softplus"], dt_limit=tuple(opts["dt_limit"] or (0.0, float("inf"))))
     if op.name == "ssd_chunk_scan":
         return lambda **a: ssd_quadratic_ref(**a, **kw)
@@ -100,8 +104,9 @@ def reached(op, params, args, name, t, length):
     only in t's packed sequence; for attention, the rows whose window holds key t (k, v) or row t
     (q); for the bidirectional op, t's packed sequence. For attention over a KV cache, (batch,
     length): each sequence's own rows (its keys sit at positions of its own,
-    :meth:`cases.AttentionWithKVCache.reach`)."""
-    if op.name == "attention_with_kvcache":
+    :meth:`cases.AttentionWithKVCache.reach`); over packed sequences, the rows of t's sequence
+    (:meth:`cases.AttentionVarlen.reach`)."""
+    if op.name in ("attention_with_kvcache", "attention_varlen"):
         return op.reach(params, args, name, t)
     positions = torch.arange(length)
     if op.name == "rmsnorm_fn":  # row by row: a row's groups read nothing of the others
@@ -145,7 +150,7 @@ def probe(op, params, leaves, name, t, value):
     if changed.any():
         where = before.nonzero()[changed.nonzero()[:, 0]][:, out_dim].unique().tolist()
         problems.append(f"{int(changed.sum())} outputs it cannot reach changed (positions {where[:8]})")
-    if op.name in ("attention", "attention_with_kvcache"):  # every row that sees the value: the whole row
+    if op.name in ("attention", "attention_varlen", "attention_with_kvcache"):  # every row that sees it: in full
         mismatch = out[reach].isfinite()
     elif op.name == "bidirectional_chunk_scan":  # which of t's sequence read it: tests/test_bidirectional.py
         mismatch = torch.zeros(1, dtype=torch.bool)

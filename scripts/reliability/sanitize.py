@@ -42,7 +42,8 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-sanitizer")
 ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
 OP_NAMES = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
-            "attention", "attention_with_kvcache", "ssd_state_update", "selective_state_update", "rmsnorm_fn")
+            "attention", "attention_varlen", "attention_with_kvcache", "ssd_state_update", "selective_state_update",
+            "rmsnorm_fn")
 
 
 def parse_args(argv=None):
@@ -61,8 +62,8 @@ def parse_args(argv=None):
 
 # op -> the input whose NaN makes its forward kernels take their checked path
 # (attention over a KV cache: a NaN value in a window's masked block, which drop_hidden_nonfinite zeroes)
-CHECKED_PATH_INPUT = {"ssd_chunk_scan": "x", "attention": "v", "bidirectional_chunk_scan": "x",
-                      "attention_with_kvcache": "v"}
+CHECKED_PATH_INPUT = {"ssd_chunk_scan": "x", "attention": "v", "attention_varlen": "v",
+                      "bidirectional_chunk_scan": "x", "attention_with_kvcache": "v"}
 
 
 def drive(ops):

@@ -14,7 +14,7 @@ from pathlib import Path
 from sanitize import describe_hazards
 
 OPS = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan", "attention",
-       "attention_with_kvcache", "ssd_state_update", "selective_state_update", "rmsnorm_fn")
+       "attention_varlen", "attention_with_kvcache", "ssd_state_update", "selective_state_update", "rmsnorm_fn")
 ITEMS = ("sweep", "sanitize", "reproducible", "large", "nonfinite", "leaks")
 
 
