@@ -21,7 +21,7 @@
 # - the gradients of attention, the trick that turns $\operatorname{rowsum}(P \circ dP)$ into $\operatorname{rowsum}(dO \circ O)$, and three ways to schedule the backward tiles (`split`: two kernels; `fused`: one kernel; `atomic`: atomic adds into $dQ$), measured against each other;
 # - how causal {term}`masks <mask>`, grouped-query attention, odd lengths and head dims that are not powers of two cost nothing where they do not apply, because only the tiles that need a mask get one;
 # - how sliding windows, soft-capping and ALiBi change the scores, what they do to the gradient, and why a window's cost follows its width rather than $L^2$;
-# - how dropout works without storing its mask, and how a decoding step (one query against a long key/value cache, appended in place, paged, rotated by rotary embeddings) is split across the GPU and merged by log-sum-exps.
+# - how dropout works without storing its mask, how a batch of sequences of different lengths is packed without padding and attended in the same kernels, and how a decoding step (one query against a long key/value cache, appended in place, paged, rotated by rotary embeddings) is split across the GPU and merged by log-sum-exps.
 #
 # :::{admonition} Notation
 # | symbol | meaning |
@@ -43,6 +43,7 @@
 
 # %%
 import contextlib
+import itertools
 import json
 import math
 import pathlib
@@ -53,13 +54,15 @@ import torch.nn.functional as F
 from matplotlib.patches import Rectangle
 
 from mamba_annotated import runtime
-from mamba_annotated.attention import attention, attention_with_kvcache
+from mamba_annotated.attention import attention, attention_varlen, attention_with_kvcache
 from mamba_annotated.attention.backward import (attention_bwd_preprocess_kernel, backward_config, dkdv_program,
                                                 dkdv_query_blocks, dq_key_blocks)
 from mamba_annotated.attention.forward import attend_key_blocks, attention_fwd_kernel, forward_config
 from mamba_annotated.attention.reference import attention_ref, naive_attention, window_mask
 from mamba_annotated.attention.api import resolve_window
-from mamba_annotated.attention.reference import attention_logits, geometric_alibi_slopes, kvcache_reference
+from mamba_annotated.attention.reference import (attention_logits, geometric_alibi_slopes, kvcache_reference,
+                                                 varlen_reference)
+from mamba_annotated.attention.packed import sequence_rows
 from mamba_annotated.attention.scores import approximate_tanh, dropout_keep, key_range, logits2, tanh, visible
 from mamba_annotated.attention.simple import (attention_backward_simple, attention_dkdv_simple_kernel,
                                               attention_dq_simple_kernel, attention_forward_simple,
@@ -705,6 +708,112 @@ check_dropout("dropout 0.2 with causal, window, softcap, ALiBi", *make_qkv(n + 1
 # **What dropout costs.** Measured in a separate H100 run of `benchmarks/bench_attention.py --features`, whose full output is `data/attention_dropout_bench.json`: with $p = 0.1$ at $L = 4096$, batch 4, 16 heads, bfloat16, against the same attention without dropout (dense, not causal, same size), the forward pass took 7.8× the time at head dim 64 and 4.5× at 128, the backward pass 6.1× and 3.6×. That is far too slow. Each kept-or-dropped decision is a full Philox evaluation, ten rounds of 32-bit multiplications, for every pair, in the forward kernel and again in each of the two backward kernels; at head dim 64 there are fewer matrix FLOPs per pair to hide it behind, so it costs more. (Handing Philox the counter as two 32-bit words rather than one 64-bit one, in case Triton chose its 64-bit variant, changed nothing measurable: 5.0 ms forward at head dim 64 before, 4.9 ms after.) One evaluation gives four 32-bit words, and a decision needs only a byte if $p$ is rounded to a multiple of 1/256 and compared with one random byte, so one evaluation could decide sixteen pairs; that is the next step, not taken yet.
 
 # %% [markdown]
+# (attention-varlen)=
+# ## Packed batches of different lengths
+#
+# A batch rarely holds sequences of one length: the documents of a pretraining batch, the prompts a server prefills together. Padding each to the longest spends the kernels' work, and memory, on the padding, and needs a mask to keep the padding out of the softmax. flash_attn's answer is the *packed* (varlen) layout: concatenate the sequences along the token axis into one tensor of shape (total_tokens, heads, $d$), with no padding at all, and describe the batch by cumulative offsets `cu_seqlens` $= [0, L_0, L_0 + L_1, \dots]$ (int32, batch + 1 entries), one for the queries and one for the keys. Sequence $b$ is rows `cu_seqlens_q[b]` to `cu_seqlens_q[b + 1]` of `q` and rows `cu_seqlens_k[b]` to `cu_seqlens_k[b + 1]` of `k` and `v`; the two may differ (cross-attention, or a prompt continuing a cached prefix), and a sequence may be empty. Each sequence attends to its own keys only, as if it were alone: the attention matrix of the packed batch is block diagonal, and every distance, causal mask, window and ALiBi bias is measured within the sequence, $\Delta_{ij} = i + L_k^b - L_q^b - j$ with that sequence's own lengths.
+#
+# `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False)` takes `flash_attn_varlen_func`'s arguments in its order, with its defaults and returns; every feature of this chapter works on packed batches, forward and backward (`block_table`, paged keys for a packed batch, raises `NotImplementedError`). The lse it returns has flash_attn's packed layout, (heads, total_q).
+#
+# The kernels need one change, not a copy. Each program already knows its (batch row, head) and its tile of rows; with `VARLEN` set (a compile-time flag: the dense kernels compile exactly as before), it reads its sequence's first row and length from `cu_seqlens`, moves its base pointers to that row, and from then on uses the sequence's own lengths where it used `seqlen_q` and `seqlen_k`: in the bounds masks, the diagonal's offset and the range of key blocks to visit. The grid is laid out for the longest sequence, `cdiv(max_seqlen_q, BLOCK_M)` tiles per (sequence, head), and a tile that starts past its sequence's end returns at once. `max_seqlen_q` and `max_seqlen_k` are host integers that the caller passes, because reading the lengths out of `cu_seqlens` would make the host wait for the GPU. For the same reason `cu_seqlens` is checked on the device (starting at 0, never decreasing, within the tensors, no sequence longer than the maxima) by one small kernel and `torch._assert_async`, and the kernels clamp every offset into the tensors, so even unchecked offsets (under a CUDA graph, where the check is skipped) never make a program read or write outside them.
+
+# %%
+show_source(sequence_rows)
+
+# %% [markdown]
+# Tiles follow the sequences, not the packed tensor: each program's first row is its own sequence's first row, so no tile straddles two sequences, and the blocks outside the diagonal blocks are never visited. The picture shows a causal packed batch of three sequences (of 150, 40 and 100 tokens, with 64-row, 32-key tiles): the forward kernel's tiles, classified as in the window picture above (unmasked, masked, skipped) within each sequence's own block; everything outside the blocks, the grey, is neither loaded nor computed. The count below it compares the tiles with those of the same batch padded to its longest sequence.
+
+# %%
+def draw_packed_schedule(ax, lengths, block_m, block_n):
+    colors = {"full": COLORS["x"], "mask": COLORS["h"], "skip": "#dddddd"}
+    total = sum(lengths)
+    ax.add_patch(Rectangle((0, 0), total, total, facecolor="#f4f4f4", edgecolor="none"))
+    start, launched = 0, 0
+    for length in lengths:
+        seen = window_mask(length, length, (-1, 0))
+        for m0 in range(0, length, block_m):
+            for n0 in range(0, length, block_n):
+                kind = window_tile_kind(seen[m0:m0 + block_m, n0:n0 + block_n])
+                launched += kind != "skip"
+                ax.add_patch(Rectangle((start + n0, start + m0), min(block_n, length - n0), min(block_m, length - m0),
+                                       facecolor=colors[kind], edgecolor="white", lw=1))
+        ax.add_patch(Rectangle((start, start), length, length, facecolor="none", edgecolor="black", lw=1))
+        start += length
+    ax.set(xlim=(0, total), ylim=(total, 0), xlabel="keys (packed)", ylabel="queries (packed)", aspect="equal",
+           title=f"causal, packed: sequences of {', '.join(map(str, lengths))} tokens")
+    return launched
+
+
+fig, ax = plt.subplots(figsize=(5, 5))
+packed_lengths = [150, 40, 100]
+packed_tiles = draw_packed_schedule(ax, packed_lengths, 64, 32)
+plt.tight_layout()
+plt.show()
+longest = max(packed_lengths)
+padded_seen = window_mask(longest, longest, (-1, 0))
+padded_tiles = len(packed_lengths) * sum(window_tile_kind(padded_seen[m0:m0 + 64, n0:n0 + 32]) != "skip"
+                                         for m0 in range(0, longest, 64) for n0 in range(0, longest, 32))
+print(f"tiles computed: {packed_tiles} packed, {padded_tiles} for the batch padded to {longest} tokens")
+
+# %% [markdown]
+# The check, in the chapter's way: a packed batch of four sequences with unequal query and key lengths, among them one with no queries (and three keys) and one whose causal rows see no key before the diagonal, grouped-query heads, a causal window, a soft cap and per-sequence ALiBi slopes, in each dtype; output, lse and the three gradients against float64, where the reference runs each sequence through `attention_ref` on its own and packs the results again (`varlen_reference`). Then two packed sequences of equal lengths, which must give exactly the bits of `attention` on the batch they form.
+
+# %%
+def packed_qkv(lengths_q, lengths_k, dtype):
+    """q, k, v packed from sequences of the given lengths, and cu_seqlens_q, cu_seqlens_k."""
+    q = randn(sum(lengths_q), dims["heads"], dims["head_dim"], dtype=dtype)
+    k, v = (randn(sum(lengths_k), dims["kv_heads"], dims["head_dim"], dtype=dtype) for _ in range(2))
+    offsets = [torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+               for lengths in (lengths_q, lengths_k)]
+    return q, k, v, *offsets
+
+
+def check_packed(name, lengths_q, lengths_k, dtype, causal=False, window_size=(-1, -1), **features):
+    """Forward, lse and gradients of attention_varlen against float64, bounded by PyTorch."""
+    q, k, v, cu_q, cu_k = packed_qkv(lengths_q, lengths_k, dtype)
+    packing = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+
+    def ours(q, k, v, **extra):
+        return attention_varlen(q, k, v, **packing, causal=causal, window_size=window_size, **features, **extra)
+
+    window = resolve_window(causal, window_size, max(lengths_k))
+
+    def reference(attend):
+        return lambda q, k, v: varlen_reference(q, k, v, cu_q, cu_k, causal, window=window, attend=attend, **features)
+
+    inputs = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_())
+    grad_out = torch.randn(q.shape, dtype=torch.float64, device=device)
+    out, lse = ours(q, k, v, return_lse=True)
+    same_out, same_lse = reference(naive_attention)(q, k, v)
+    ref_out, ref_lse = reference(None)(q.double(), k.double(), v.double())
+    check_within_same_computation(f"{name}, out", out, same_out, ref_out, dtype)
+    check_within_same_computation(f"{name}, lse", lse, same_lse, ref_lse, dtype)
+    got = gradients(ours, inputs, grad_out)
+    same = gradients(reference(naive_attention), inputs, grad_out)
+    ref = gradients(reference(None), {key: t.detach().double().requires_grad_() for key, t in inputs.items()},
+                    grad_out)
+    for key in "qkv":
+        check_within_same_computation(f"{name}, d{key}", got[key], same[key], ref[key], dtype)
+
+
+lengths_q, lengths_k = [n + 5, 0, 17, n], [n + 9, 3, 17, n - 4]
+packed_slopes = geometric_alibi_slopes(dims["heads"], device).expand(len(lengths_q), -1).contiguous()
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    check_packed(f"packed, {dtype}", lengths_q, lengths_k, dtype, causal=True, window_size=(n // 3, 0), softcap=10.0,
+                 alibi_slopes=packed_slopes)
+
+# equal lengths: the bits of attention on the batch the sequences form
+q, k, v, cu_q, cu_k = packed_qkv([n, n], [n + 3, n + 3], torch.bfloat16)
+packed_out = attention_varlen(q, k, v, cu_q, cu_k, n, n + 3, causal=True)
+batch_out = attention(q.view(2, n, *q.shape[1:]), k.view(2, n + 3, *k.shape[1:]), v.view(2, n + 3, *v.shape[1:]),
+                      causal=True)
+assert torch.equal(packed_out, batch_out.view_as(packed_out)), "packed sequences of equal lengths"
+print("two packed sequences of equal lengths: the same bits as attention on their batch")
+
+# %% [markdown]
+# `tests/test_attention_varlen.py` adds dropout through `S_dmask`, every feature alone, head dims and dtypes, strided inputs, rows past the last sequence, the return conventions, bad inputs, `torch.library.opcheck` and a compiled graph.
+
+# %% [markdown]
 # ## Memory
 #
 # What a forward pass keeps for the backward pass, measured with `torch.autograd.graph.saved_tensors_hooks` (every distinct storage saved, inputs included): naive attention keeps the $L \times L$ probabilities, this kernel keeps $Q, K, V, O$ and the lse, as does PyTorch's SDPA when it picks a flash backend. On a GPU the cell also reports the peak memory of a forward and backward pass above the inputs.
@@ -999,7 +1108,7 @@ if decoding_row("ours" + graphed, 1, longest):  # runs stored before the CUDA-gr
 # %% [markdown]
 # ## What we have
 #
-# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping, ALiBi and dropout work forward and backward, alone or together; the dropout mask is a function of a seed and each pair's index, drawn again in the backward pass rather than stored. For generation, `attention_with_kvcache` takes `flash_attn_with_kvcache`'s arguments: it appends the new keys and values to a contiguous, indexed or paged cache in place, rotates them and the queries by rotary embeddings, and splits each sequence's keys across programs when the batch alone cannot fill the GPU, merging the partial results by their log-sum-exps.
+# An attention kernel that never forms the $L \times L$ matrix: the forward pass keeps one float per query row, the backward pass rebuilds each tile of $P$ from it and uses $\delta = \operatorname{rowsum}(dO \circ O)$ to form $dS$ tile by tile, in two deterministic kernels parallel across the sequence. Causal masks, grouped-query heads, odd lengths and head dims from 16 to 256 are handled by masking only the tiles that need it, and every output and gradient is within twice PyTorch's own rounding error against float64. The public function, `mamba_annotated.attention(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False)`, takes `flash_attn_func`'s arguments in its order, with its defaults and returns. Sliding windows (whose cost follows the width, because the key blocks outside every row's window are skipped), soft-capping, ALiBi and dropout work forward and backward, alone or together; the dropout mask is a function of a seed and each pair's index, drawn again in the backward pass rather than stored. `attention_varlen` takes `flash_attn_varlen_func`'s arguments: sequences of different lengths packed without padding, each program finding its sequence through `cu_seqlens`, with every feature, forward and backward. For generation, `attention_with_kvcache` takes `flash_attn_with_kvcache`'s arguments: it appends the new keys and values to a contiguous, indexed or paged cache in place, rotates them and the queries by rotary embeddings, and splits each sequence's keys across programs when the batch alone cannot fill the GPU, merging the partial results by their log-sum-exps.
 #
 # The [last chapter](08_models.ipynb) puts this kernel, the selective scan and the SSD chunk scan into blocks of real models, trains them side by side, and generates text with them.
 #
