@@ -3,6 +3,7 @@ memory floor.
 
     python benchmarks/bench_decoding.py --json decoding.json   # the table (GPU)
     python benchmarks/bench_decoding.py --tune                 # sweep the split-KV kernel's configs
+    python benchmarks/bench_decoding.py --splits --json s.json # the kernels' time at each split count
     python benchmarks/bench_decoding.py --smoke                # tiny sizes: runs on CPU (interpreter)
 
 One query per sequence (a decoding step), 32 query heads over 8 kv heads, head dim 128, bfloat16,
@@ -39,7 +40,7 @@ from mamba_annotated import attention_with_kvcache
 from mamba_annotated.attention.split_kv import DECODING_CONFIG, decoding_config, default_splits, split_kv_attention
 from mamba_annotated.bench import (copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms, print_table,
                                    progress)
-from mamba_annotated.runtime import DEVICE, device_name
+from mamba_annotated.runtime import DEVICE, device_name, sm_count
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 4, 16, 64)
@@ -190,10 +191,36 @@ def tune(batch, length, heads, kv_heads, head_dim):
     return dict(best=best, best_splits=best_splits, heuristic_splits=heuristic, configs=times, splits=split_times)
 
 
+# (batch, N, split counts): around the counts that fill two programs per SM on 132 SMs
+SPLIT_CASES = ((1, 131072, (16, 24, 28, 32, 33, 40, 48)), (1, 16384, (4, 8, 16, 24, 32, 33)),
+               (4, 131072, (2, 3, 4, 6, 7, 8, 9)), (4, 16384, (2, 4, 6, 7, 8, 9)),
+               (16, 131072, (1, 2, 3)), (16, 16384, (1, 2, 3)))
+
+
+def sweep_splits(heads, kv_heads, head_dim):
+    """The split-KV kernels' time (called directly) at each split count of SPLIT_CASES, beside
+    the count ``num_splits=0`` picks: the measurements behind :func:`default_splits`' rule."""
+    rows = []
+    for batch, length, counts in SPLIT_CASES:
+        q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
+        floor_ms = memory_floor_ms(2 * k_cache.numel() * k_cache.element_size())
+        picked = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype)["BLOCK_N"])
+        for splits in counts:
+            ms = median_ms(lambda: split_kv_attention(q, k_cache, v_cache, key_end=seqlens,
+                                                      softmax_scale=head_dim ** -0.5, num_splits=splits))
+            rows.append(dict(batch=batch, N=length, splits=splits, programs=batch * kv_heads * splits, ms=ms,
+                             pct_floor=100 * floor_ms / ms, default=picked))
+            print(f"batch {batch} N {length} splits {splits} ({rows[-1]['programs']} programs): {ms * 1e3:.1f} us, "
+                  f"{rows[-1]['pct_floor']:.0f} % of the floor (num_splits=0 picks {picked})", flush=True)
+        del q, k_cache, v_cache
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows (or the tuning sweep) here")
     parser.add_argument("--tune", action="store_true", help="sweep the kernel's configs and split counts at batch 1")
+    parser.add_argument("--splits", action="store_true", help="time the kernels at each split count of SPLIT_CASES")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, interpreter)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
@@ -208,6 +235,12 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(device=device_name(), batch=1, N=lengths[-1], **shape, **result), f, indent=1)
+        return
+    if args.splits:
+        rows = sweep_splits(**shape)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=device_name(), dtype="bfloat16", **shape, sms=sm_count(), rows=rows), f, indent=1)
         return
     rows = run_table(batches, lengths, **shape)
     if args.json:

@@ -561,7 +561,8 @@ def test_default_splits_fill_the_gpu_only_when_the_batch_does_not(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(split_kv, "sm_count", lambda: 132)
     assert split_kv.default_splits(64, 8, 131072, cuda, block_n=64) == 1       # 512 programs already
-    assert split_kv.default_splits(16, 8, 131072, cuda, block_n=64) == 3       # 128: fewer than two per SM
+    assert split_kv.default_splits(16, 8, 131072, cuda, block_n=64) == 2       # 128: fewer than two per SM
+    assert split_kv.default_splits(4, 8, 131072, cuda, block_n=64) == 8        # 256 programs, not 288
     assert split_kv.default_splits(1, 8, 131072, cuda, block_n=64) == 33       # two programs per SM
     assert split_kv.default_splits(1, 1, 131072, cuda, block_n=64) == 128      # capped
     assert split_kv.default_splits(1, 8, 100, cuda, block_n=64) == 1           # two key blocks: no split

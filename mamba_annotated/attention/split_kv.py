@@ -106,19 +106,19 @@ def rows_per_tile(rows: int) -> int:
 def default_splits(batch: int, kv_heads: int, seqlen_k: int, device: torch.device, *, block_n: int,
                    row_blocks: int = 1) -> int:
     """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone come close
-    to two programs per SM (a split costs a partial written and read back), else enough splits for
-    two whole rounds of programs on the SMs, with at least two key blocks per split, and at most
-    MAX_SPLITS. Whole rounds matter more than the count: on an H200 at batch 1, 131072 keys, 8 kv
-    heads, 16, 32 and 64 splits (128, 256, 512 programs on 132 SMs) took 143.3, 142.5 and 144.3 us,
-    17 splits (136 programs, 4 of them in a second round) 168.3 us (data/decoding_tune.json).
-    ``seqlen_k`` is the longest a sequence can be (the cache's capacity: the lengths themselves are
-    on the device)."""
+    to two programs per SM (a split costs a partial written and read back), else the most splits
+    whose programs all run at once, two per SM (a program's pipeline takes under half an SM's shared
+    memory), with at least two key blocks per split, and at most MAX_SPLITS. A program more than
+    that waits for a second round: on an H200 (132 SMs, data/decoding_splits.json) at batch 4,
+    131072 keys, 8 kv heads, 8 splits (256 programs) took 499 us and 9 splits (288) 545 us; at
+    batch 1, 33 splits (264 programs) 139.7 us and 40 (320) 149.3 us. ``seqlen_k`` is the longest
+    a sequence can be (the cache's capacity: the lengths themselves are on the device)."""
     tiles = batch * kv_heads * row_blocks
     sms = sm_count() if device.type == "cuda" else 1
     if tiles * 5 >= sms * 8:  # at least 80 % of two programs per SM without splitting
         return 1
     key_blocks = cdiv(max(seqlen_k, 1), block_n)
-    return max(1, min(MAX_SPLITS, cdiv(2 * sms, max(tiles, 1)), key_blocks // 2))
+    return max(1, min(MAX_SPLITS, 2 * sms // max(tiles, 1), key_blocks // 2))
 
 
 @lean_launch
