@@ -107,12 +107,12 @@ def default_splits(batch: int, kv_heads: int, seqlen_k: int, device: torch.devic
                    row_blocks: int = 1) -> int:
     """The number of splits that ``num_splits=0`` asks for: 1 when the batch's tiles alone come close
     to two programs per SM (a split costs a partial written and read back), else the most splits
-    whose programs all run at once, two per SM (a program's pipeline takes under half an SM's shared
-    memory), with at least two key blocks per split, and at most MAX_SPLITS. A program more than
-    that waits for a second round: on an H200 (132 SMs, data/decoding_splits.json) at batch 4,
-    131072 keys, 8 kv heads, 8 splits (256 programs) took 499 us and 9 splits (288) 545 us; at
-    batch 1, 33 splits (264 programs) 139.7 us and 40 (320) 149.3 us. ``seqlen_k`` is the longest
-    a sequence can be (the cache's capacity: the lengths themselves are on the device)."""
+    whose programs number at most two per SM, with at least two key blocks per split, and at most
+    MAX_SPLITS. The rule follows a sweep of split counts on an H200 (data/decoding_splits.json):
+    at batch 4, 131072 keys, 8 kv heads, 8 splits (256 programs on 132 SMs) took 499 us and 9
+    splits (288) 545 us; at batch 1 and 16 the counts near it differ by a few per cent either way.
+    ``seqlen_k`` is the longest a sequence can be (the cache's capacity: the lengths themselves are
+    on the device)."""
     tiles = batch * kv_heads * row_blocks
     sms = sm_count() if device.type == "cuda" else 1
     if tiles * 5 >= sms * 8:  # at least 80 % of two programs per SM without splitting
