@@ -575,8 +575,7 @@ def test_recorded_gpu_sweep_failures_that_pass_now(case):
 # they replay nothing; the GPU pipeline runs them in seconds, on the seeds' GPU draws
 # (a tuple: a set's order changes between processes, and xdist's workers must collect the same list)
 GPU_ONLY = ("bidirectional_bfloat16_varlen", "ssd_float32_chunk256", "ssd_float16_dA_at_13_positions",
-            "ssd_bfloat16_dA_on_gpu_initial_states", "bidirectional_bfloat16_dA_the_foil_reads_no_state",
-            "bidirectional_bfloat16_d_dt_at_two_positions")
+            "ssd_bfloat16_dA_on_gpu_initial_states")
 GPU_RUNS_IT = pytest.mark.skipif(INTERPRETED, reason="slow in the interpreter, a GPU draw: run by the GPU pipeline")
 
 
