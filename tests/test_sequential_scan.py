@@ -17,6 +17,9 @@ def test_forward_and_gradients(dtype, length, reverse):
     if runtime.INTERPRETED and length > 1000:
         pytest.skip("4096 steps run on the GPU only: the interpreter takes 25-30 s each (1000 steps "
                     "run the same time loop there)")
+    if runtime.INTERPRETED and length == 1000 and dtype == torch.float16:
+        pytest.skip("1000 steps in float16 run on the GPU only (10-15 s each in the interpreter); bfloat16 keeps "
+                    "the long 16-bit case there")
     channels = size(gpu=333, cpu=19)  # not a multiple of the channel block
     a, b, h0 = random_scan_inputs((channels, length), dtype, with_h0=True)
     tol = tolerance(dtype)
