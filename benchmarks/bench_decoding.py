@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 from mamba_annotated import attention_with_kvcache
 from mamba_annotated.attention.split_kv import DECODING_CONFIG, decoding_config, default_splits, split_kv_attention
-from mamba_annotated.bench import (copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms, print_table,
-                                   progress)
+from mamba_annotated.bench import (capture_graph, copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms,
+                                   print_table, progress)
 from mamba_annotated.runtime import DEVICE, device_name, sm_count
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -90,18 +90,9 @@ def sdpa_call(backend, q, k_cache, v_cache, gqa):
 
 
 def graph_replay(fn):
-    """``fn`` captured once in a CUDA graph (after warm-up calls on a side stream, as capture
-    needs): returns the graph's replay, which launches the captured kernels with no host work."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """``fn`` captured once in a CUDA graph: the graph's replay, which launches the captured kernels
+    with no host work."""
+    return capture_graph(fn)[0].replay
 
 
 def time_case(batch, length, heads, kv_heads, head_dim):

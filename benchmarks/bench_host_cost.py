@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from peers import mamba_ssm_module, mamba_ssm_selective_scan, peer  # noqa: E402
 
 from mamba_annotated import attention, linear_scan, selective_scan, ssd_chunk_scan  # noqa: E402
+from mamba_annotated.bench import capture_graph  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 
 
@@ -159,15 +160,7 @@ def graph_replay(fn, inputs, backward):
         out = out[0] if isinstance(out, tuple) else out
         return (out, *torch.autograd.grad(out.float().square().sum(), leaves)) if backward else (out,)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     eager = step()

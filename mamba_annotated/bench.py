@@ -30,6 +30,23 @@ def median_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def capture_graph(step, warmup: int = 3):
+    """(a CUDA graph of ``step()``, the tensors the captured call returned), after ``warmup`` calls on
+    a side stream, as torch.cuda.graphs asks (kernels compile and allocators settle outside the
+    capture); raises what the capture raises. ``graph.replay()`` then reruns the captured kernels
+    with no host work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 def gbps(nbytes: float, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 

@@ -5,7 +5,12 @@ error ||out - ref|| / ||ref||, with an explicit bound per dtype; draw fresh rand
 every check; poison outputs before a launch so unwritten elements fail.
 """
 import contextlib
+import os
 import random
+import re
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -185,3 +190,19 @@ def assert_associative(combine, sample, trials: int = 100, tol: float = 1e-5) ->
         right = combine(x, combine(y, z))
         for i, (l, r) in enumerate(zip(left, right)):
             assert_close(l, r, tol, f"combine component {i}")
+
+
+def assert_refused_in_a_child_process(function: str, message: str, *args, **kwargs) -> None:
+    """``mamba_annotated.<function>(*args, **kwargs)`` must fail in a child process with ``message``
+    (a regular expression) in its error output. On a GPU a failed ``torch._assert_async`` is a
+    device-side assert, which leaves the CUDA context unusable (as any of PyTorch's own device-side
+    index checks does), so a test cannot make the call in its own process."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "call.pt")
+        torch.save((args, kwargs), path)
+        script = ("import sys, torch, mamba_annotated; args, kwargs = torch.load(sys.argv[1]); "
+                  f"mamba_annotated.{function}(*args, **kwargs); "
+                  "torch.cuda.is_available() and torch.cuda.synchronize()")
+        child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
+    assert child.returncode != 0, f"{function}: the call must be refused"
+    assert re.search(message, child.stderr), child.stderr[-2000:]

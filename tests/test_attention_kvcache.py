@@ -12,12 +12,7 @@ once, against float64 rounded once).
 """
 import inspect
 import math
-import os
 import random
-import re
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
@@ -30,7 +25,8 @@ from mamba_annotated.attention.kvcache import attention_with_kvcache_op
 from mamba_annotated.attention.reference import (attention_ref, geometric_alibi_slopes, kvcache_reference,
                                                  kvcache_sequences, naive_attention)
 from mamba_annotated.runtime import DEVICE
-from mamba_annotated.testing import FLOAT_DTYPES, assert_close, assert_within_same_computation, randn
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_refused_in_a_child_process,
+                                     assert_within_same_computation, randn)
 
 ON_GPU = DEVICE.type == "cuda"
 INT32 = dict(dtype=torch.int32, device=DEVICE)
@@ -497,26 +493,12 @@ def test_out_of_range_indices_raise(indices, message):
         case["k_cache"], case["v_cache"] = case["k_cache"][:8], case["v_cache"][:8]
     case |= {name: ints(value) for name, value in indices.items()}
     if ON_GPU:
-        assert_refused_in_a_process_of_its_own(case, message)
+        assert_refused_in_a_child_process("attention_with_kvcache", message, **case)
         return
     k_cache = case["k_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
         attention_with_kvcache(**case)
     assert torch.equal(case["k_cache"], k_cache), "nothing is written when an index is out of range"
-
-
-def assert_refused_in_a_process_of_its_own(case, message):
-    """On a GPU a failed ``torch._assert_async`` is a device-side assert, which leaves the CUDA
-    context unusable (as any of PyTorch's own device-side index checks does): the call runs in a
-    child process, which must fail with ``message`` in its error output."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "case.pt")
-        torch.save(case, path)
-        script = ("import sys, torch; from mamba_annotated import attention_with_kvcache; "
-                  "attention_with_kvcache(**torch.load(sys.argv[1])); torch.cuda.synchronize()")
-        child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
-    assert child.returncode != 0, "an out-of-range index must stop the call"
-    assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
 def test_index_check_kernel_reads_every_sequence_and_every_page_it_holds():
@@ -530,7 +512,8 @@ def test_index_check_kernel_reads_every_sequence_and_every_page_it_holds():
     table = torch.randint(0, rows, (batch, pages), **INT32)
 
     def flags(**changed):
-        args = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, cache_batch_idx=batch_idx, block_table=table) | changed
+        args = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, cache_batch_idx=batch_idx, block_table=table)
+        args |= changed
         return index_flags(batch=batch, capacity=pages * page_size, new=1, cache_rows=rows, page_size=page_size,
                            rotary_limit=pages * page_size - 1, **args).tolist()
 

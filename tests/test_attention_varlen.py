@@ -13,11 +13,6 @@ there, so a sequence of 37 queries or 40 keys spans several); on a GPU the param
 """
 import inspect
 import math
-import os
-import re
-import subprocess
-import sys
-import tempfile
 
 import pytest
 import torch
@@ -29,7 +24,8 @@ from mamba_annotated.attention.reference import (attention_logits, geometric_ali
                                                  varlen_reference)
 from mamba_annotated.attention.varlen import attention_varlen_op, attention_varlen_probabilities
 from mamba_annotated.runtime import DEVICE
-from mamba_annotated.testing import FLOAT_DTYPES, assert_within_same_computation, gradients, randn
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_refused_in_a_child_process, assert_within_same_computation,
+                                     gradients, randn)
 
 ON_GPU = DEVICE.type == "cuda"
 DROPOUT_SEED = 20261201
@@ -378,7 +374,7 @@ def test_offsets_are_checked_on_the_device(cu_seqlens_q, cu_seqlens_k, max_seqle
     q, k, v = (randn(9, heads, 16) for heads in (2, 1, 1))
     args = (q, k, v, offsets_of(cu_seqlens_q), offsets_of(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
     if ON_GPU:
-        assert_refused_in_a_process_of_its_own(args, message)
+        assert_refused_in_a_child_process("attention_varlen", message, *args)
         return
     with pytest.raises(RuntimeError, match=message):
         attention_varlen(*args)
@@ -386,17 +382,6 @@ def test_offsets_are_checked_on_the_device(cu_seqlens_q, cu_seqlens_k, max_seqle
 
 def offsets_of(values):
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
-
-def assert_refused_in_a_process_of_its_own(args, message):
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "args.pt")
-        torch.save(args, path)
-        script = ("import sys, torch; from mamba_annotated import attention_varlen; "
-                  "attention_varlen(*torch.load(sys.argv[1])); torch.cuda.synchronize()")
-        child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
-    assert child.returncode != 0, "invalid offsets must stop the call"
-    assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
 def test_unchecked_offsets_keep_the_kernels_inside_the_tensors(monkeypatch):

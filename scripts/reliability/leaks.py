@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import OPS, flat, forward_backward, same_bits, upstream  # noqa: E402
 from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated import attention  # noqa: E402
+from mamba_annotated.bench import capture_graph  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
 
 
@@ -43,21 +44,6 @@ def leaked_bytes(op, params, leaves, calls):
     return torch.cuda.memory_allocated() - before  # < 0: something the warm-up held was let go, no leak
 
 
-def capture(step):
-    """(a CUDA graph of ``step()``, the tensors it returns), after three warm-up calls off the
-    capture stream, as torch.cuda.graphs asks; raises what the capture raises."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = step()
-    return graph, outputs
-
-
 def graph_differences(op, params, leaves, backward):
     """Names of what a replayed CUDA graph gives differently from an eager call (or why it failed)."""
     with torch.no_grad():
@@ -73,7 +59,7 @@ def graph_differences(op, params, leaves, backward):
 
     eager = [t.clone() for t in step()]
     try:
-        graph, captured = capture(step)
+        graph, captured = capture_graph(step)
     except Exception as e:
         return [f"capture raised {type(e).__name__}: {str(e).splitlines()[0]}"]
     graph.replay()
@@ -91,7 +77,7 @@ def graph_dropout_fresh(op, params, leaves):
         with torch.no_grad():
             return attention(*(args[k] for k in ("q", "k", "v")), 0.5)
     try:
-        graph, out = capture(step)
+        graph, out = capture_graph(step)
     except Exception as e:
         return [f"capture raised {type(e).__name__}: {str(e).splitlines()[0]}"]
     graph.replay()
