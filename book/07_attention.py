@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.1
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3 (ipykernel)
 #     language: python
@@ -51,7 +51,7 @@ import pathlib
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
 
 from mamba_annotated import runtime
 from mamba_annotated.attention import attention, attention_varlen, attention_with_kvcache
@@ -728,20 +728,23 @@ def draw_packed_schedule(ax, lengths, block_m, block_n):
     colors = {"full": COLORS["x"], "mask": COLORS["h"], "skip": "#dddddd"}
     total = sum(lengths)
     ax.add_patch(Rectangle((0, 0), total, total, facecolor="#f4f4f4", edgecolor="none"))
-    start, launched = 0, 0
+    start, computed = 0, 0
     for length in lengths:
         seen = window_mask(length, length, (-1, 0))
         for m0 in range(0, length, block_m):
             for n0 in range(0, length, block_n):
                 kind = window_tile_kind(seen[m0:m0 + block_m, n0:n0 + block_n])
-                launched += kind != "skip"
+                computed += kind != "skip"
                 ax.add_patch(Rectangle((start + n0, start + m0), min(block_n, length - n0), min(block_m, length - m0),
                                        facecolor=colors[kind], edgecolor="white", lw=1))
         ax.add_patch(Rectangle((start, start), length, length, facecolor="none", edgecolor="black", lw=1))
         start += length
     ax.set(xlim=(0, total), ylim=(total, 0), xlabel="keys (packed)", ylabel="queries (packed)", aspect="equal",
            title=f"causal, packed: sequences of {', '.join(map(str, lengths))} tokens")
-    return launched
+    ax.legend(handles=[Patch(facecolor=colors[kind], label=label) for kind, label in
+                       (("full", "no mask"), ("mask", "causal mask"), ("skip", "skipped"))],
+              loc="upper right", fontsize="small")
+    return computed
 
 
 fig, ax = plt.subplots(figsize=(5, 5))
@@ -756,7 +759,7 @@ padded_tiles = len(packed_lengths) * sum(window_tile_kind(padded_seen[m0:m0 + 64
 print(f"tiles computed: {packed_tiles} packed, {padded_tiles} for the batch padded to {longest} tokens")
 
 # %% [markdown]
-# The check, in the chapter's way: a packed batch of four sequences with unequal query and key lengths, among them one with no queries (and three keys) and one whose causal rows see no key before the diagonal, grouped-query heads, a causal window, a soft cap and ALiBi slopes of shape (batch, heads) (here the same series in every sequence; the tests give each sequence its own slopes), in each dtype; output, lse and the three gradients against float64, where the reference runs each sequence through `attention_ref` on its own and packs the results again (`varlen_reference`). Then two packed sequences of equal lengths, which must give exactly the bits of `attention` on the batch they form.
+# The check, in the chapter's way: a packed batch of four sequences with unequal query and key lengths, among them one with no queries (and three keys) and one whose causal rows see no key before the diagonal, grouped-query heads, a causal window, a soft cap and ALiBi slopes of shape (batch, heads) (each sequence's series scaled by its own factor, so a program that read another sequence's slopes would fail the check), in each dtype; output, lse and the three gradients against float64, where the reference runs each sequence through `attention_ref` on its own and packs the results again (`varlen_reference`). Then two packed sequences of equal lengths, which must give exactly the bits of `attention` on the batch they form.
 
 # %%
 def packed_qkv(lengths_q, lengths_k, dtype):
@@ -797,7 +800,9 @@ def check_packed(name, lengths_q, lengths_k, dtype, causal=False, window_size=(-
 
 
 lengths_q, lengths_k = [n + 5, 0, 17, n], [n + 9, 3, 17, n - 4]
-packed_slopes = geometric_alibi_slopes(dims["heads"], device).expand(len(lengths_q), -1).contiguous()
+# a series of its own for each sequence: a kernel that read another sequence's row would be seen
+sequence_scales = torch.linspace(0.5, 2.0, len(lengths_q), device=device)[:, None]
+packed_slopes = geometric_alibi_slopes(dims["heads"], device) * sequence_scales
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     check_packed(f"packed, {dtype}", lengths_q, lengths_k, dtype, causal=True, window_size=(n // 3, 0), softcap=10.0,
                  alibi_slopes=packed_slopes)
