@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba_annotated import attention_with_kvcache
-from mamba_annotated.attention.split_kv import DECODING_CONFIG, decoding_config, default_splits, split_kv_attention
+from mamba_annotated.attention.split_kv import decoding_config, default_splits, split_kv_attention
 from mamba_annotated.bench import (capture_graph, copy_bandwidth_gbps, format_table, gbps, median_ms, memory_floor_ms,
                                    print_table, progress)
 from mamba_annotated.runtime import DEVICE, device_name, sm_count
@@ -99,8 +99,7 @@ def time_case(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    config = decoding_config(head_dim, q.dtype)
-    splits = default_splits(batch, kv_heads, length, DEVICE, block_n=config["BLOCK_N"])
+    splits = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
     key_end = seqlens
     impls = {"ours": lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
              "ours (kernels)": lambda: split_kv_attention(q, k_cache, v_cache, key_end=key_end,
@@ -156,8 +155,8 @@ def tune(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    default = decoding_config(head_dim, q.dtype)
-    heuristic = default_splits(batch, kv_heads, length, DEVICE, block_n=default["BLOCK_N"])
+    heuristic = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
+    default = decoding_config(head_dim, q.dtype, split=heuristic > 1)
 
     def measure(config, splits):
         try:
@@ -170,9 +169,9 @@ def tune(batch, length, heads, kv_heads, head_dim):
               f"{gbps(cache_bytes, ms):.0f} GB/s, {100 * floor_ms / ms:.0f} % of the floor", flush=True)
         return ms
 
-    print(f"default {default} (DECODING_CONFIG {DECODING_CONFIG}); heuristic splits {heuristic}; "
+    print(f"default {default} at the heuristic's {heuristic} splits; "
           f"floor {floor_ms * 1e3:.1f} us", flush=True)
-    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4)]
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4, 5)]
     times = {json.dumps(config): measure(config, heuristic) for config in configs}
     best = json.loads(min(times, key=times.get))
     split_times = {splits: measure(best, splits) for splits in (1, 2, 4, 8, 16, 32, 64, 128)}
@@ -195,7 +194,7 @@ def sweep_splits(heads, kv_heads, head_dim):
     for batch, length, counts in SPLIT_CASES:
         q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
         floor_ms = memory_floor_ms(2 * k_cache.numel() * k_cache.element_size())
-        picked = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype)["BLOCK_N"])
+        picked = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
         for splits in counts:
             ms = median_ms(lambda: split_kv_attention(q, k_cache, v_cache, key_end=seqlens,
                                                       softmax_scale=head_dim ** -0.5, num_splits=splits))
@@ -210,7 +209,8 @@ def sweep_splits(heads, kv_heads, head_dim):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows (or the tuning sweep) here")
-    parser.add_argument("--tune", action="store_true", help="sweep the kernel's configs and split counts at batch 1")
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep the kernel's configs and split counts at the first of --batches, the last of --lengths")
     parser.add_argument("--splits", action="store_true", help="time the kernels at each split count of SPLIT_CASES")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, interpreter)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
@@ -221,11 +221,11 @@ def main():
     if args.smoke:
         shape = {k: SMOKE[k] for k in shape}
         batches, lengths = SMOKE["batches"], SMOKE["lengths"]
-    if args.tune:
-        result = tune(1, lengths[-1], **shape)
+    if args.tune:  # at the first batch and the last length asked (by default batch 1, 131072 keys)
+        result = tune(batches[0], lengths[-1], **shape)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(device=device_name(), batch=1, N=lengths[-1], **shape, **result), f, indent=1)
+                json.dump(dict(device=device_name(), batch=batches[0], N=lengths[-1], **shape, **result), f, indent=1)
         return
     if args.splits:
         rows = sweep_splits(**shape)

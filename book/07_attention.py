@@ -1004,7 +1004,8 @@ def paged_decoding_step(dtype, num_splits=0):
     lse, k_cache, v_cache) of the float64 reference and of the same computation in the inputs' dtype."""
     seed_everything(7)
     batch, heads, kv_heads, head_dim, page_size, new = 3, 8, 2, 64, 16, 2
-    pages_each = runtime.size(gpu=24, cpu=5)  # several of the kernel's key blocks: 64 keys on the GPU, 16 in the interpreter
+    # several of the kernel's key blocks: on the GPU 64 keys split and 128 unsplit, 16 in the interpreter
+    pages_each = runtime.size(gpu=24, cpu=5)
     pool = batch * pages_each + 4  # more pages than the sequences use, in shuffled order
     block_table = torch.randperm(pool, device=device)[:batch * pages_each].view(batch, pages_each).to(torch.int32)
     k_cache, v_cache = (randn(pool, page_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))

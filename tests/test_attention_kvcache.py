@@ -553,6 +553,29 @@ def test_default_splits_fill_the_gpu_only_when_the_batch_does_not(monkeypatch):
     assert split_kv.default_splits(1, 8, 131072, torch.device("cpu"), block_n=64) == 1
 
 
+def test_key_tiles_fit_in_shared_memory():
+    """The pipeline's key and value buffers fit in the budget at every head dim and dtype, split or
+    not, with the largest key tile that fits (the sizes behind the GPU sweep's seed 723150 and the
+    unsplit 128-key tiles)."""
+    def buffers(config, head_dim, dtype):
+        return ((config["num_stages"] - 1) * config["BLOCK_N"] * 2 * split_kv.block_size(head_dim)
+                * torch.finfo(dtype).bits // 8)
+
+    for base in (split_kv.SPLIT_CONFIG, split_kv.UNSPLIT_CONFIG):
+        for dtype in FLOAT_DTYPES:
+            for head_dim in range(16, 257, 8):
+                fitted = split_kv.fit_shared_memory(base, head_dim, dtype)
+                assert {k: v for k, v in fitted.items() if k != "BLOCK_N"} == \
+                    {k: v for k, v in base.items() if k != "BLOCK_N"}
+                assert buffers(fitted, head_dim, dtype) <= split_kv.TILE_BUFFER_BYTES
+                assert fitted["BLOCK_N"] == base["BLOCK_N"] or \
+                    buffers(dict(fitted, BLOCK_N=2 * fitted["BLOCK_N"]), head_dim, dtype) > split_kv.TILE_BUFFER_BYTES
+    assert split_kv.fit_shared_memory(split_kv.SPLIT_CONFIG, 203, torch.float32)["BLOCK_N"] == 32
+    assert split_kv.fit_shared_memory(split_kv.SPLIT_CONFIG, 256, torch.bfloat16)["BLOCK_N"] == 64
+    assert split_kv.fit_shared_memory(split_kv.UNSPLIT_CONFIG, 128, torch.bfloat16)["BLOCK_N"] == 128
+    assert split_kv.fit_shared_memory(split_kv.UNSPLIT_CONFIG, 256, torch.bfloat16)["BLOCK_N"] == 64
+
+
 @pytest.mark.gpu
 @pytest.mark.large_memory
 @pytest.mark.skipif(not ON_GPU, reason="offsets past 2^31 need caches of billions of elements")

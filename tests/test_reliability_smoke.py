@@ -754,10 +754,12 @@ def test_kvcache_probes_reach_each_sequence_at_its_own_positions():
     leaves = op.inputs(params)
     args = op.views(params, leaves)
     # the probed positions are picked from the draw (the GPU draws other lengths than the CPU): the
-    # first cache position some sequence holds and keeps, and the last new key
+    # last cache position some sequence holds and keeps, which the case's window of 9 keys before
+    # the newest still sees (the first one is out of every window when the GPU draws long
+    # sequences), and the last new key
     kept = [(args["cache_leftpad"] <= t) & (t < args["cache_seqlens"]) for t in range(params["dims"]["capacity"])]
-    first_kept = next(t for t, rows in enumerate(kept) if rows.any())
-    for name, t in (("k_cache", first_kept), ("v", params["dims"]["new"] - 1)):
+    last_kept = max(t for t, rows in enumerate(kept) if rows.any())
+    for name, t in (("k_cache", last_kept), ("v", params["dims"]["new"] - 1)):
         reach = nonfinite.reached(op, params, args, name, t, params["dims"]["Lq"])
         assert reach.shape == (params["dims"]["batch"], params["dims"]["Lq"])
         assert nonfinite.probe(op, params, leaves, name, t, float("nan")) == []

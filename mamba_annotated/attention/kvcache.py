@@ -232,7 +232,7 @@ def attend_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # a right edge at or past seqlen_q - 1 hides no key from any query: the kernels drop it
         window = (window_left, window_right if window_right < seqlen_q - 1 else -1)
         group = heads // k_cache.shape[2]
-        block_n = decoding_config(head_dim, q.dtype)["BLOCK_N"]
+        block_n = decoding_config(head_dim, q.dtype, split=True)["BLOCK_N"]  # the tiles a split would stream
         if num_splits == 0:
             row_blocks = -(-seqlen_q * group // rows_per_tile(seqlen_q * group))
             num_splits = default_splits(batch, k_cache.shape[2], capacity, q.device, row_blocks=row_blocks,

@@ -77,23 +77,37 @@ from .scores import alibi_strides, logit_scales, logits2, softcap_mode, visible
 LAYOUTS = ("contiguous", "indexed", "paged")
 MAX_SPLITS = 128
 
-# Tuned on an H200 (Triton 3.6) with ``benchmarks/bench_decoding.py --tune`` at batch 1, 131072 cached
-# keys, 32 heads over 8, head dim 128, bfloat16: 64-key tiles, 4 warps, 3 stages were within 0.1 % of
-# the best of 27 configurations (data/decoding_tune.json).
-DECODING_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+# Tuned on an H200 (Triton 3.6) with ``benchmarks/bench_decoding.py --tune``, 32 heads over 8, head dim
+# 128, bfloat16. Split (batch 1, 131072 cached keys): 64-key tiles, 4 warps, 3 stages were within 0.1 %
+# of the best of 27 configurations (data/decoding_tune.json). Unsplit, where each program streams a
+# whole sequence (the large batches, data/decoding_tune_large_batch.json): 128-key tiles took 13 % less
+# time than 64-key ones at batch 64 (4096 and 16384 keys), and were 9 % slower split at batch 1.
+SPLIT_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+UNSPLIT_CONFIG = dict(BLOCK_N=128, num_warps=4, num_stages=3)
+# what the pipeline's buffers of key and value tiles may take of the 227 KiB of shared memory an H100
+# or H200 gives a program (the rest: the query tile and the compiler's scratch)
+TILE_BUFFER_BYTES = 192 * 1024
 
 
-def decoding_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """BLOCK_N, num_warps and num_stages of :func:`split_kv_attention`. Each pipeline stage holds a
-    key tile and a value tile: float32 at head dims past 128 (256-column tiles) would ask 276 KiB of
-    shared memory with 64-key tiles (the GPU sweep's seed 723150), past the 227 KiB an H100 or H200
-    gives a program, so there the tile has 32 keys. The interpreter gets a key tile of 16 (its cost
-    grows with the tile; the tests' short caches then span several)."""
+def decoding_config(head_dim: int, dtype: torch.dtype, split: bool) -> dict:
+    """BLOCK_N, num_warps and num_stages of :func:`split_kv_attention`, for a launch with more than
+    one split or with one: SPLIT_CONFIG or UNSPLIT_CONFIG, fitted to shared memory
+    (:func:`fit_shared_memory`). The interpreter gets a key tile of 16 (its cost grows with the
+    tile; the tests' short caches then span several)."""
     if INTERPRETED:
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    config = dict(DECODING_CONFIG)
-    if dtype == torch.float32 and block_size(head_dim) > 128:
-        config["BLOCK_N"] = 32
+    return fit_shared_memory(SPLIT_CONFIG if split else UNSPLIT_CONFIG, head_dim, dtype)
+
+
+def fit_shared_memory(config: dict, head_dim: int, dtype: torch.dtype) -> dict:
+    """``config`` with its key tile halved until the pipeline's buffers fit in TILE_BUFFER_BYTES:
+    Triton keeps num_stages - 1 buffers of a key tile and a value tile in shared memory. Float32 at
+    head dims past 128 (256-column tiles) with 64-key tiles in 3 stages asked 276 KiB (the GPU
+    sweep's seed 723150), and takes 32-key tiles."""
+    config = dict(config)
+    tile_bytes = 2 * block_size(head_dim) * torch.finfo(dtype).bits // 8  # one key row and one value row
+    while (config["num_stages"] - 1) * config["BLOCK_N"] * tile_bytes > TILE_BUFFER_BYTES and config["BLOCK_N"] > 16:
+        config["BLOCK_N"] //= 2
     return config
 
 
@@ -292,7 +306,7 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
     batch, seqlen_q, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    cfg = dict(config or decoding_config(head_dim, q.dtype))
+    cfg = dict(config or decoding_config(head_dim, q.dtype, split=num_splits > 1))
     block_n = cfg.pop("BLOCK_N")
     block_m = rows_per_tile(seqlen_q * group)
     block_d = block_size(head_dim)
