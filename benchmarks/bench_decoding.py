@@ -57,6 +57,12 @@ def make_inputs(batch, length, heads, kv_heads, head_dim, dtype=torch.bfloat16):
     return q, k_cache, v_cache, seqlens
 
 
+def picked_splits(batch, length, kv_heads, head_dim, dtype):
+    """The split count that ``num_splits=0`` picks (:func:`default_splits`, on the split launches' key tile)."""
+    block_n = decoding_config(head_dim, dtype, split=True)["BLOCK_N"]
+    return default_splits(batch, kv_heads, length, DEVICE, block_n=block_n)
+
+
 def sdpa_backends():
     """name -> the SDPBackend to pin, None for PyTorch's own choice."""
     from torch.nn.attention import SDPBackend
@@ -99,7 +105,7 @@ def time_case(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    splits = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
+    splits = picked_splits(batch, length, kv_heads, head_dim, q.dtype)
     key_end = seqlens
     impls = {"ours": lambda: attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens),
              "ours (kernels)": lambda: split_kv_attention(q, k_cache, v_cache, key_end=key_end,
@@ -155,7 +161,7 @@ def tune(batch, length, heads, kv_heads, head_dim):
     q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
     cache_bytes = 2 * k_cache.numel() * k_cache.element_size()
     floor_ms = memory_floor_ms(cache_bytes)
-    heuristic = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
+    heuristic = picked_splits(batch, length, kv_heads, head_dim, q.dtype)
     default = decoding_config(head_dim, q.dtype, split=heuristic > 1)
 
     def measure(config, splits):
@@ -171,7 +177,8 @@ def tune(batch, length, heads, kv_heads, head_dim):
 
     print(f"default {default} at the heuristic's {heuristic} splits; "
           f"floor {floor_ms * 1e3:.1f} us", flush=True)
-    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4, 5)]
+    configs = [dict(BLOCK_N=n, num_warps=w, num_stages=s)
+               for n in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3, 4, 5)]
     times = {json.dumps(config): measure(config, heuristic) for config in configs}
     best = json.loads(min(times, key=times.get))
     split_times = {splits: measure(best, splits) for splits in (1, 2, 4, 8, 16, 32, 64, 128)}
@@ -194,7 +201,7 @@ def sweep_splits(heads, kv_heads, head_dim):
     for batch, length, counts in SPLIT_CASES:
         q, k_cache, v_cache, seqlens = make_inputs(batch, length, heads, kv_heads, head_dim)
         floor_ms = memory_floor_ms(2 * k_cache.numel() * k_cache.element_size())
-        picked = default_splits(batch, kv_heads, length, DEVICE, block_n=decoding_config(head_dim, q.dtype, True)["BLOCK_N"])
+        picked = picked_splits(batch, length, kv_heads, head_dim, q.dtype)
         for splits in counts:
             ms = median_ms(lambda: split_kv_attention(q, k_cache, v_cache, key_end=seqlens,
                                                       softmax_scale=head_dim ** -0.5, num_splits=splits))
@@ -210,7 +217,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the rows (or the tuning sweep) here")
     parser.add_argument("--tune", action="store_true",
-                        help="sweep the kernel's configs and split counts at the first of --batches, the last of --lengths")
+                        help="sweep the kernel's configs and split counts at the first of --batches and the "
+                             "last of --lengths")
     parser.add_argument("--splits", action="store_true", help="time the kernels at each split count of SPLIT_CASES")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, interpreter)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
