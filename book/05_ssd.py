@@ -649,7 +649,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H100 that ran this page the in-kernel sums win alone by about fifteen times (0.058 against 0.85 ms at the first benchmark shape; the flip form's launches make its time vary: 0.77, 0.85, 0.65, 0.71, 0.93, 1.15 and 0.50 ms on earlier runs), and the whole backward pass differs by 7 % (2.04 against 2.18 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
+# On the H200 that ran this page the in-kernel sums win alone by about nine times (0.050 against 0.44 ms at the first benchmark shape; the flip form's launches make its time vary: 0.85, 0.77, 0.85, 0.65, 0.71, 0.93, 1.15 and 0.50 ms on earlier runs, on H100s), and the whole backward pass differs by 5 % (1.99 against 2.10 ms), because this step is a small part of it. `benchmarks/bench_ssd.py` times the same functions (`dt_backward` and `dt_backward_flip` on the same saved slots of the step gradients, then `ssd_backward` and `ssd_backward_flip` without the forward pass) at the same shape and chunk, so on another GPU or in another run their milliseconds differ, not their order (its stored run, from an H200 before the sums changed form, had 0.028 against 0.094 ms). On a CPU the interpreter's timings say nothing about a GPU.
 
 # %% [markdown]
 # ## Speed

@@ -442,7 +442,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the GPU that ran this page, the fused call cost about 1.6 times one causal call (1.08 against 0.671 ms). It took under a third of the time of the two-call composition, which pays for its flips and copies on top of two causal calls.
+# On the GPU that ran this page, the fused call cost about 1.6 times one causal call (1.02 against 0.631 ms). It took under a third of the time of the two-call composition, which pays for its flips and copies on top of two causal calls.
 #
 # That composition is not the naive peer of the benchmark below, and the two should not be compared by their milliseconds. This cell times `bidirectional_two_calls` as shown above, with shared parameters and no shift: our `ssd_chunk_scan` twice, on a flipped copy of $x$, $\Delta$, $B$ and $C$ for the reverse call, then PyTorch sums the two outputs, adds $D x$ and rounds the result, all in float32, so that the sum is rounded to bfloat16 once, as the fused kernel's is. Each of those float32 steps is a full pass over an output-sized tensor of twice the bytes of $x$. The benchmark's "naive two calls (mamba_ssm)" calls mamba_ssm's kernel twice on flipped copies as well, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass: much less traffic outside the kernels. Both are timed on the same shape (bfloat16, (4, 4096, 80, 64, 128), chunk 256, with $D$, `dt_bias` and softplus), so the composition here can take longer than the benchmark's naive row although our causal kernel is the faster of the two (chapter 5).
 #
