@@ -44,11 +44,14 @@ def mamba_ssm_selective_scan():
 
     The module imports the extension at the top. Where it is built (build_selective_scan_cuda.py,
     its folder on PYTHONPATH) the real one is imported first; otherwise an empty stand-in module
-    lets the import through for the pure-PyTorch ``selective_scan_ref``, which never calls it."""
+    lets the import through for the pure-PyTorch ``selective_scan_ref``, which never calls it.
+    The extension counts as built only if it has its ``fwd``: an earlier stand-in, or a folder of
+    that name on the path (imported as an empty namespace package), has not."""
     try:
-        import selective_scan_cuda  # noqa: F401
-        compiled = True
+        import selective_scan_cuda
+        compiled = hasattr(selective_scan_cuda, "fwd")
     except ImportError:
         sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
         compiled = False
-    return mamba_ssm_module("mamba_ssm.ops.selective_scan_interface"), compiled
+    interface = mamba_ssm_module("mamba_ssm.ops.selective_scan_interface")
+    return interface, compiled and interface is not None
