@@ -122,7 +122,7 @@ check("the block written out = Mamba2.forward", by_hand, by_module, tolerance(to
 check("Mamba2.forward against float64", by_module, in_float64, tolerance(torch.float32))
 
 # %% [markdown]
-# The block written out agrees with the module, and both agree with float64 to float32's precision. Written out above, the convolution and the norm are plain PyTorch. The convolution stays so in the module, as in mamba_ssm when its optional CUDA packages are missing: it reads and writes $(x, B, C)$ once, a few percent of a block's time. The norm does not: as torch ops it runs several elementwise kernels and keeps their float32 intermediates, copies of $y$ at twice the width of bfloat16, for the backward pass. The module calls one Triton kernel each way instead (`mamba_annotated/gated_norm.py`, the same formula and mamba_ssm's `rmsnorm_fn` arguments), which reads $y$ and $z$ once and keeps one number per row. The two places where the work grows with $L$ in an interesting way are the scan and, in the Transformer, attention: those are the book's chapters.
+# The block written out agrees with the module, and both agree with float64 to float32's precision. Written out above, the convolution and the norm are plain PyTorch. In the module the convolution stays plain PyTorch, as in mamba_ssm when its optional CUDA packages are missing: it reads and writes $(x, B, C)$ once, a few percent of a block's time. The gated norm does not. As torch ops it launches several elementwise kernels and keeps their float32 intermediates (copies of $y$, twice as wide as bfloat16) for the backward pass. The module calls one Triton kernel each way instead (`mamba_annotated/gated_norm.py`, the same formula, mamba_ssm's `rmsnorm_fn` arguments). It reads $y$ and $z$ once and keeps one number per row and group. The two places where the work grows with $L$ in an interesting way are the scan and, in the Transformer, attention: those are the book's chapters.
 #
 # `Mamba2` adds what a real model needs around these lines, each in the package and tested against mamba_ssm's module: an optional MLP part in the projection, several groups of $B$ and $C$, a $D$ per channel, packed sequences (`seq_idx`, `cu_seqlens`), a limit on $\Delta$, and the decoding cache of the next section.
 
@@ -131,18 +131,18 @@ check("Mamba2.forward against float64", by_module, in_float64, tolerance(torch.f
 #
 # A language model generates text by predicting one token, appending it, and predicting the next. Running the whole block again over the growing sequence would cost $O(L)$ per token for the SSM and $O(L^2)$ for attention. Both keep a cache instead:
 #
-# - **An SSM keeps its state.** After the prompt, the state $h_L$ of each head summarises everything seen; the next token needs only $h_{t} = e^{\Delta_t A} h_{t-1} + \Delta_t\, x_t B_t^\top$ and $y_t = h_t C_t + D x_t$: a decay, a rank-one update and a product with $C_t$, the recurrence of [chapter 1](01_sequential_scan.ipynb) at a single position. The convolution keeps its last three inputs.
+# - **An SSM keeps its state.** After the prompt, the state $h_L$ of each head summarises everything seen; each later position $t$ needs only $h_{t} = e^{\Delta_t A} h_{t-1} + \Delta_t\, x_t B_t^\top$ and $y_t = h_t C_t + D x_t$: a decay, a rank-one update and a product with $C_t$, the recurrence of [chapter 1](01_sequential_scan.ipynb) at a single position. The convolution keeps a window of its last inputs, as wide as its kernel (4).
 # - **Attention keeps every key and value** (the KV cache): the new query attends to all of them, so the cache and the work per token grow with the position.
 #
-# The prompt itself still goes through the chunked kernels (the *prefill*): they are fast on many positions at once and leave the state behind. The package's step kernel for Mamba-2, `ssd_state_update`, is one program per (block of headdim rows, batch row, head). After the step $\Delta_t$ and the decay $e^{\Delta_t A}$ (two scalars per head, processed as `chunk_cumsum` processes a position), its work is these lines:
+# The prompt itself still goes through the chunked kernels (the *prefill*): they are fast on many positions at once and leave the state behind. The package's step kernel for Mamba-2, `ssd_state_update`, launches one {term}`program` for each head of each batch row and each block of that head's $P$ rows. Each program first computes the head's step $\Delta_t$ and decay $e^{\Delta_t A}$ (two scalars, with the formula chapter 5's `chunk_cumsum` applies at each position), then does the work of these lines:
 
 # %%
 show_fragment(ssd_state_update_kernel, "state_ptrs = (state_ptr", "    if HAS_D:")
 
 # %% [markdown]
-# The state tile is loaded once, decayed and updated in registers, stored back, and read out against $C$: the step moves the state twice (in and out) and little else, so decoding a layer is bound by the state's bytes.
+# The state tile is loaded once, decayed and updated in registers, stored back, and read out against $C$: the step moves the state twice (in and out) and little else. At a large batch, decoding a layer is therefore bound by the state's bytes; at batch 1 the state is too small for that, and the time goes to launching the kernels (the decoding table at the end of the chapter).
 #
-# Does decoding give the model the same function as the chunked forward pass? The check below runs each kind of model of this chapter two ways on the same tokens: the chunked forward pass over all of them at once, and a prefill of the first part followed by single-token steps.
+# Does decoding give the model the same function as the chunked forward pass? The check below runs each kind of model of this chapter two ways on the same tokens: the chunked forward pass over all of them at once, and a prefill of the first part followed by single-token steps. `InferenceParams` is the cache that travels through the model: each layer keeps its state (or its keys and values) in it under the layer's index, and `seqlen_offset` counts the positions already seen. A call at offset 0 is the prefill; a call with one token at a positive offset is a decoding step. The models are tiny versions of the four kinds trained later in the chapter (`KINDS`: a Transformer, Mamba-1, Mamba-2 and a hybrid): 2 layers of width 256, a vocabulary of 256, and in the hybrid one attention layer in two.
 
 # %%
 def logits_step_by_step(model, tokens, prefill):
@@ -189,19 +189,19 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The attention layer's cache grows linearly with the position and passes the Mamba layers' fixed states within the first few thousand tokens; Mamba-2's state ($H \cdot P \cdot N$ numbers per layer) is larger than Mamba-1's ($N = 16$ per channel) but the same at every position.
+# The attention layer's cache grows by 3.5 KiB per position (the keys and values of 7 heads of 64, float32). It passes Mamba-1's fixed 50 KiB after about 15 positions and Mamba-2's 172 KiB after about 50, before the figure's first point: at 512 positions it is 1.75 MiB per layer. Mamba-2's state ($H \cdot P \cdot N$ = 10 · 64 · 64 numbers per layer, plus the convolution's window) is larger than Mamba-1's ($N = 16$ per channel), but neither grows. (The hybrid is left out: its layers are Mamba-2 layers and, one in four, attention layers of its own width.)
 
 # %% [markdown]
 # ## Four models of the same size
 #
 # To compare mixers, everything else is held fixed: the same embedding and tied output head, pre-norm residual blocks with RMSNorm, and about the same number of parameters. `fit_config` picks each kind's width and depth so the count comes closest to a target:
 #
-# - **transformer**: attention (heads of 64, rotary position embeddings) followed by a gated MLP in every layer, as in Transformer++;
-# - **mamba**: Mamba-1 blocks (the selective scan, $N = 16$), no MLP: twice the layers at the same width, as Mamba's language models;
+# - **transformer**: attention (heads of 64, rotary position embeddings) followed by a gated MLP in every layer, as in Transformer++ (the LLaMA recipe: rotary embeddings, RMSNorm, a SiLU-gated MLP);
+# - **mamba**: Mamba-1 blocks (the selective scan, $N = 16$), no MLP. A Mamba block has about half the parameters of an attention-plus-MLP layer of the same width, so Mamba's language models stack twice as many layers; here `fit_config` gives 15 layers of width 320 against the Transformer's 4 of width 448;
 # - **mamba2**: Mamba-2 blocks ($N = 64$, heads of 64), no MLP;
 # - **hybrid**: the Mamba-2 stack with one layer in four replaced by attention.
 #
-# Two tasks: **multi-query associative recall** (MQAR) {cite}`arora2023zoology`, where each sequence first lists key-value pairs and later asks for the values of some keys (a model must store the pairs and look them up, which attention does directly and a fixed-size state must compress), and **next-byte prediction** on the Python standard library's own source, read from the installed Python and split by file into training and validation text. On the GPU the models have about 10 M parameters; in the interpreter they are tiny, so the chapter runs there in seconds, and only the shape of the code matters.
+# Two tasks: **multi-query associative recall** (MQAR) {cite}`arora2023zoology`, where each sequence starts with key-value pairs (`k1 v1 k2 v2 ...`) and the rest is random tokens among which each key appears once more; there the model must output that key's value, and only those positions are scored (a model must store the pairs and look them up, which attention does directly and a fixed-size state must compress), and **next-byte prediction** on the Python standard library's own source, read from the installed Python and split by file into training and validation text. On the GPU the models have about 10 M parameters; in the interpreter they are tiny, so the chapter runs there in seconds, and only the shape of the code matters.
 
 # %%
 TARGET_PARAMS = runtime.size(10e6, 6e3)
@@ -223,7 +223,7 @@ for kind in KINDS:
 print_table(rows)
 
 # %% [markdown]
-# Within a task the counts differ by a few percent at most: a layer is the unit of change, and `fit_config` takes the closest count among shapes whose width per layer is usual for the kind.
+# Within a task the counts differ by a few percent at most: a layer is the unit of change, and `fit_config` takes the closest count among shapes whose width per layer (d_model / layers) is within a factor of 2 of the kind's usual one: 64 for the Transformer (GPT-2 small: 768 / 12), 32 for the others (Mamba-130M: 768 / 24). Both tasks have a vocabulary of 256, so each kind has the same shape in both.
 #
 # ### Training on associative recall
 #
@@ -291,12 +291,12 @@ for ax in (left, right):
 plt.show()
 
 # %% [markdown]
-# In a run this short (600 steps, about ten million tokens) recall is only beginning. On the stored H200 run the Transformer, Mamba-2 and the hybrid answer about a quarter of the queries at $L = 64$ (4 pairs: 0.25, 0.25 and 0.24) and Mamba-1 hardly more than chance (0.014, where chance is one value in 128, 0.008), all fewer as the sequence and the number of pairs grow, down to about 3 % at $L = 512$, past the longest training length. Runs this short vary, and more than the kernels do: the run stored before this one, on an H100 with the same kernels, had the hybrid and the Transformer at 0.26, Mamba-2 at 0.20 and Mamba-1 at 0.14; the one before it, whose kernels differed only in the SSD gate $z$ (which these blocks leave to the norm), measured 0.26, 0.24 and 0.17 for the Transformer, the hybrid and Mamba-2 and left Mamba-1 near chance (0.008; it answered 0.015 at $L = 64$); earlier runs measured 0.27, 0.25 and 0.24, then 0.27, 0.26 and 0.23, and 0.25, 0.24 and 0.22; one (the norm then written as torch ops: the same formula, rounded differently) had Mamba-2 at 0.07 at $L = 64$, and one before that the hybrid at 0.11. Which model has begun to recall by step 600 changes from run to run, so read the table as a snapshot of the start of learning, not as a ranking. MQAR is solved only with far longer training {cite}`arora2023zoology`: what a few minutes show is which models start to learn it, not how well each ends up.
+# In a run this short (600 steps, about ten million tokens) recall is only beginning. On the stored H200 run the Transformer, Mamba-2 and the hybrid answer about a quarter of the queries at $L = 64$ (4 pairs: 0.25, 0.25 and 0.24). Their accuracy falls as the sequence and the number of pairs grow, to about 3 % at $L = 512$, past the longest training length. Mamba-1 stays at chance at every length (0.014 at $L = 64$, where chance is one value in 128, 0.008), and its final loss is ln 128 = 4.85, that of a uniform guess among the values. In the table, `final_loss` is the loss of the last batch alone (at $L = 256$, the longest training length; the curves average 20 steps over all three lengths), and `seconds` is the wall time of all 600 steps, the first two included, which compile and tune the kernels; `tokens_per_s` leaves those two out. Runs this short vary more than the kernels do: earlier stored runs put the Transformer, Mamba-2 and the hybrid between 0.17 and 0.27 at $L = 64$ (once Mamba-2 at 0.07, once the hybrid at 0.11), and Mamba-1 between chance and 0.14. Which model has begun to recall by step 600 changes from run to run, so read the table as a snapshot of the start of learning, not as a ranking. MQAR is solved only with far longer training {cite}`arora2023zoology`.
 
 # %% [markdown]
 # ### Training on bytes of Python
 #
-# The second task is ordinary language modelling at the byte level (a vocabulary of 256): random windows of the standard library's source for training, and the files held out for validation, scored in bits per byte.
+# The second task is ordinary language modelling at the byte level (a vocabulary of 256): random windows of the standard library's source for training, and the first 131,072 bytes of the held-out files (256 windows of 512) for validation. The score is bits per byte: the mean cross-entropy of the next byte in bits (the loss in nats divided by ln 2). Guessing uniformly among the 256 bytes scores 8.
 
 # %%
 corpus = stdlib_corpus()
@@ -333,7 +333,7 @@ for ax in (left, middle, right):
 plt.show()
 
 # %% [markdown]
-# On bytes the three models with state-space layers reach about 1.2 bits per byte on the held-out files (the hybrid lowest on the stored run) and the Transformer about 1.5: at this size it is the shallowest of the four (4 layers against 15 or 16) and, after 300 steps, it is behind. It is also the fastest to train, by a factor of 2.6 to 2.9 in tokens per second here: a 10 M model at $L = 512$ is bound by the number of kernels it launches, not by arithmetic, and the Transformer runs 4 wide layers where the others run 15 narrow ones. (Earlier stored runs measured 2.4 to 2.9 with the Transformer at 500 thousand tokens per second against 704 here, 2.8 to 3.3 at 783 thousand, 3.2 to 3.5 at 955 thousand, and 2.3 to 2.6 at 633 thousand. Work bound by launches follows the host, and this run shared its host with other chapters' runs on the second GPU and, for its first minutes, a compilation of CUDA code: the speeds in this chapter are this run's, not the kernels' best.) The state-space stacks need 1.7 to 1.8 times the Transformer's peak memory (3.3 to 3.4 GiB against 1.9): each of their 15 or 16 layers keeps its activations for the backward pass, where the Transformer has 4 layers. With the gated norm written as torch ops, as the block above writes it out, the Mamba-2 stacks needed 5.7 to 6.4 GiB in an earlier run of this chapter: the difference is the float32 intermediates those ops keep, where the kernel keeps one number per row and group.
+# On bytes the three models with state-space layers reach 1.15 to 1.18 bits per byte on the validation bytes (the hybrid lowest on the stored run) and the Transformer 1.56. At this size it is the shallowest of the four (4 layers against 15 or 16), and after 300 steps it is behind. It is also the fastest to train: 704 thousand tokens per second, 2.6 to 2.9 times the others. A 10 M model at $L = 512$ is bound by the number of kernels it launches, not by arithmetic, and the Transformer runs 4 wide layers where the others run 15 or 16 narrow ones. Such work follows the host: earlier stored runs put the Transformer at 500 to 955 thousand tokens per second, and this run shared its host with other chapters' runs on a second GPU and, for its first minutes, a compilation of CUDA code. The speeds in this chapter are this run's, not the kernels' best. The state-space stacks need 1.7 to 1.8 times the Transformer's peak memory (3.3 to 3.4 GiB against 1.9): each of their 15 or 16 layers keeps its activations for the backward pass, where the Transformer has 4 layers. With the gated norm written as torch ops, as the block above writes it out, the Mamba-2 stacks needed 5.7 to 6.4 GiB in an earlier run of this chapter: the difference is the float32 intermediates those ops keep, where the kernel keeps one number per row and group.
 
 # %% [markdown]
 # ### Generating text
@@ -347,7 +347,7 @@ sample = byte_models["mamba2"].generate(prompt, max_length=prompt.shape[1] + run
 print(bytes_to_text(sample[0]))
 
 # %% [markdown]
-# Decoding one token at a time is a different workload from training: every layer runs a handful of tiny kernels per token, so at batch 1 the time goes to launching them, not to arithmetic. The table times the prefill of a prompt against the decoding steps that follow, for each kind, at batch 1 and at batch 64.
+# Decoding one token at a time is a different workload from training: every layer runs a handful of tiny kernels per token, so at batch 1 the time goes to launching them, not to arithmetic. The table times `generate` on a random prompt of 512 bytes, for each kind at batch 1 and at batch 64: the prefill (the prompt and one new token) against the 63 single-token steps that follow, each timed once after an untimed run. `ratio` is the prefill's tokens per second over the decoding's.
 
 # %% tags=["nbval-ignore-output"]
 decode_rows = []
@@ -361,7 +361,7 @@ for batch in (1, runtime.size(64, 2)):
 print_table(decode_rows)
 
 # %% [markdown]
-# For every kind a decoded token costs hundreds of times what a prompt token costs in the prefill: each step is a full pass through every layer for one position, a few small kernels per layer whose time is mostly launching them. At batch 1 the four kinds decode at 62 to 200 tokens per second on the stored H200 run (the Transformer fastest, the hybrid slowest), set by how many kernels a token passes through and by how fast the host launches them: the quietest stored run, on a host doing nothing else, decoded at 112 to 278 with the same decoding kernels, Mamba and Mamba-2 at 142 and 146 against 125 and 79 here, and other runs beside busy neighbours at 54 to 231, 56 to 250 and 68 to 176; at batch 64 the steps do 64 times the work for about the same launches. The fixed-size state pays off where attention's cache grows large (the cache figure above): at a prompt of 512 tokens the Transformer's cache is still small, and its 4 layers make it the fastest decoder here.
+# For every kind a decoded token costs hundreds of times what a prompt token costs in the prefill (`ratio` 160 to 482). Each step is a full pass through every layer for one position: a few small kernels per layer, whose time is mostly launching them. At batch 1 the four kinds decode 62 to 200 tokens per second on the stored H200 run, the Transformer (4 layers) fastest and the hybrid (16 layers) slowest. These numbers follow how fast the host launches kernels: the quietest stored run, on a host doing nothing else, decoded 112 to 278 with the same decoding kernels (Mamba and Mamba-2 at 142 and 146 against 125 and 79 here), and other runs beside busy neighbours 54 to 231, 56 to 250 and 68 to 176. At batch 64 a step does 64 times the work for the same launches: 5,890 to 11,800 tokens per second, 59 to 106 times batch 1. The fixed-size state pays off where attention's cache grows large. At 512 tokens the Transformer's cache is already the largest (7 MiB over its 4 layers, in float32, against 2.5 MiB over Mamba-2's 15), but at batch 1 an H200 does not notice either: what sets the speed is the number of layers, and the Transformer has the fewest. Long prompts and large batches, where the cache fills memory, are where the state's fixed size counts.
 
 # %% tags=["nbval-ignore-output"]
 if GPU:  # the record of this run, for the README and the closing notes
@@ -424,4 +424,4 @@ def conv_step(window, x, weight, bias):
 assert check_exercise("8.2", conv_step)
 
 # %% [markdown]
-# **8.3** (open) In the MQAR plot, which models lose accuracy past the longest training length, and why would a model with rotary position embeddings and one with a fixed-size state fail there for different reasons? Train the mamba2 model with `d_state` 16 and 128 (pass `d_state` to `fit_config`) and compare its recall at $L = 256$.
+# **8.3** (open) In the MQAR plot, does accuracy fall faster past the longest training length ($L = 256$) than before it? Why would a model with rotary position embeddings and one with a fixed-size state fail there for different reasons? Train the mamba2 model with `d_state` 16 and 128 (pass `d_state` to `fit_config`) and compare its recall at $L = 256$.
