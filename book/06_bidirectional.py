@@ -17,8 +17,8 @@
 #
 # In this chapter you will learn:
 #
-# - how a bidirectional SSM is a multiplication by a *{term}`quasiseparable`* matrix, a lower {term}`semiseparable` triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ only on that diagonal;
-# - why the reverse direction needs no second cumulative sum: its decays are the forward ones read one position earlier, so both directions share one {term}`chunk` grid;
+# - how a bidirectional SSM is a multiplication by a *{term}`quasiseparable`* matrix, a lower {term}`semiseparable` triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ: Hydra shifts each direction's output by one step, which leaves only $D$ on the diagonal;
+# - why the reverse direction needs no flipped copy and no right-to-left sum: its decays are differences of left-to-right cumulative sums, like the forward ones, read one position earlier, so both directions share one {term}`chunk` grid (and one sum, when they share $\Delta$);
 # - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ (and of $B$, when the directions share it), both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
 #
 # It builds on [chapter 5](05_ssd.ipynb): there a causal SSM was a lower-triangular semiseparable matrix $M$, multiplied chunk by chunk, quadratic inside a chunk and through $P \times N$ states across chunks. Here a second matrix of the same kind runs backwards in time and both are multiplied in one pass.
@@ -93,7 +93,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular matrix, called $M$ there and $\mathcal L$ here; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$:
+# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular matrix, called $M$ there and $\mathcal L$ here; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$, with $\ell'_t = A \sum_{k \le t} \Delta'_k$, the same left-to-right sum as $\ell$ but over the reverse steps (both counted here from the start of the sequence; from the section on the chunk grid on, from the start of the chunk):
 #
 # $$
 # \begin{aligned}
@@ -102,7 +102,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Both are semiseparable: every block strictly below the diagonal of $\mathcal L$ (above, for $\mathcal U$) has rank at most $N$. Their sum plus a diagonal is a **quasiseparable** matrix {cite}`eidelman1999new`, and the two published models are two ways of forming it:
+# Both are semiseparable: $\mathcal L_{ts}$ is a term of $t$ times a term of $s$, so every block of $\mathcal L$ on or below the diagonal (on or above, for $\mathcal U$) has rank at most $N$, the diagonal included in that low-rank structure. A **quasiseparable** matrix {cite}`eidelman1999new` asks less: only the blocks strictly below and strictly above the diagonal must have rank at most $N$, and the diagonal is free. The sum of the two triangles plus a diagonal is one. Two forms of it are in use. Hydra {cite}`hwang2024hydra` is a mixer layer whose reverse SSM has its own $\Delta'$, $B'$, $C'$ and whose two outputs are each shifted by one step; Bi-Mamba2 {cite}`repo_bimamba2` is a package of Triton kernels in which both directions share $\Delta$, $B$ and $C$, with no shift:
 #
 # $$
 # \begin{aligned}
@@ -113,7 +113,7 @@ runtime.describe()
 #
 # where $Z$ shifts down by one row ($Z\mathcal L$'s row $t$ is $\mathcal L$'s row $t-1$, zero at a sequence start, and $Z^\top \mathcal U$'s row $t$ is $\mathcal U$'s row $t+1$): each direction's output moves one step along its own direction of travel before the two are added. The package calls Hydra's form `shift=True` and Bi-Mamba2's {cite}`repo_bimamba2` `shift=False`.
 #
-# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it, so it is counted twice, and it is tied to the same $B$ and $C$ that set every other entry of $M$. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. The only path from $x_t$ to $y_t$ is then $D$, a free parameter, while the blocks off the diagonal keep rank $\le N$: a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`.
+# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it, so it is counted twice, and it is tied to the same $B$ and $C$ that set every other entry of $M$. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. The only path from $x_t$ to $y_t$ is then $D$, a free parameter, while the blocks off the diagonal keep rank $\le N$: a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`. (Hydra's module also adds a diagonal term outside the scan that depends on the data, $x_t$ times a linear function of $x_t$; to reproduce it, pass `D=None` here and add that term yourself.)
 #
 # Inputs are chapter 5's (`x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)`), plus the reverse direction's `dt_rev`, `B_rev`, `C_rev`, which default to `dt`, `B`, `C` (Bi-Mamba2 shares them; Hydra has its own).
 
@@ -170,7 +170,7 @@ print("shift=True:  diagonal == D exactly:", torch.equal(diagonal[True], D_row))
 check("shift=False: diagonal = D + dt C.B + dt' C'.B'", diagonal[False], D_row + both_terms, 1e-12)
 
 # %% [markdown]
-# And the rank structure: every block strictly below the diagonal, $M[i{:},\, {:}i]$, and every block strictly above it has rank at most $N$, for both forms (numerical rank in float64: singular values above $10^{-10}$ of the largest), while $M$ itself has full rank.
+# And the rank structure: every block strictly below the diagonal, $M[i{:},\, {:}i]$, and every block strictly above it has rank at most $N$, for both forms (numerical rank in float64: singular values above $10^{-10}$ of the largest), while $M$ itself has full rank. The test cannot tell the two forms apart: they differ in what sets the diagonal, which the cell above showed.
 
 # %%
 def rank(block):
@@ -211,17 +211,17 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 # %% [markdown]
 # ## One chunk grid for both directions
 #
-# The two-call composition reads $x$, $B$ and $C$ twice, writes and reads a reversed copy of every input and of the reverse output, and sums the two outputs in one more pass. The fused algorithm starts from one observation: **the reverse decays are the forward cumulative sums read one position earlier.** With $\ell'$ counted from the start of a chunk like $\ell$ (so $\ell'_{-1} = 0$ there), the decay of the reverse direction from $s$ back to $t$ is $e^{\ell'_{s-1} - \ell'_{t-1}}$, an *exclusive* cumulative sum. When the directions share their step (Bi-Mamba2), $\ell' = \ell$ and one cumulative sum serves both. Either way both directions live on the same chunks of $Q$ positions, and for $t$ in chunk $c$:
+# The two-call composition reads $x$, $B$ and $C$ twice, writes and reads a reversed copy of every input and of the reverse output, and sums the two outputs in one more pass. The fused algorithm starts from one observation: **the reverse decays are left-to-right cumulative sums (of $\Delta'$), read one position earlier.** With $\ell'$ counted from the start of a chunk like $\ell$ (so $\ell'_{-1} = 0$ there), the decay of the reverse direction from $s$ back to $t$ is $e^{\ell'_{s-1} - \ell'_{t-1}}$, an *exclusive* cumulative sum. When the directions share their step (Bi-Mamba2), $\ell' = \ell$ and one cumulative sum serves both. Either way both directions live on the same chunks of $Q$ positions, and for $t$ in chunk $c$:
 #
 # $$
 # \begin{aligned}
-# y_t ={}& \textstyle\sum_{s \in c} M_{ts}\, x_s
+# y_t ={}& \textstyle\sum_{s \in c} (\mathcal L + \mathcal U)_{ts}\, x_s
 #   \;+\; e^{\ell_t}\, H_c C_t \\
 #   &+\; e^{\ell'_{Q-1} - \ell'_{t-1}}\, H'_c C'_t \;+\; D\, x_t .
 # \end{aligned}
 # $$
 #
-# The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $H'_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
+# (This is the form without the shift; the shifted one follows below.) The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $H'_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
 #
 # $$
 # \begin{aligned}
@@ -291,7 +291,7 @@ show_source(pair_weight)
 # %% [markdown]
 # ### The scores of the diagonal blocks
 #
-# `chunk_scores` writes one $Q \times Q$ block of scores $G$ per chunk and group (`G` in the code; chapter 5's $CB$, now with both triangles): $q_t \cdot B_s$ on and below the diagonal, with the row's readout $q_t = C_t$ ($C_{t-1}$ with the shift), and $q'_t \cdot B'_s$ above it, with $q'_t = C'_t$ ($C'_{t+1}$ with the shift). A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector $G_d$ (`Gd`) the reverse one, $C'_t \cdot B'_t$. Every entry written is a finite number, because the kernels that read the scores {term}`mask` the weights, not the scores (chapter 5's reason).
+# `chunk_scores` writes one $Q \times Q$ block of scores $G$ per chunk and group (`G` in the code; chapter 5's $CB$, now with both triangles): $q_t \cdot B_s$ on and below the diagonal, with the row's readout $q_t = C_t$ ($C_{t-1}$ with the shift), and $q'_t \cdot B'_s$ above it, with $q'_t = C'_t$ ($C'_{t+1}$ with the shift). A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector $G_d$ (`Gd`) the reverse one, $C'_t \cdot B'_t$. The kernel writes every entry of the block, also those whose weight will be zero, so no entry is left as uninitialised memory: the kernels that read the scores set the weight to zero, not the score, and zero times a NaN left in memory would still be NaN (chapter 5 gives the same reason for `chunk_cb`).
 
 # %%
 show_source(chunk_scores_kernel)
@@ -305,7 +305,7 @@ show_source(chunk_scores_kernel)
 show_source(chunk_states_kernel)
 
 # %% [markdown]
-# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction):
+# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction). Unlike chapter 5's kernels, this op's take each cumulative sum as one float32 number, rounded once from the float64 sum (`planes=False`): they factor their weights through reference positions and were not converted to chapter 5's two planes. Near the end of a strongly decaying chunk of 256 that brings back the error chapter 5 measured, about $3 \cdot 10^{-5}$ relative; the checks here, at a chunk of 16, are too short to show it.
 
 # %%
 inp = make_inputs(length=40, separate=True)
@@ -335,7 +335,7 @@ for name, weight, B_dir, got in (("S (to the chunk end)", to_end, inp["B"], stat
 # %% [markdown]
 # ### Both carries in one launch
 #
-# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element. Each step waits for the one before it, so the loop's time is set by the latency of those steps (a load from memory, then the arithmetic), not by the bytes it moves, and most of the GPU sits idle. Two launches would run one after the other; here one grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so the two walks overlap. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
+# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element. Each step waits for the one before it, with the decays across a chunk, $\gamma_c = e^{\ell_{Q-1}(c)}$ forward and $\gamma'_c = e^{\ell'_{Q-1}(c)}$ backward. One grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so the two walks can run side by side. At the benchmark's shapes that saves no time: the stored kernel table below has the fused carry at 0.363 ms against 0.188 ms for the causal one, and 0.587 against 0.311, about twice, like the other kernels. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
 
 # %%
 show_source(state_passing_kernel)
@@ -379,18 +379,27 @@ for shift in (False, True):
           tolerance(torch.float32))
 
 # %% [markdown]
-# **A NaN stays in its sequence.** One diverged sequence in a packed batch should not spoil the others. A weight of 0 for a position of another sequence is not enough to keep it out, because each product still computes $0 \cdot \text{NaN} = \text{NaN}$. Three places had this leak, and the GPU reliability step found all of them:
+# **A NaN stays in its sequence.** One diverged sequence in a packed batch should not spoil the others. A weight of 0 for a position of another sequence is not enough to keep it out, because each product still computes $0 \cdot \text{NaN} = \text{NaN}$. Three places had this leak, and the non-finite probe of the GPU reliability scripts (`scripts/reliability/nonfinite.py`, chapter 5) found all of them:
 #
 # - the diagonal block's matmul with $x$;
 # - the chunk states, whose weights scaled $x$ and multiplied $B$;
 # - the carry, which cut a sequence off by multiplying its state by $\gamma = 0$.
 #
-# Each now selects instead. The diagonal block uses chapter 5's `drop_hidden_nonfinite`. The chunk states select on both operands of each product, and the carry selects the carried state. `test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it` in `tests/test_bidirectional.py` checks the result. A NaN or $\infty$ at position $t$ makes exactly the outputs that read it non-finite. For $x$ that is its whole sequence. For the forward direction's $\Delta$ and $B$ it is $t$ and the positions after it; for the reverse direction's, $t$ and the positions before it. Every other output keeps its bits. One limit remains. The reverse decays are differences of chunk-local cumulative sums of $\Delta'$, so a bad $\Delta'_t$ also spoils the later positions of its own chunk and sequence, though they do not read it. Other sequences keep their bits: the sums restart at every sequence boundary (chapter 5's kernel 1), and the backward kernels drop the weights that cross one, whose factors may then overflow, by selects.
+# Each now selects instead. The diagonal block uses chapter 5's `drop_hidden_nonfinite`. The chunk states select on both operands of each product, and the carry selects the carried state. `test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it` in `tests/test_bidirectional.py` checks the result. A NaN or $\infty$ at position $t$ makes exactly the outputs that read it non-finite. For $x$ that is its whole sequence. For the forward direction's $\Delta$ and $B$ it is $t$ and the positions after it; for the reverse direction's, $t$ and the positions before it (without the shift, the form the test runs). Every other output keeps its bits. One limit remains. The reverse decays are differences of chunk-local cumulative sums of $\Delta'$. A bad $\Delta'_t$ makes every later sum of its chunk non-finite, so it also spoils the later positions of its chunk, within its sequence, though they do not read it. Other sequences keep their bits, for two reasons: the sums restart at every sequence boundary (chapter 5's kernel 1), and a weight that crosses a boundary, whose factors may then overflow, is dropped by a select in the backward kernels rather than multiplied by 0.
 
 # %% [markdown]
 # ### The backward pass
 #
-# The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once. What the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, comes from the chunk-state kernel with `grad=True` (one read of $dy$, and of $C$ when the directions share it); the two carries run again, each the other way; one kernel gives $dx$ (through the full diagonal block and both states), one gives $dB$, $dC$ and the reverse direction's $dB'$, $dC'$; a last one turns the decay gradients of both directions into those of $\Delta$, $\Delta'$, $A$ and `dt_bias`, each step's gradient summed over the pairs and positions whose decay holds that step, as in chapter 5. A reverse pair $(t, s)$, $s > t$, decays by $A \sum_{t \le k < s} \Delta'_k$ (without the shift), so it counts for the steps $s > k \ge t$: the mirror image of the forward pairs' $t \ge k > s$. On a float32 case at chunk 256 this took the relative error of $dA$ from $1.3 \cdot 10^{-4}$ to $5.9 \cdot 10^{-6}$ and that of $d\,\mathrm{dt\_bias}$ from $2.7 \cdot 10^{-5}$ to $7.5 \cdot 10^{-7}$ (in the interpreter). Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$, so their gradients move back one row (`queries_to_rows`).
+# The backward pass walks the same chunk grid, and each of chapter 5's backward steps serves both directions at once:
+#
+# 1. what the outputs of a chunk send to the two states that reach it, $dH_c$ and $dH'_c$, from the chunk-state kernel with `grad=True` (one read of $dy$, and of $C$ when the directions share it);
+# 2. the two carries again, each walked the other way;
+# 3. $dx$, through the full diagonal block and both states;
+# 4. $dG$, the gradient of the diagonal block's scores, and the pair sums of the decay gradients;
+# 5. $dB$, $dC$ and the reverse direction's $dB'$, $dC'$;
+# 6. the gradients of $\Delta$, $\Delta'$, $A$ and `dt_bias` from the decay gradients of both directions, each step's gradient summed over the pairs and positions whose decay holds that step, as in chapter 5.
+#
+# A reverse pair $(t, s)$, $s > t$, decays by $A \sum_{t \le k < s} \Delta'_k$ (without the shift), so it counts for the steps $s > k \ge t$: the mirror image of the forward pairs' $t \ge k > s$. Summing each step's gradient over the pairs that straddle it, instead of taking the reverse sum over $r \ge k$ of $\partial\mathcal J/\partial \ell_r$ (where, as chapter 5 shows, most pairs cancel in float32), took the relative error of $dA$ on a float32 case at chunk 256 from $1.3 \cdot 10^{-4}$ to $5.9 \cdot 10^{-6}$ and that of $d\,\mathrm{dt\_bias}$ from $2.7 \cdot 10^{-5}$ to $7.5 \cdot 10^{-7}$ (in the interpreter). Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$: the gradient formed at row $t$ goes to $C_{t-1}$, one row back, and to $C'_{t+1}$, one row on (`queries_to_rows`).
 
 # %%
 show_source(bidirectional_backward)
@@ -411,7 +420,7 @@ for shift in (False, True):
 # %% [markdown]
 # ## The foil: two calls
 #
-# The naive way, from `mamba_annotated/bidirectional/naive.py`, is a few lines of PyTorch around chapter 5's kernel. It is correct (we checked it above), and it is what the published models run today in one form or another:
+# The naive way, from `mamba_annotated/bidirectional/naive.py`, is a few lines of PyTorch around chapter 5's kernel. It is correct (we checked it above), and it is how a bidirectional SSM is computed wherever no fused kernel is at hand:
 
 # %%
 show_source(bidirectional_two_calls)
@@ -442,9 +451,9 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the GPU that ran this page, the fused call cost about 1.6 times one causal call (1.02 against 0.631 ms). It took under a third of the time of the two-call composition, which pays for its flips and copies on top of two causal calls.
+# On the H200 that ran this page, the fused call took 1.02 ms: about 1.6 times one causal call (0.631 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from an H100, the same fused-to-causal ratio is 1.87.
 #
-# That composition is not the naive peer of the benchmark below, and the two should not be compared by their milliseconds. This cell times `bidirectional_two_calls` as shown above, with shared parameters and no shift: our `ssd_chunk_scan` twice, on a flipped copy of $x$, $\Delta$, $B$ and $C$ for the reverse call, then PyTorch sums the two outputs, adds $D x$ and rounds the result, all in float32, so that the sum is rounded to bfloat16 once, as the fused kernel's is. Each of those float32 steps is a full pass over an output-sized tensor of twice the bytes of $x$. The benchmark's "naive two calls (mamba_ssm)" calls mamba_ssm's kernel twice on flipped copies as well, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass: much less traffic outside the kernels. Both are timed on the same shape (bfloat16, (4, 4096, 80, 64, 128), chunk 256, with $D$, `dt_bias` and softplus), so the composition here can take longer than the benchmark's naive row although our causal kernel is the faster of the two (chapter 5).
+# Do not compare the 3.2 ms with the benchmark's "naive two calls (mamba_ssm)" row: that row ran on another GPU, and it does less work outside the kernels. The cell above times `bidirectional_two_calls` as shown earlier, with shared parameters and no shift: our `ssd_chunk_scan` twice, on a flipped copy of $x$, $\Delta$, $B$ and $C$ for the reverse call, then PyTorch sums the two outputs, adds $D x$ and rounds the result, all in float32, so that the sum is rounded to bfloat16 once, as the fused kernel's is. Each of those float32 steps is a full pass over an output-sized tensor of twice the bytes of $x$. The benchmark's "naive two calls (mamba_ssm)" calls mamba_ssm's kernel twice on flipped copies as well, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass: much less traffic outside the kernels. Both are timed on the same shape (bfloat16, (4, 4096, 80, 64, 128), chunk 256, with $D$, `dt_bias` and softplus), so on one GPU the composition here could take longer than the benchmark's naive row although our causal kernel is the faster of the two (chapter 5).
 #
 # The benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
 
@@ -457,7 +466,7 @@ print_table(rows)
 # - ours with `shift=True` and separate reverse parameters, against Hydra's own method {cite}`repo_hydra` (both directions stacked along the batch through one `mamba_chunk_scan_combined` call, then a roll, a flip and a sum; the bar: at least 1.5× faster);
 # - peak memory over a forward and backward pass, and the time of each kernel of our pipeline.
 #
-# When its JSON is beside the book, it is shown here, each time divided by our causal SSD's on the same shape and pass:
+# When its JSON is beside the book, it is shown here. The tables give times in ms; the figure divides each time by our causal SSD's on the same shape and pass, and draws the 1.25× bar:
 
 # %% tags=["nbval-ignore-output"]
 results = pathlib.Path("data/bidirectional_bench.json")  # python benchmarks/bench_bidirectional.py --json ...
@@ -508,7 +517,7 @@ else:
           "--json book/data/bidirectional_bench.json writes it (bash scripts/gpu_benchmarks.sh bidirectional)")
 
 # %% [markdown]
-# **Verdict** (the stored run, an H100): the fused pipeline beats both ways the published models compute a bidirectional SSM today, at both shapes. With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal ones run at 16–20 % of their floor (the `pct_floor` column: the time of their FLOPs at the measured matmul rate or of their bytes at the measured copy bandwidth, whichever is longer; see {term}`memory floor`), so there is room, but not from fusion alone.
+# **Verdict** (the stored run, an H100): the fused pipeline beats the two-call composition on mamba_ssm and Hydra's doubled batch at both shapes (Bi-Mamba2's own fused kernels were not measured). With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal ones run at 16–20 % of their floor (the `pct_floor` column: the time of their FLOPs at the measured matmul rate or of their bytes at the measured copy bandwidth, whichever is longer; see {term}`memory floor`), so there is room, but not from fusion alone.
 #
 # :::{admonition} Performance notes
 # :class: dropdown
