@@ -204,6 +204,8 @@ def test_the_draws_cover_every_option():
     assert seen("causal", True) and seen("causal", False)
     assert seen("window_size", lambda w: w is not None and w[0] >= 0)
     assert seen("softcap", lambda c: c and c > 0)
+    assert seen("softmax_scale", 0.0) and seen("softmax_scale", 0.3)  # a negative scale: its own test below
+    assert any(d.get("rotary_dtype") == torch.float32 and d["dtype"] != torch.float32 for d in draws)
     assert seen("alibi", "heads") and seen("alibi", "batch, heads")
     assert any(d["kv_heads"] == 1 < d["heads"] for d in draws) and any(1 < d["kv_heads"] < d["heads"] for d in draws)
     assert seen("seqlen_q", 1) and seen("seqlen_q", lambda n: n > 1)
@@ -236,7 +238,7 @@ def test_queries_rotate_per_row_only_when_causal_or_local(causal, window_size):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_decoding_step_with_grouped_heads_and_every_split_count(dtype):
-    """One query per head (32 heads packed 4 to a kv head), a cache several key blocks long: every
+    """One query per head (8 heads packed 4 to a kv head), a cache several key blocks long: every
     split count gives the reference's result, and they agree with one another."""
     case = make_case(batch=2, seqlen_q=1, heads=8, kv_heads=2, head_dim=64, dtype=dtype, capacity=97,
                      seqlens=[96, 45], new=1, causal=True)
@@ -474,7 +476,7 @@ def test_bad_inputs_raise_clear_errors(build, error, message, no_launch):
 
 OUT_OF_RANGE = [
     (dict(cache_seqlens=[3, 20]), r"cache_seqlens \+ seqlen_new \(2\) must be between 0 and the cache's capacity"),
-    (dict(cache_seqlens=[-1, 3]), "cache_seqlens"),
+    (dict(cache_seqlens=[-1, 3]), r"cache_seqlens \+ seqlen_new \(2\) must be between 0"),
     (dict(cache_leftpad=[4, 0]), "cache_leftpad must be between 0 and cache_seqlens"),
     (dict(cache_batch_idx=[0, 4]), r"cache_batch_idx must index the rows of k_cache \(0 <= index < 4\)"),
     (dict(cache_batch_idx=[-1, 1]), "cache_batch_idx must index"),
@@ -495,10 +497,27 @@ def test_out_of_range_indices_raise(indices, message):
     if ON_GPU:
         assert_refused_in_a_child_process("attention_with_kvcache", message, **case)
         return
-    k_cache = case["k_cache"].clone()
+    k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
     with pytest.raises(RuntimeError, match=message):
         attention_with_kvcache(**case)
-    assert torch.equal(case["k_cache"], k_cache), "nothing is written when an index is out of range"
+    assert torch.equal(case["k_cache"], k_cache) and torch.equal(case["v_cache"], v_cache), \
+        "nothing is written when an index is out of range"
+
+
+def test_rotary_positions_past_the_table_raise():
+    """Queries rotated per row at cache_seqlens + i need seqlen_ro >= cache_seqlens + seqlen_q: the fifth
+    index check, refused like the others (nothing written), and the last start that fits accepted."""
+    case = make_case(batch=2, seqlen_q=3, capacity=21, seqlens=[3, 19], new=2, rotary_dim=8, causal=True)
+    case["rotary_cos"], case["rotary_sin"] = case["rotary_cos"][:21], case["rotary_sin"][:21]
+    message = r"rotary_cos and rotary_sin need a row for every query position.*seqlen_ro \(21\)"
+    if ON_GPU:
+        assert_refused_in_a_child_process("attention_with_kvcache", message, **case)
+    else:
+        k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+        with pytest.raises(RuntimeError, match=message):
+            attention_with_kvcache(**case)
+        assert torch.equal(case["k_cache"], k_cache) and torch.equal(case["v_cache"], v_cache)
+    check_case(case | dict(cache_seqlens=ints([3, 18])))
 
 
 def test_index_check_kernel_reads_every_sequence_and_every_page_it_holds():
@@ -608,6 +627,30 @@ def test_cache_offsets_past_2_31_elements(layout):
     assert_within_same_computation("lse", lse, same_lse, ref_lse, torch.bfloat16)
 
 
+@pytest.mark.parametrize("softmax_scale", [-0.5, 0.0])
+def test_softmax_scale_negative_and_zero(softmax_scale):
+    """A scale <= 0 takes the kernels' SCALE_FIRST path (the drawn cases never draw a negative one)."""
+    check_case(make_case(batch=2, seqlen_q=3, capacity=29, seqlens=[7, 20], new=2, causal=True,
+                         softmax_scale=softmax_scale, num_splits=2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_sides_at_or_past_the_capacity_are_unbounded(causal):
+    """flash_attn reads a side >= the cache's capacity (33 here) as -1: (33, 40) is full attention, so the
+    queries rotate at cache_seqlens (all alike) unless causal. The reference's window is written out,
+    not taken from resolve_window (which reference_arguments uses)."""
+    case = make_case(batch=2, seqlen_q=4, heads=2, kv_heads=1, capacity=33, seqlens=[5, 20], new=2, rotary_dim=32,
+                     causal=causal, window_size=(33, 40))
+    k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+    out, lse = attention_with_kvcache(**(case | dict(k_cache=k_cache, v_cache=v_cache)), return_softmax_lse=True)
+    args = {n: v for n, v in case.items() if n not in ("window_size", "num_splits")}
+    window = (-1, 0) if causal else (-1, -1)
+    ref_out, ref_lse, _, _ = kvcache_reference(**args, window=window)
+    same_out, same_lse, _, _ = kvcache_reference(**args, window=window, attend=naive_attention)
+    assert_within_same_computation("out", out, same_out, ref_out, torch.float32)
+    assert_within_same_computation("lse", lse, same_lse, ref_lse, torch.float32)
+
+
 # --- torch.library, torch.compile, CUDA graphs -----------------------------------------------------
 
 def op_arguments(case, window=(-1, -1), rotate_per_row=False, num_splits=2):
@@ -621,6 +664,14 @@ def test_opcheck(layout, new, rotary):
     case = make_case(batch=2, seqlen_q=2, capacity=15, layout=layout, page_size=4, seqlens=[3, 9], new=new,
                      rotary_dim=8 if rotary else 0, leftpad=[1, 2])
     torch.library.opcheck(attention_with_kvcache_op, op_arguments(case, (-1, 0), rotate_per_row=True))
+
+
+def test_opcheck_strided_q():
+    """The fake function's out has the real one's (contiguous) strides when q is a transposed view."""
+    case = make_case(batch=2, seqlen_q=3, capacity=15, seqlens=[3, 9], new=1)
+    case["q"] = case["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not case["q"].is_contiguous()
+    torch.library.opcheck(attention_with_kvcache_op, op_arguments(case))
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -672,3 +723,4 @@ def test_cuda_graph_capture_replays_decoding_steps():
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(k_cache, eager_k), f"step {step}"
         seqlens += 1
+

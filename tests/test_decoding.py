@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mamba_annotated.modules.lm as lm_module
 from mamba_annotated.modules import MHA, BiMamba2, Hydra, InferenceParams, LMConfig, LMHeadModel, Mamba, Mamba2
+from mamba_annotated.modules.lm import sample
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.scan.reference import discretize
 from mamba_annotated.scan.selective_step import selective_state_update
@@ -172,7 +174,7 @@ def test_selective_step_unimplemented_and_bad_inputs():
 BLOCKS = {
     "mamba2": lambda: Mamba2(32, d_state=8, headdim=16, ngroups=2, chunk_size=16, layer_idx=0),
     "mamba2-no-norm-mlp": lambda: Mamba2(32, d_state=8, headdim=16, d_ssm=32, D_has_hdim=True, rmsnorm=False,
-                                         bias=True, dt_limit=(0.01, 0.3), chunk_size=16, layer_idx=0),
+                                         bias=True, dt_limit=(0.02, 0.05), chunk_size=16, layer_idx=0),
     "mamba": lambda: Mamba(16, d_state=8, layer_idx=0),
     "mha-gqa-rotary": lambda: MHA(32, 2, num_heads_kv=1, causal=True, rotary_emb_dim=8, layer_idx=0),
     "mha-conv-mlp": lambda: MHA(32, 2, causal=True, d_conv=4, mlp_dim=64, rotary_emb_dim=16,
@@ -348,6 +350,42 @@ def test_generate_stops_at_eos_and_returns_scores():
     out = lm.generate(prompt, max_length=9, eos_token_id=eos, return_dict_in_generate=True, output_scores=True)
     assert torch.equal(out.sequences, greedy[:, :5 if eos not in greedy[0, 3:4].tolist() else 4])
     assert len(out.scores) == out.sequences.shape[1] - 3 and out.scores[0].shape == (1, 37)
+
+
+def test_generate_scores_are_the_logits_of_each_step():
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (2, 3), device=DEVICE)
+    out = lm.generate(prompt, max_length=7, return_dict_in_generate=True, output_scores=True)
+    assert len(out.scores) == out.sequences.shape[1] - 3 == 4
+    with torch.no_grad():
+        for i, score in enumerate(out.scores):
+            want = lm(out.sequences[:, :3 + i]).logits[:, -1, :37]
+            assert score.shape == (2, 37)
+            assert_close(score, want, TOL, f"score of step {i}")
+            assert torch.equal(score.argmax(-1), out.sequences[:, 3 + i])
+
+
+def test_generate_stops_once_every_row_has_produced_eos(monkeypatch):
+    """Row 0 produces eos at the first step, row 1 at the second: generation stops there."""
+    script = iter([[5, 7], [9, 5], [1, 1], [2, 2], [3, 3], [4, 4]])
+    monkeypatch.setattr(lm_module, "sample", lambda logits, **_: torch.tensor(next(script), device=DEVICE))
+    out = hybrid_lm().generate(torch.randint(0, 37, (2, 3), device=DEVICE), max_length=9, eos_token_id=5)
+    assert out[:, 3:].tolist() == [[5, 9], [7, 5]]
+
+
+def test_sample_top_p_and_temperature():
+    """top_p keeps the smallest set of most likely tokens whose mass reaches p, renormalised;
+    temperature T samples softmax(logits / T)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log().float().to(DEVICE).expand(20000, 4)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for top_p, temperature, want in ((0.7, 1.0, [0.5, 0.3, 0, 0]), (0.9, 1.0, [0.5, 0.3, 0.15, 0]),
+                                     (0.4, 1.0, [1.0, 0, 0, 0]), (0.0, 0.5, (probs ** 2).tolist())):
+        tokens = sample(logits, top_k=0, top_p=top_p, temperature=temperature, generator=generator)
+        freq = torch.bincount(tokens, minlength=4).cpu().double() / tokens.numel()
+        want = torch.tensor(want, dtype=torch.float64) / sum(want)
+        assert (freq[want == 0] == 0).all(), (top_p, temperature, freq)
+        assert (freq - want).abs().max() < 0.02, (top_p, temperature, freq)
 
 
 def test_encoder_lm_runs_forward_and_refuses_to_generate():

@@ -9,6 +9,7 @@ on a GPU where mamba_ssm's Triton kernels import, against the peer too. Then eve
 ``torch.library`` op: ``opcheck``, ``torch.compile(fullgraph=True)`` of a model using all four
 against eager, and (GPU) CUDA-graph capture of forward and backward.
 """
+import inspect
 import math
 import pathlib
 import sys
@@ -193,8 +194,10 @@ def test_accelerated_scan_call():
 def test_opcheck_scans():
     a, b, h0 = uniform(3, 21, low=0.6, high=1.0), randn(3, 21), randn(3)
     for op in (linear_scan_op, sequential_scan_op):
-        for args in ((a, b, h0, False), (a.requires_grad_(), b.requires_grad_(), None, True)):
-            torch.library.opcheck(op.op, args)
+        # without a gradient, then with one (each tuple built as its turn comes: requires_grad_ in
+        # the second would otherwise mark the first's tensors before it runs)
+        torch.library.opcheck(op.op, (a, b, h0, False))
+        torch.library.opcheck(op.op, (a.detach().requires_grad_(), b.detach().requires_grad_(), None, True))
     u, delta = randn(1, 4, 19).requires_grad_(), uniform(1, 4, 19, low=0.1, high=0.5).requires_grad_()
     A, B, C = -uniform(4, 3, low=0.5, high=1.5).requires_grad_(), randn(1, 3, 19).requires_grad_(), randn(1, 3, 19)
     torch.library.opcheck(selective_scan_op.op, (u, delta, A, B, C, randn(4), None, None, True, True))
@@ -368,14 +371,22 @@ def test_mamba2_call_site_matches_mamba_ssm(dtype):
     assert rel_error(mine, want) <= 2 * rel_error(peer_out, want) + 1e-6
 
 
+def test_rmsnorm_fn_signature_is_mamba_ssms():
+    """mamba_ssm's rmsnorm_fn signature, written out (the comparison with mamba_ssm's own needs it installed)."""
+    from mamba_annotated import rmsnorm_fn
+    empty = inspect.Parameter.empty
+    got = [(p.name, p.default, p.kind) for p in inspect.signature(rmsnorm_fn).parameters.values()]
+    assert got == [(name, default, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name, default in
+                   [("x", empty), ("weight", empty), ("bias", empty), ("z", None), ("eps", 1e-6),
+                    ("group_size", None), ("norm_before_gate", True)]]
+
+
 @gpu_only
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_rmsnorm_fn_matches_mamba_ssm(norm_before_gate):
     """Our gated norm takes mamba_ssm's rmsnorm_fn arguments (names, order, defaults) and is as close
     to float64 as the peer or closer, output and gradients (bfloat16 x and z, float32 weight, as a
     Mamba-2 block under autocast, 8 groups)."""
-    import inspect
-
     from mamba_annotated import rmsnorm_fn
     from mamba_annotated.gated_norm import rmsnorm_ref
 

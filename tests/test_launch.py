@@ -1,12 +1,15 @@
 """The lean launch path (mamba_annotated/launch.py): its cache key is at least as fine as Triton's
 specialization, it binds arguments as Triton does, and on a GPU it launches the very kernel
 Triton's own path would, with the same results."""
+import types
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+import mamba_annotated.launch as launch_module
 from mamba_annotated.launch import LeanLaunch, classify
 from mamba_annotated.runtime import DEVICE
 
@@ -118,3 +121,57 @@ def test_lean_path_keeps_the_tuned_configuration():
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     (_, placed), = launcher.compiled.values()  # the tuned block sizes, by parameter index
     assert {launcher.param_names[i]: value for i, value in placed} == tuned.best_config.kwargs
+
+
+# --- the lean path on the CPU, through a stand-in for Triton's launch path ----------------------------
+
+class FakeTriton:
+    """Stands for ``triton.jit(add_kernel)`` (or an autotuned one): ``kernel[grid](...)`` records the call
+    and returns a compiled kernel whose ``run`` records the lean launches."""
+
+    def __init__(self, best=None):
+        self.fn = JITFunction(add_kernel)
+        self.calls, self.runs = [], []
+        if best is not None:
+            self.keys, self.best_config = ["n"], types.SimpleNamespace(kwargs=best, pre_hook=None)
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.calls.append((args, kwargs))
+            compiled = types.SimpleNamespace(function=len(self.calls), packed_metadata=None)
+            compiled.run = lambda *a: self.runs.append((compiled.function, a))
+            return compiled
+        return call
+
+
+@pytest.fixture
+def device(monkeypatch):
+    monkeypatch.setattr(launch_module, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "current_stream", lambda device: 1234)
+
+
+def test_first_call_per_specialization_goes_through_triton_then_lean(device):
+    fake = FakeTriton()
+    lean = LeanLaunch(fake)
+    t = torch.zeros(64)
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)  # noqa: E731
+    for views in ((t, t), (t[1:], t[1:]), (t, t), (t[1:], t[1:]), (t[4:], t[4:])):
+        lean[grid](*views, t, 40, 1, SCALE=2.0)
+    assert len(fake.calls) == 2 and len(lean.compiled) == 2     # aligned and misaligned
+    assert [function for function, _ in fake.runs] == [1, 2, 1]  # t[4:] is aligned: kernel 1
+    _, args = fake.runs[0]
+    assert args[:4] == (1, 1, 1, 1234)                            # cdiv(40, 64) programs, the stream
+    assert args[-7:] == (t.data_ptr(), t.data_ptr(), t.data_ptr(), 40, 1, 2.0, 64)
+    lean[grid](t, t, t, 16, 1, SCALE=2.0)                         # n divisible by 16: another kernel
+    assert len(fake.calls) == 3
+
+
+def test_tuned_configuration_is_launched(device):
+    fake = FakeTriton(best={"BLOCK": 32})
+    lean = LeanLaunch(fake)
+    t = torch.zeros(64)
+    grid = lambda meta: (triton.cdiv(meta["n"], meta["BLOCK"]),)  # noqa: E731
+    for _ in range(2):
+        lean[grid](t, t, t, 40, 1, SCALE=2.0)
+    (_, args), = fake.runs
+    assert args[:3] == (2, 1, 1) and args[-1] == 32               # cdiv(40, 32) programs, BLOCK=32
