@@ -94,7 +94,9 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# $M$ is lower-triangular and *semiseparable*: every block of $M$ that lies below the diagonal has rank at most $N$, because $M_{ts} = e^{\ell_t} C_t \cdot B_s e^{-\ell_s} \Delta_s$ factors into a term of $t$ times a term of $s$. Two ways to multiply by $M$ follow:
+# (This takes no initial state. An initial state $h_{-1}$ adds $e^{\ell_t} h_{-1} C_t$ to $y_t$, and the skip $D x_t$ and the gate act on $y$ afterwards; the check below includes all three.)
+#
+# $M$ is lower-triangular and *semiseparable*: every block of $M$ on or below the diagonal has rank at most $N$, because $M_{ts} = e^{\ell_t} C_t \cdot B_s e^{-\ell_s} \Delta_s$ factors into a term of $t$ times a term of $s$. Two ways to multiply by $M$ follow:
 #
 # - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, and $e^{\ell_t - \ell_s}$ a causal {term}`mask` with decay;
 # - **linear** (the recurrent form): walk $t$ and carry $h_t$, $O(L N P)$ work, but a chain of $L$ dependent steps.
@@ -150,7 +152,7 @@ plt.show()
 # Cut time into chunks of $Q$ positions. $M$ falls into $Q \times Q$ blocks:
 #
 # - **diagonal blocks** (inside a chunk) are small triangular matrices: multiply by them in the quadratic form, a pair of matmuls per chunk;
-# - **off-diagonal blocks** have rank $\le N$ and factor through the state. For $t$ in chunk $c$ and $s$ in an earlier chunk, $M_{ts} x_s$ summed over those $s$ is $e^{\ell_t} H_c C_t$ with $\ell$ now counted from the start of chunk $c$ and $H_c$ the state entering chunk $c$.
+# - **off-diagonal blocks** have rank $\le N$ and factor through the state. For $t$ in chunk $c$ and $s$ in an earlier chunk, $M_{ts} x_s$ summed over those $s$ is $e^{\ell_t} H_c C_t$ with $\ell$ now counted from the start of chunk $c$ and $H_c$ the state entering chunk $c$. To see it, split the decay at the chunk's edge: with $t_0$ the chunk's first position, $e^{\ell_t - \ell_s} = e^{\ell_t - \ell_{t_0-1}}\, e^{\ell_{t_0-1} - \ell_s}$. The first factor depends on $t$ alone and is $e^{\ell_t}$ with $\ell$ counted from the chunk's start; the second, times $\Delta_s x_s B_s^\top$ and summed over all $s < t_0$, is the state $H_c$.
 #
 # The states entering the chunks obey a short recurrence, one step per chunk (chapter 4's carry, with a matrix in place of a number):
 #
@@ -194,7 +196,7 @@ for chunk in (8, 16, 64):
 # %% [markdown]
 # ## The kernels
 #
-# Each kernel below is shown from the package source, run, and checked against the matching step of the chunked reference (`return_intermediates=True` returns each step in the kernels' layouts). On a CPU the {term}`interpreter` runs them at chunk 16.
+# Each kernel below is shown from the package source, run, and checked against the matching step of the chunked reference (`return_intermediates=True` returns each step in the kernels' layouts). They run at chunk 16 here, small enough for the {term}`interpreter` on a CPU; the benchmarks below use 256.
 
 # %%
 chunk = 16
@@ -204,9 +206,9 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 # %% [markdown]
 # ### 1. The cumulative log-decay inside each chunk
 #
-# One {term}`program` per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot holds the decay of the whole chunk. With packed sequences (`seq_idx`, below) the sum restarts wherever the sequence changes inside the chunk: `tl.associative_scan` with `add_or_restart`, a segmented sum whose combine drops what came before a run's first position with a select. Every weight the later kernels keep is a difference $\ell_t - \ell_s$ inside one sequence, or starts at the chunk's edge, so the restart changes none of them; what it changes is shown in the note on non-finite inputs below.
+# One {term}`program` per (batch, chunk, 8 heads) loads $\Delta$, adds the bias, applies the softplus and the clamp, multiplies by $A$ and takes `tl.cumsum` along the chunk. Positions past $L$ get $\Delta = 0$, so the chunk's last slot holds the decay of the whole chunk. With packed sequences (`seq_idx`, below) the sum restarts wherever the sequence changes inside the chunk: `tl.associative_scan` with `add_or_restart`, a segmented sum whose combine drops what came before a run's first position with a select. The restart changes none of the weights the later kernels keep: each is either a difference $\ell_t - \ell_s$ with $t$ and $s$ in one sequence, where a restart before both cancels, or an $e^{\ell_t}$ counted from the chunk's start, kept only for the rows of the sequence that runs in from the previous chunk, before any restart; what it changes is shown in the note on non-finite inputs below.
 #
-# **The sums keep their low part.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number near 325 is only good to half an {term}`ulp` of 325, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ however small the difference is: exactly the weights near the chunk's end, where the chunk's state sits, came out $3 \cdot 10^{-5}$ off in relative terms, and a float32 final state six times further from float64 than mamba_ssm's on an H100. So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores each sum as two float32 numbers, $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest (scaled by $\log_2 e$ for `exp2`; `natural_sums` turns them back into float64 sums for the check above). No kernel does float64 arithmetic: a kernel takes $e^{\ell^{hi}_t - \ell^{hi}_s}$ per weight (exact where the two are within a factor 2 of each other, by Sterbenz's lemma) and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
+# **The sums keep their low part.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number between 256 and 512 is only good to half an {term}`ulp`, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ however small the difference is. The weights hit hardest are those near the chunk's end, which make up most of the chunk's state: on an H100 they came out $3 \cdot 10^{-5}$ off in relative terms, and the float32 final state six times further from float64 than mamba_ssm's. So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores each sum as two float32 numbers, $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest (scaled by $\log_2 e$ for `exp2`; `natural_sums` turns them back into float64 sums for the check below). No kernel does float64 arithmetic: a kernel subtracts $\ell^{hi}_t - \ell^{hi}_s$, which float32 does exactly where the two are within a factor 2 of each other (Sterbenz's lemma), takes the exponential per weight and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
 
 # %%
 show_source(add_or_restart)
@@ -231,6 +233,9 @@ for name, sums in (("float32 sums", sums32.double()), ("float64 sums", sums64)):
     exponents = (sums[-1] - sums[-9:]).float().double()  # the difference, rounded once to float32
     error = (exponents - exact).abs().max().item()  # an exponent's error is its weight's relative error
     print(f"{name}: |a_last| = {sums[-1].abs().item():.0f}, largest error of a_last - a_t: {error:.1e}")
+
+# %% [markdown]
+# Summed in float32, the exponents of the chunk's last weights come out $1.7 \cdot 10^{-5}$ off, about half the bound of $3 \cdot 10^{-5}$ (an exponent's error is its weight's relative error). Summed in float64, only the final rounding of the difference to float32 is left, $4.8 \cdot 10^{-7}$.
 
 # %% [markdown]
 # ### 2. $C \cdot B$ inside each chunk, once per group
@@ -451,7 +456,7 @@ check("packed sequences (seq_idx) and dt_limit: final state", got_final, want_fi
 # \end{aligned}
 # $$
 #
-# a **reverse** cumulative sum inside each chunk, because $\ell_r = \sum_{k \le r} \Delta_k A$. Then $d\Delta_k \mathrel{+}= A\, \partial\mathcal J/\partial(\Delta_k A)$, $dA = \sum_k \Delta_k\, \partial\mathcal J/\partial(\Delta_k A)$, and $d\Delta$ goes back through the clamp (zero outside the limits), the softplus (times $\sigma$) and the bias (summed).
+# a **reverse** cumulative sum inside each chunk, because $\ell_r = \sum_{k \le r} \Delta_k A$. Then $d\Delta_k \mathrel{+}= A\, \partial\mathcal J/\partial(\Delta_k A)$, $dA = \sum_k \Delta_k\, \partial\mathcal J/\partial(\Delta_k A)$, and $d\Delta$ goes back through the clamp (zero outside the limits), the softplus (times its derivative, the sigmoid $\sigma(\mathrm{dt} + \mathrm{dt\_bias})$) and the bias (summed).
 #
 # **Sums that cancel, and sums that do not.** That formula is right, and in float32 it is not good enough. Write $W_{ts} = (C_t \cdot B_s)\, dCB^{(h)}_{ts}$ for one pair of the diagonal block. It reaches $\partial\mathcal J/\partial \ell_t$ with a plus and $\partial\mathcal J/\partial \ell_s$ with a minus, so in the reverse sum over $r \ge k$ it cancels whenever both $t$ and $s$ are at or after $k$. Those are most pairs, and the largest ones: near the diagonal $\Gamma_{ts} \approx 1$. What is left is a small number made from two large sums, each carrying the rounding of the whole chunk. The property sweep of the reliability work found it: a float32 case at chunk 256 had $dA$ off by $1.6 \cdot 10^{-4}$ of its size (the bound is $10^{-4}$), and the error grew with the chunk ($4.8 \cdot 10^{-5}$ at chunk 64), while $dx$ stayed at $10^{-6}$.
 #
@@ -710,7 +715,7 @@ else:
           f"(measured matmul rate {matmul_tflops():.0f} TFLOP/s)")
 
 # %% [markdown]
-# In the stored benchmark (H200, bfloat16; run before the step gradients took their accurate form, which costs the backward pass about 10 %, see the $dCB$ kernel above) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.4× to 1.7×), with no more peak memory, and runs at 16.5–19.8 % of its floor (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound); in the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time.
+# In the stored benchmark (H200, bfloat16; run before the step gradients took their accurate form, which costs the backward pass about 10 %, see the $dCB$ kernel above) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.4× to 1.7×), with no more peak memory, and its floor is 16.5–19.8 % of its measured time (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound); in the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time.
 
 # %% [markdown]
 # ## What we have, and what comes next
