@@ -312,7 +312,7 @@ show_fragment(selective_scan_bwd_kernel, "for n in range(dstate):", "# the adjoi
 show_fragment(selective_scan_bwd_kernel, "# the adjoint: reverse scan")
 
 # %% [markdown]
-# The next cell checks every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 64 on a GPU), and once more through the last state. On a GPU the length, 1000, stays inside one forward chunk of 1024; `test_every_block_size_the_sweeps_may_pick` in `tests/test_selective_scan.py` crosses forward chunks with shorter ones. $A$, $D$ and the bias are float32 parameters, and so are their gradients: only the gradients of the 16-bit inputs are rounded, which is why those rows show errors near $10^{-3}$ and the others near $10^{-7}$:
+# The next cell checks every gradient against float64 autograd through the reference loop, with a random upstream gradient, on a length that crosses several backward chunks (`BLOCK_L` is 16 steps in the {term}`interpreter`, 64 on a GPU), and once more through the last state. On a GPU the length, 1500, crosses the boundary between the first two forward chunks (1024 steps each) and spans 24 backward chunks of 64 steps, the last one partial; `test_every_block_size_the_sweeps_may_pick` in `tests/test_selective_scan.py` crosses forward chunks with shorter ones too. $A$, $D$ and the bias are float32 parameters, and so are their gradients: only the gradients of the 16-bit inputs are rounded, which is why those rows show errors near $10^{-3}$ and the others near $10^{-7}$:
 
 # %%
 def check_gradients(label, inputs, dtype, use_last_state=False):
@@ -329,7 +329,7 @@ def check_gradients(label, inputs, dtype, use_last_state=False):
         check(f"{label}: grad {name}", g, w, tolerance(dtype))
 
 
-grad_length = runtime.size(gpu=1000, cpu=2 * BWD_BLOCK_L + 3)
+grad_length = runtime.size(gpu=1500, cpu=2 * BWD_BLOCK_L + 3)
 check_gradients("float32", make_inputs(2, 4, 4, grad_length), torch.float32)
 check_gradients("bfloat16", make_inputs(1, 4, 4, grad_length, torch.bfloat16), torch.bfloat16)
 check_gradients("through the last state", make_inputs(1, 4, 4, grad_length), torch.float32, use_last_state=True)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import outputs
 from .library import absent, contiguous, define_op, last_dim_contiguous
 from .runtime import DEVICE, sm_count
 from .triton_ops import block_size, cdiv, silu_and_slope
@@ -175,8 +176,10 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     bands = cdiv(max(rows, 1), rows_per_band)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dz = torch.empty(z.shape, dtype=z.dtype, device=x.device) if z is not None else None
-    dw = torch.zeros((bands, width), dtype=torch.float32, device=x.device)
-    db = torch.zeros((bands, width), dtype=torch.float32, device=x.device) if bias is not None else None
+    # each band's partial sums: every element written by the kernel, or zeros when there is no row
+    partials = outputs.empty if rows else (lambda shape, dtype, device: torch.zeros(shape, dtype=dtype, device=device))
+    dw = partials((bands, width), torch.float32, x.device)
+    db = partials((bands, width), torch.float32, x.device) if bias is not None else None
     if rows:
         gated_rms_norm_bwd_kernel[(bands, n_groups)](
             x2, z2 if z2 is not None else x2, weight, bias if bias is not None else weight, rstd, dy2, dx,
@@ -199,7 +202,6 @@ def save_gated_rms_norm(ctx, inputs, output):  # "output": torch.library passes 
     ctx.save_for_backward(x, weight, bias, z, output[1])
     ctx.options = (eps, group_size, norm_before_gate)
     ctx.mark_non_differentiable(output[1])
-    ctx.set_materialize_grads(False)
 
 
 def gated_rms_norm_grads(ctx, run_backward, d_out, _):

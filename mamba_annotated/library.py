@@ -21,7 +21,8 @@ Each op is described by six functions:
     save(ctx, inputs, output)                   keeps on ctx what ``grads`` needs (torch.library
                                                 passes ``output`` by that name)
     grads(ctx, backward, *output_grads)         the inputs' gradients, calling ``backward``, which
-                                                is the backward op or the plain function
+                                                is the backward op or the plain function; the
+                                                gradient of an output that no loss reached is None
 
 Custom ops return tensors only, so the gradient of an optional input that was None travels as an
 empty tensor (:func:`absent`), and ``grads`` returns None for it.
@@ -56,14 +57,22 @@ def define_op(name, forward, fake_forward, backward, fake_backward, save, grads)
     forward_op.register_fake(fake_forward)
     backward_op = torch.library.custom_op(f"{NAMESPACE}::{name}_backward", backward, mutates_args=())
     backward_op.register_fake(fake_backward)
+
+    def setup_context(ctx, inputs, output):
+        # the gradient of an output that no loss reached (lse, a last state, a saved intermediate)
+        # reaches ``grads`` as None: by default autograd would allocate and fill zeros for it at
+        # every backward pass (a launch, and memory the size of that output)
+        ctx.set_materialize_grads(False)
+        save(ctx, inputs, output)
+
     forward_op.register_autograd(lambda ctx, *output_grads: grads(ctx, backward_op, *output_grads),
-                                 setup_context=save)
+                                 setup_context=setup_context)
 
     class Eager(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
             output = forward(*inputs)
-            save(ctx, inputs, output)
+            setup_context(ctx, inputs, output)
             return output
 
         @staticmethod

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mamba_annotated import attention, linear_scan, selective_scan, ssd_chunk_scan
+from mamba_annotated import (attention, attention_varlen, bidirectional_chunk_scan, linear_scan, rmsnorm_fn,
+                             selective_scan, ssd_chunk_scan)
 from mamba_annotated.attention.reference import attention_ref
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.scan.api import linear_scan_op, selective_scan_op, sequential_scan_op
@@ -329,6 +330,52 @@ def test_forward_without_autograd_gives_the_same_bits():
     plain = all_four_ops(**inputs)  # grad mode on, no input requires a gradient
     assert torch.equal(with_grad.detach(), without_grad) and torch.equal(without_grad, plain)
     assert without_grad.grad_fn is None and plain.grad_fn is None
+
+
+class RecordAtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the aten ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def packed_lengths_attention(q, k, v):
+    cu_seqlens = torch.tensor([0, 4, 11], dtype=torch.int32, device=q.device)
+    return attention_varlen(q[0], k[0], v[0], cu_seqlens, cu_seqlens, 7, 7, causal=True)
+
+
+@pytest.mark.parametrize("name, call, inputs", [
+    ("attention (lse)", lambda q, k, v: attention(q, k, v, causal=True), dict(q=(1, 11, 2, 16), k=(1, 11, 2, 16),
+                                                                            v=(1, 11, 2, 16))),
+    ("attention_varlen (lse)", packed_lengths_attention, dict(q=(1, 11, 2, 16), k=(1, 11, 2, 16), v=(1, 11, 2, 16))),
+    ("selective_scan (last state, chunk states)", lambda u, delta, B, C: selective_scan(
+        u, delta, -torch.ones(4, 3, device=u.device), B, C, delta_softplus=True), dict(u=(1, 4, 17), delta=(1, 4, 17),
+                                                                                      B=(1, 3, 17), C=(1, 3, 17))),
+    ("ssd_chunk_scan (saved intermediates)", lambda x, dt, B, C: ssd_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True), dict(x=(1, 21, 2, 16), dt=(1, 21, 2),
+                                                                                  B=(1, 21, 1, 16), C=(1, 21, 1, 16))),
+    ("bidirectional_chunk_scan (saved intermediates)", lambda x, dt, B, C: bidirectional_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True), dict(x=(1, 21, 2, 16), dt=(1, 21, 2),
+                                                                                  B=(1, 21, 1, 16), C=(1, 21, 1, 16))),
+    ("rmsnorm_fn (rstd)", lambda x, w: rmsnorm_fn(x, w, None), dict(x=(3, 16), w=(16,))),
+])
+def test_backward_fills_no_zeros_for_outputs_no_loss_reached(name, call, inputs):
+    """An op's outputs beside the one a loss uses (lse, the last state, saved intermediates) get no
+    gradient. autograd hands a Python Function zeros in their place unless told not to, an
+    allocation and a fill launch at every backward pass (the size of the chunk states for the
+    selective scan), which library.define_op turns off for every op: the backward dispatches no
+    zeros."""
+    leaves = {key: randn(*shape).requires_grad_() for key, shape in inputs.items()}
+    out = call(**leaves)
+    with RecordAtenOps() as recorder:
+        torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
+    filled = [op for op in recorder.names if op.split(".")[0] in ("zeros", "zeros_like", "zero_")]
+    assert not filled, f"{name}: the backward filled {filled}"
 
 
 @gpu_only

@@ -354,6 +354,16 @@ def dq_program(query_block, batch, head, q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr
         tl.store(dq_ptrs, dq.to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def at_sequence_start(q_ptr, dout_ptr, lse2_ptr, delta_ptr, k_ptr, v_ptr, q_start, k_start, stride_qm, stride_dom,
+                      stride_kn, stride_vn):
+    """The inputs both backward kernels read, moved to one packed sequence's first rows: q, dout,
+    lse2 and delta at query row ``q_start``, k and v at key row ``k_start``."""
+    q_start64, k_start64 = q_start.to(tl.int64), k_start.to(tl.int64)
+    return (q_ptr + q_start64 * stride_qm, dout_ptr + q_start64 * stride_dom, lse2_ptr + q_start,
+            delta_ptr + q_start, k_ptr + k_start64 * stride_kn, v_ptr + k_start64 * stride_vn)
+
+
 @lean_launch
 @triton.jit
 def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, alibi_ptr, seed_ptr,
@@ -385,12 +395,9 @@ def attention_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr
         k_start, seqlen_k = sequence_rows(cu_seqlens_k_ptr, batch, total_k)
         if tl.program_id(0) * BLOCK_N >= seqlen_k:  # the grid covers the longest sequence
             return
-        q_ptr += q_start.to(tl.int64) * stride_qm
-        dout_ptr += q_start.to(tl.int64) * stride_dom
-        lse2_ptr += q_start
-        delta_ptr += q_start
-        k_ptr += k_start.to(tl.int64) * stride_kn
-        v_ptr += k_start.to(tl.int64) * stride_vn
+        q_ptr, dout_ptr, lse2_ptr, delta_ptr, k_ptr, v_ptr = at_sequence_start(
+            q_ptr, dout_ptr, lse2_ptr, delta_ptr, k_ptr, v_ptr, q_start, k_start, stride_qm, stride_dom, stride_kn,
+            stride_vn)
         dk_ptr += k_start.to(tl.int64) * stride_dkn
         dv_ptr += k_start.to(tl.int64) * stride_dvn
     dkdv_program(tl.program_id(0), batch, kv_head,
@@ -431,13 +438,10 @@ def attention_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, 
         k_start, seqlen_k = sequence_rows(cu_seqlens_k_ptr, batch, total_k)
         if tl.program_id(0) * BLOCK_M >= seqlen_q:  # the grid covers the longest sequence
             return
-        q_ptr += q_start.to(tl.int64) * stride_qm
-        dout_ptr += q_start.to(tl.int64) * stride_dom
+        q_ptr, dout_ptr, lse2_ptr, delta_ptr, k_ptr, v_ptr = at_sequence_start(
+            q_ptr, dout_ptr, lse2_ptr, delta_ptr, k_ptr, v_ptr, q_start, k_start, stride_qm, stride_dom, stride_kn,
+            stride_vn)
         dq_ptr += q_start.to(tl.int64) * stride_dqm
-        lse2_ptr += q_start
-        delta_ptr += q_start
-        k_ptr += k_start.to(tl.int64) * stride_kn
-        v_ptr += k_start.to(tl.int64) * stride_vn
     dq_program(tl.program_id(0), batch, head,
                q_ptr, k_ptr, v_ptr, dout_ptr, lse2_ptr, delta_ptr, dq_ptr, alibi_ptr, seed_ptr,
                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,

@@ -81,7 +81,7 @@ MAX_SPLITS = 128
 # 128, bfloat16. Split (batch 1, 131072 cached keys): 64-key tiles, 4 warps, 3 stages were within 0.1 %
 # of the best of 27 configurations (data/decoding_tune.json). Unsplit, where each program streams a
 # whole sequence (the large batches, data/decoding_tune_large_batch.json): at batch 64 (4096 and 16384
-# keys) that configuration took 11-13 % more time than the best of 36, and 128-key tiles with 4 warps
+# keys) that configuration took 13-15 % more time than the best of 36, and 128-key tiles with 4 warps
 # and 3 stages were within 1 % of it (split at batch 1 they had taken 9 % more than 64-key tiles).
 SPLIT_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)
 UNSPLIT_CONFIG = dict(BLOCK_N=128, num_warps=4, num_stages=3)

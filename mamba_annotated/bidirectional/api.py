@@ -132,7 +132,6 @@ def save_bidirectional(ctx, inputs, output):  # "output": torch.library passes i
                           y if z is not None else None, *saved)
     ctx.options = (chunk_size, dt_softplus, dt_min, dt_max, shift)
     ctx.mark_non_differentiable(y, *saved)
-    ctx.set_materialize_grads(False)
 
 
 def bidirectional_grads(ctx, run_backward, d_out, *_):

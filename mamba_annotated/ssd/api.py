@@ -190,7 +190,6 @@ def save_ssd(ctx, inputs, output):  # "output": torch.library passes it by that 
     ctx.options = (chunk_size, dt_softplus, dt_min, dt_max)
     ctx.varlen_states = cu_seqlens is not None
     ctx.mark_non_differentiable(y, *saved)
-    ctx.set_materialize_grads(False)
 
 
 def ssd_grads(ctx, run_backward, d_out, d_final, *_):
