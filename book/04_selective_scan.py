@@ -401,7 +401,7 @@ print(f"device: {runtime.device_name()}; batch, dim, N, L = {sizes}, bfloat16")
 print_table(timing_rows)
 
 # %% [markdown]
-# Fusion pays even this far from the floor: in the stored H200 run above the fused kernel is 15 times faster forward (1.11 against 16.8 ms) and 6 times faster forward and backward (8.18 against 51.8 ms): the time that writing and reading the $N$-times larger tensors of $a$ and $b$ costs.
+# Fusion pays even this far from the floor: in the H200 run above the fused kernel is 15 times faster forward (1.12 against 16.9 ms) and 6 times faster forward and backward (8.11 against 52.1 ms): the time that writing and reading the $N$-times larger tensors of $a$ and $b$ costs.
 
 # %% [markdown]
 # ## What we have, and what comes next
