@@ -21,8 +21,11 @@ work: where the eager time is not far above it, the case is bound by the device,
 With ``--breakdown`` it splits each op's forward+backward time, ours beside the peer's: the forward
 recording the autograd graph, the backward alone (the graph kept), and, as a yardstick for what
 autograd itself costs, a Python ``autograd.Function`` that does nothing beside a native op that does
-nothing. With ``--profile`` it also prints where the host time of each op's forward and forward+backward go
-(cProfile, the functions with the most time of their own).
+nothing. Then, for each op of ours, its Python backward timed where autograd runs it (for CUDA
+tensors, the engine's own thread for the device) beside the same call made on the main thread: on a
+GPU host the same Python can take much longer on the engine's thread, and this row says how much
+for each op. With ``--profile`` it also prints where the host time of each op's forward and
+forward+backward go (cProfile, the functions with the most time of their own).
 
 Usage: python benchmarks/bench_host_cost.py [--json out.json] [--calls 200] [--profile] [--breakdown]
 """
@@ -216,6 +219,47 @@ def breakdown(calls):
     for what, peer_name, ours, theirs in parts:
         ours_us, peer_us, ratio, _ = paired_us(ours, theirs, calls)
         print(f"{what} | ours_us={ours_us:.1f} | {peer_name}_us={peer_us:.1f} | ratio={ratio:.2f}", flush=True)
+    for name, _, make, ours, _ in cases():
+        worker_us, main_us = backward_thread_us(ours, make(True), calls)
+        print(f"{name}: the Python backward (autograd.Function.backward) | on autograd's thread_us={worker_us:.1f} "
+              f"| the same call on the main thread_us={main_us:.1f} | ratio={worker_us / main_us:.2f}", flush=True)
+
+
+def backward_thread_us(ours, inputs, calls):
+    """(on autograd's thread, on the main thread): the median time of one call of the op's
+    ``autograd.Function.backward`` (library.define_op's), timed inside ``torch.autograd.grad``, where
+    the engine runs it (for CUDA tensors, on the engine's thread for the device), and then called
+    directly on the main thread with the same node and the same output gradients. The difference is
+    what running the Python backward on the engine's thread costs."""
+    leaves = [t for t in inputs.values() if t.requires_grad]
+    out = first(ours(inputs))
+    grad = torch.randn_like(out)
+    function = type(out.grad_fn)._forward_cls
+    backward = function.backward
+    spent, seen = [], []
+
+    def timed(ctx, *output_grads):
+        start = time.perf_counter()
+        result = backward(ctx, *output_grads)
+        spent.append(time.perf_counter() - start)
+        seen[:] = output_grads
+        return result
+
+    function.backward = staticmethod(timed)
+    try:
+        for _ in range(calls):
+            torch.autograd.grad(first(ours(inputs)), leaves, grad)
+    finally:
+        function.backward = staticmethod(backward)
+    synchronize()
+    direct = []
+    with torch.no_grad():  # as on the engine's thread without create_graph
+        for _ in range(calls):
+            start = time.perf_counter()
+            backward(out.grad_fn, *seen)  # the node is the ctx; out's graph has not been used
+            direct.append(time.perf_counter() - start)
+    synchronize()
+    return statistics.median(spent) * 1e6, statistics.median(direct) * 1e6
 
 
 def profile(fn, calls):

@@ -378,6 +378,21 @@ def test_backward_fills_no_zeros_for_outputs_no_loss_reached(name, call, inputs)
     assert not filled, f"{name}: the backward filled {filled}"
 
 
+def test_host_cost_benchmark_times_the_python_backward_on_both_threads():
+    """benchmarks/bench_host_cost.py's breakdown times an op's autograd.Function.backward inside
+    torch.autograd.grad and called directly; it must leave the Function's backward as it found it."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_host_cost import backward_thread_us
+
+    inputs = {name: randn(1, 9, 2, 16).requires_grad_() for name in "qkv"}
+    op = lambda i: attention(i["q"], i["k"], i["v"], causal=True)  # noqa: E731
+    function = type(op(inputs).grad_fn)._forward_cls
+    before = function.backward
+    on_engine_thread, on_main_thread = backward_thread_us(op, inputs, calls=2)
+    assert on_engine_thread > 0 and on_main_thread > 0
+    assert function.backward is before
+
+
 @gpu_only
 def test_cuda_graph_capture_of_forward_and_backward():
     inputs = {k: v.requires_grad_() for k, v in all_four_inputs().items()}
