@@ -723,4 +723,3 @@ def test_cuda_graph_capture_replays_decoding_steps():
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(k_cache, eager_k), f"step {step}"
         seqlens += 1
-

@@ -252,17 +252,22 @@ def non_contiguous_op_args():
     ]
 
 
-class RecordBackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the arguments of every call of one op (an OpOverload) while active."""
+class RecordDispatch(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op (an OpOverload, aten's or ours) dispatched while active, with its arguments, in order."""
 
-    def __init__(self, op):
+    def __init__(self):
         super().__init__()
-        self.op, self.calls = op, []
+        self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is self.op:
-            self.calls.append(args)
+        self.calls.append((func, args))
         return func(*args, **(kwargs or {}))
+
+    def args_of(self, op):
+        return [args for func, args in self.calls if func is op]
+
+    def names(self):
+        return [func.__name__ for func, _ in self.calls]
 
 
 @pytest.mark.parametrize("name, op, args", non_contiguous_op_args(), ids=lambda v: v if isinstance(v, str) else "")
@@ -276,11 +281,12 @@ def test_fake_functions_match_strided_inputs(name, op, args):
     outputs = op.op(*args)
     loss = sum(t.float().square().sum() for t in outputs if t.is_floating_point() and t.requires_grad)
     backward_op = getattr(torch.ops.mamba_annotated, f"{name}_backward").default
-    with RecordBackwardCalls(backward_op) as recorder:
+    with RecordDispatch() as recorder:
         loss.backward()
-    assert len(recorder.calls) == 1, f"{name}_backward ran {len(recorder.calls)} times"
+    calls = recorder.args_of(backward_op)
+    assert len(calls) == 1, f"{name}_backward ran {len(calls)} times"
     # the saved inputs still require grad; the backward op itself is not differentiated
-    torch.library.opcheck(op.backward_op, [t.detach() if isinstance(t, torch.Tensor) else t for t in recorder.calls[0]])
+    torch.library.opcheck(op.backward_op, [t.detach() if isinstance(t, torch.Tensor) else t for t in calls[0]])
 
 
 def all_four_ops(scan_a, scan_b, u, delta, A, B, C, x, dt, A_ssd, B_ssd, C_ssd, q, k, v):
@@ -332,18 +338,6 @@ def test_forward_without_autograd_gives_the_same_bits():
     assert without_grad.grad_fn is None and plain.grad_fn is None
 
 
-class RecordAtenOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """The names of the aten ops dispatched inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def packed_lengths_attention(q, k, v):
     cu_seqlens = torch.tensor([0, 4, 11], dtype=torch.int32, device=q.device)
     return attention_varlen(q[0], k[0], v[0], cu_seqlens, cu_seqlens, 7, 7, causal=True)
@@ -372,9 +366,9 @@ def test_backward_fills_no_zeros_for_outputs_no_loss_reached(name, call, inputs)
     zeros."""
     leaves = {key: randn(*shape).requires_grad_() for key, shape in inputs.items()}
     out = call(**leaves)
-    with RecordAtenOps() as recorder:
+    with RecordDispatch() as recorder:
         torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
-    filled = [op for op in recorder.names if op.split(".")[0] in ("zeros", "zeros_like", "zero_")]
+    filled = [op for op in recorder.names() if op.split(".")[0] in ("zeros", "zeros_like", "zero_")]
     assert not filled, f"{name}: the backward filled {filled}"
 
 
