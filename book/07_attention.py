@@ -1092,7 +1092,7 @@ def decoding_row(impl, batch, n):
 
 
 ours_longest, sdpa_longest = decoding_row("ours", 1, longest), decoding_row("sdpa default", 1, longest)
-print(f"batch 1, N = {longest}: ours {ours_longest['ms'] * 1e3:.0f} µs, {ours_longest['% floor']:.0f} % of the floor "
+print(f"batch 1, N = {longest}: ours {ours_longest['ms'] * 1e3:.0f} µs, {ours_longest['% floor']:.1f} % of the floor "
       f"({ours_longest['floor_ms'] * 1e3:.0f} µs); SDPA as PyTorch picks {sdpa_longest['ms'] * 1e3:.0f} µs")
 cases = sorted({(r["batch"], r["N"]) for r in decoding_rows})
 ahead = [case for case in cases if decoding_row("ours", *case)["ms"] <= decoding_row("sdpa default", *case)["ms"]]
@@ -1102,7 +1102,7 @@ if decoding_row("ours" + graphed, 1, longest):  # runs stored before the CUDA-gr
     ahead = [case for case in cases
              if decoding_row("ours" + graphed, *case)["ms"] <= decoding_row("sdpa default" + graphed, *case)["ms"]]
     print(f"replayed from CUDA graphs: ours {replayed['ms'] * 1e3:.0f} µs at batch 1, N = {longest} "
-          f"({replayed['% floor']:.0f} % of the floor); at least as fast as SDPA's replay in {len(ahead)} of "
+          f"({replayed['% floor']:.1f} % of the floor); at least as fast as SDPA's replay in {len(ahead)} of "
           f"{len(cases)} cases")
 
 # %% [markdown]

@@ -285,6 +285,7 @@ left.set(xlabel="step", ylabel="loss (nats, mean of 20 steps)", title="MQAR: tra
 right.set(xscale="log", xlabel="sequence length L (L/16 pairs)", ylabel="accuracy at the queries",
           title="MQAR: recall by length", ylim=(0, 1.02))
 right.set_xticks(MQAR_TEST_LENGTHS, [str(n) for n in MQAR_TEST_LENGTHS])
+right.tick_params(axis="x", which="minor", labelbottom=False)  # the log axis labels its minor ticks too, over the lengths
 for ax in (left, right):
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
