@@ -42,7 +42,7 @@
 # | $H_c$, $H'_c$ | the forward state entering chunk $c$ from the left, the reverse state entering it from the right (`states_in[0]`, `states_in[1]` in the code) |
 # | $r_t$, $\rho_t$ | the decays of row $t$ for the forward and the reverse terms: $\ell_t$ and $\ell'_{t-1}$, or with the shift $\ell_{t-1}$ and $\ell'_t$ |
 # | $q_t$, $q'_t$ | the readouts of row $t$: $C_t$ and $C'_t$, or with the shift $C_{t-1}$ and $C'_{t+1}$ |
-# | $G$, $G_d$ | the scores of a diagonal block (`G`: $q_t \cdot B_s$ below the diagonal, $q'_t \cdot B'_s$ above it) and, without the shift, its reverse diagonal (`Gd`) |
+# | $G$, $G_d$ | the scores of a diagonal block (`G`: $q_t \cdot B_s$ on and below the diagonal, $q'_t \cdot B'_s$ above it) and, without the shift, its reverse diagonal (`Gd`) |
 # ```
 
 # %%
@@ -93,7 +93,17 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular matrix, called $M$ there and $\mathcal L$ here; the reverse one decays $x_s$ over the steps $t \le k < s$ on its way back to $t$, and $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$, with $\ell'_t = A \sum_{k \le t} \Delta'_k$, the same left-to-right sum as $\ell$ but over the reverse steps (both counted here from the start of the sequence; from the section on the chunk grid on, from the start of the chunk):
+# Unroll both as in chapter 5. The forward direction gives chapter 5's lower-triangular matrix, called $M$ there and $\mathcal L$ here. Unrolled from $t$, the reverse recurrence is
+#
+# $$
+# \begin{aligned}
+# g_t ={}& \Delta'_t\, x_t B'^\top_t \\
+#   &+ e^{\Delta'_t A}\, \Delta'_{t+1}\, x_{t+1} B'^\top_{t+1} \\
+#   &+ e^{(\Delta'_t + \Delta'_{t+1}) A}\, \Delta'_{t+2}\, x_{t+2} B'^\top_{t+2} + \dots,
+# \end{aligned}
+# $$
+#
+# so $x_s$ reaches $g_t$ multiplied by the decays of the steps $k = t, \dots, s-1$: the output position's own step is among them and the input's is not, the mirror image of the forward direction, where $x_s$ reaches $h_t$ through the steps $k = s+1, \dots, t$. A sum over a run of steps is a difference of two prefix sums, so no right-to-left sum is needed. With $\ell'_t = A \sum_{k \le t} \Delta'_k$, the same left-to-right sum as $\ell$ but over the reverse steps, $A \sum_{t \le k < s} \Delta'_k = \ell'_{s-1} - \ell'_{t-1}$ (with $\ell'_{-1} = 0$). Both sums are counted here from the start of the sequence; from the section on the chunk grid on, from the start of the chunk. The two triangles are:
 #
 # $$
 # \begin{aligned}
@@ -102,7 +112,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Both are semiseparable: $\mathcal L_{ts}$ is a term of $t$ times a term of $s$, so every block of $\mathcal L$ on or below the diagonal (on or above, for $\mathcal U$) has rank at most $N$, the diagonal included in that low-rank structure. A **quasiseparable** matrix {cite}`eidelman1999new` asks less: only the blocks strictly below and strictly above the diagonal must have rank at most $N$, and the diagonal is free. The sum of the two triangles plus a diagonal is one. Two forms of it are in use. Hydra {cite}`hwang2024hydra` is a mixer layer whose reverse SSM has its own $\Delta'$, $B'$, $C'$ and whose two outputs are each shifted by one step; Bi-Mamba2 {cite}`repo_bimamba2` is a package of Triton kernels in which both directions share $\Delta$, $B$ and $C$, with no shift:
+# Both are semiseparable: $\mathcal L_{ts}$ is a term of $t$ times a term of $s$, so every block of $\mathcal L$ on or below the diagonal (on or above, for $\mathcal U$) has rank at most $N$, the diagonal included in that low-rank structure. A **quasiseparable** matrix {cite}`eidelman1999new` asks less: only the blocks strictly below and strictly above the diagonal must have rank at most $N$, and the diagonal is free. So $\mathcal L + \mathcal U$ plus any diagonal is quasiseparable: its blocks strictly below the diagonal are blocks of $\mathcal L$, and those strictly above are blocks of $\mathcal U$. Two forms of it are in use. Hydra {cite}`hwang2024hydra` is a mixer layer whose reverse SSM has its own $\Delta'$, $B'$, $C'$ and whose two outputs are each shifted by one step; Bi-Mamba2 {cite}`repo_bimamba2` is a package of Triton kernels in which both directions share $\Delta$, $B$ and $C$, with no shift:
 #
 # $$
 # \begin{aligned}
@@ -113,7 +123,7 @@ runtime.describe()
 #
 # where $Z$ shifts down by one row ($Z\mathcal L$'s row $t$ is $\mathcal L$'s row $t-1$, zero at a sequence start, and $Z^\top \mathcal U$'s row $t$ is $\mathcal U$'s row $t+1$): each direction's output moves one step along its own direction of travel before the two are added. The package calls Hydra's form `shift=True` and Bi-Mamba2's {cite}`repo_bimamba2` `shift=False`.
 #
-# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it, so it is counted twice, and it is tied to the same $B$ and $C$ that set every other entry of $M$. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. The only path from $x_t$ to $y_t$ is then $D$, a free parameter, while the blocks off the diagonal keep rank $\le N$: a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`. (Hydra's module also adds a diagonal term that depends on the data, $x_t$ times a linear function of $x_t$ (`fc_D`), outside the scan; `mamba_annotated.modules.Hydra` adds it after the op, as Hydra's own module does.)
+# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it (with shared parameters it is $D + 2\Delta_t\, C_t \cdot B_t$, the same term twice), and it is tied to the same $B$ and $C$ that set every other entry of $M$. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. The only path from $x_t$ to $y_t$ is then $D$, a free parameter, while the blocks off the diagonal keep rank $\le N$: a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`. (Hydra's module also adds a diagonal term that depends on the data, $x_t$ times a linear function of $x_t$ (`fc_D`), outside the scan; `mamba_annotated.modules.Hydra` adds it after the op, as Hydra's own module does.)
 #
 # Inputs are chapter 5's (`x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)`), plus the reverse direction's `dt_rev`, `B_rev`, `C_rev`, which default to `dt`, `B`, `C` (Bi-Mamba2 shares them; Hydra has its own).
 
@@ -139,7 +149,7 @@ def make_inputs(batch=2, length=45, heads=4, headdim=16, groups=2, dstate=16, dt
 
 
 # %% [markdown]
-# Here are both matrices for one head of a short sequence, with separate reverse parameters. The reference builds them from chapter 5's `ssd_matrix`: the reverse triangle is the causal matrix of the reversed sequence, its rows and columns reversed back.
+# Here are both matrices for one head of a short sequence. Both panels use the same inputs, with separate reverse parameters, so they differ only in the shift (Bi-Mamba2 itself shares $\Delta$, $B$, $C$ between the directions; sharing changes the values, not the structure). The reference builds them from chapter 5's `ssd_matrix`: the reverse triangle is the causal matrix of the reversed sequence, its rows and columns reversed back.
 
 # %%
 show_source(quasiseparable_matrix)
@@ -159,7 +169,7 @@ fig.colorbar(image, ax=axes, shrink=0.9)
 plt.show()
 
 # %% [markdown]
-# The two look alike away from the diagonal (Hydra's lower triangle is Bi-Mamba2's moved down one row). On the diagonal, Hydra's $M$ holds $D$ and nothing else, exactly, while Bi-Mamba2's holds $D$ plus both directions' $\Delta_t\, C_t \cdot B_t$:
+# The two look alike away from the diagonal: Hydra's lower triangle is the left panel's moved down one row, and its upper triangle the left panel's moved up one row. On the diagonal, Hydra's $M$ holds $D$ and nothing else, exactly, while the unshifted form holds $D$ plus both directions' $\Delta_t\, C_t \cdot B_t$:
 
 # %%
 diagonal = {shift: matrix.diagonal() for shift, matrix in M.items()}
@@ -221,7 +231,7 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 # \end{aligned}
 # $$
 #
-# (This is the form without the shift; the shifted one follows below.) The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. $H_c$ is chapter 5's forward state entering chunk $c$ from the left; $H'_c$ the reverse state entering it from the right. Each is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse):
+# (This is the form without the shift; the shifted one follows below.) The first term is the diagonal block, now full: both triangles, each with its own decay, in one pass over the block. The second is chapter 5's: $H_c$ is the forward state entering chunk $c$ from the left, the state $h$ just before the chunk's first position. The third is its mirror image: $H'_c$ is the reverse state entering chunk $c$ from the right, $g$ at the first position of chunk $c+1$, which holds every $x_s$ after chunk $c$; to reach row $t$ it must still decay through the steps $t, \dots, Q-1$ of chunk $c$, which with $\ell'$ counted from the chunk's start is $e^{\ell'_{Q-1} - \ell'_{t-1}}$ (the reverse decay split at the chunk's end, as chapter 5 split the forward one at its start). Each state is passed along by a short recurrence over chunks, fed by chunk states that decay to the chunk's *end* (forward) or to its *start* (reverse); $\ell_{Q-1}(c)$ is the last slot of chunk $c$'s sum, the log-decay across the whole chunk:
 #
 # $$
 # \begin{aligned}
@@ -232,9 +242,22 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 # \end{aligned}
 # $$
 #
-# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when the directions share it, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed: row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again) and the diagonal block keeps its strict triangles only; the reverse terms read $C'_{t+1}$ and $\ell'_t$.
+# Read the last line as: the reverse state at the start of chunk $c$, which is $H'_{c-1}$, is the state that came in from the right decayed across all of chunk $c$, plus what chunk $c$ adds. The op takes no initial state, so nothing enters from outside the sequence: $H_0 = 0$, and the reverse state entering the last chunk is 0.
 #
-# The pipeline is then chapter 5's, each stage serving both directions: (1) the cumulative sums; (2) $C \cdot B$ on the diagonal blocks; (3) both chunk states; (4) both carries; (5) the outputs. The figure shows which blocks of $M$ each part computes and which way each state travels.
+# $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when the directions share it, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side. With `shift=True` nothing new is needed, only other rows. Row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again, with $\ell_{-1} = 0$ at a chunk's start, where $C_{t-1}$ comes from the chunk before); row $t$ of $Z^\top \mathcal U$ is row $t+1$ of $\mathcal U$, so the reverse terms read $C'_{t+1}$ and $\ell'_t$. Both forms are then one formula in the row decays $r_t$, $\rho_t$ and readouts $q_t$, $q'_t$ of the notation box:
+#
+# $$
+# \begin{aligned}
+# y_t ={}& \textstyle\sum_{s \in c,\ s \preceq t} (q_t \cdot B_s)\, e^{r_t - \ell_s}\, \Delta_s\, x_s \\
+#   &+ \textstyle\sum_{s \in c,\ s \succeq t} (q'_t \cdot B'_s)\, e^{\ell'_{s-1} - \rho_t}\, \Delta'_s\, x_s \\
+#   &+ e^{r_t}\, H_c\, q_t + e^{\ell'_{Q-1} - \rho_t}\, H'_c\, q'_t \\
+#   &+ D\, x_t .
+# \end{aligned}
+# $$
+#
+# Without the shift, $s \preceq t$ means $s \le t$ and $s \succeq t$ means $s \ge t$, so the diagonal is in both sums, and $r_t = \ell_t$, $\rho_t = \ell'_{t-1}$, $q_t = C_t$, $q'_t = C'_t$. With the shift they mean $s < t$ and $s > t$, and $r_t = \ell_{t-1}$, $\rho_t = \ell'_t$, $q_t = C_{t-1}$, $q'_t = C'_{t+1}$, where $q_t$ ($q'_t$) is zero at a sequence's first (last) position. The kernels below compute exactly these terms.
+#
+# The pipeline is then chapter 5's, each stage serving both directions: (1) the cumulative sums; (2) $C \cdot B$ on the diagonal blocks; (3) both chunk states; (4) both carries; (5) the outputs. The figure shows which blocks of $M$ each part computes and which way each state travels. On the left, the green diagonal blocks are multiplied whole; every block below them (solid red) reaches its rows through a forward state $H$, and every block above them (hatched) through a reverse state $H'$. On the right, each chunk's $x$ and $B$ give both its chunk states, $S_c$ (drawn above the chunk) and $S'_c$ (below); the solid arrows carry $H$ to the right and the dashed ones $H'$ to the left. The boundary between chunks $c$ and $c+1$ carries $H_{c+1}$ into chunk $c+1$ and $H'_c$ into chunk $c$, and no arrow enters the first chunk from the left or the last from the right: those states are zero.
 
 # %%
 Q, n_chunks = 8, 5
@@ -283,7 +306,7 @@ show_source(bidirectional_forward)
 show_source(row_decays)
 
 # %% [markdown]
-# `pair_weight` gives one entry $(t, s)$ of a diagonal block its weight. It picks the triangle's exponent and step *before* the one exponential, so a weight costs one `exp2` whichever direction it belongs to, and entries across a sequence boundary get $-\infty$ in the exponent:
+# `pair_weight` gives one entry $(t, s)$ of a diagonal block its weight, the factor of $x_s$ in the formula above without the score: $e^{r_t - \ell_s}\Delta_s$ in the forward triangle and $e^{\ell'_{s-1} - \rho_t}\Delta'_s$ in the reverse one (in the code `a_s` is $\ell_s$ and `e_s` is $\ell'_{s-1}$). It picks the triangle's exponent and step *before* the one exponential, so a weight costs one `exp2` whichever direction it belongs to, and entries across a sequence boundary get $-\infty$ in the exponent:
 
 # %%
 show_source(pair_weight)
@@ -291,7 +314,9 @@ show_source(pair_weight)
 # %% [markdown]
 # ### The scores of the diagonal blocks
 #
-# `chunk_scores` writes one $Q \times Q$ block of scores $G$ per chunk and group (`G` in the code; chapter 5's $CB$, now with both triangles): $q_t \cdot B_s$ on and below the diagonal, with the row's readout $q_t = C_t$ ($C_{t-1}$ with the shift), and $q'_t \cdot B'_s$ above it, with $q'_t = C'_t$ ($C'_{t+1}$ with the shift). A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal belongs to both directions, so the block keeps the forward one and a vector $G_d$ (`Gd`) the reverse one, $C'_t \cdot B'_t$. The kernel writes every entry of the block, also those whose weight will be zero, so no entry is left as uninitialised memory: the kernels that read the scores set the weight to zero, not the score, and zero times a NaN left in memory would still be NaN (chapter 5 gives the same reason for `chunk_cb`).
+# `chunk_scores` writes one $Q \times Q$ block of scores $G$ per chunk and group (`G` in the code; chapter 5's $CB$, now with both triangles): $q_t \cdot B_s$ on and below the diagonal, with the row's readout $q_t = C_t$ ($C_{t-1}$ with the shift), and $q'_t \cdot B'_s$ above it, with $q'_t = C'_t$ ($C'_{t+1}$ with the shift). A tile strictly below or above the diagonal computes only the product its triangle needs; when the directions share $B$ and $C$ and there is no shift, the two triangles are one product. Without the shift the diagonal entry $(t, t)$ needs both scores, $C_t \cdot B_t$ and $C'_t \cdot B'_t$: the block holds the first, and a separate vector $G_d$ (`Gd`) the second. With the shift the diagonal's weight is zero and no $G_d$ is needed.
+#
+# The kernel writes every entry of the block, including those whose weight will be zero. The kernels that read the scores zero the weight, not the score, and $0 \cdot \text{NaN}$ is NaN, so an entry left as uninitialised memory could put a NaN into the output (chapter 5 gives the same reason for `chunk_cb`).
 
 # %%
 show_source(chunk_scores_kernel)
@@ -299,13 +324,13 @@ show_source(chunk_scores_kernel)
 # %% [markdown]
 # ### Both chunk states from one read of $x$
 #
-# One {term}`program` per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ once (and of $B$ once, when the directions share it; else a tile of $B$ and one of $B'$) and accumulates two matmuls: $S_c$ with the weight $e^{\ell_{Q-1} - \ell_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{\ell'_{s-1}}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from {term}`registers`. With `GRAD` the same kernel computes what the backward pass needs, the gradients sent to the two states by $dy$ and the readouts $q$, $q'$.
+# One {term}`program` per (batch, chunk, head, tile of the state) walks the chunk in steps, loads a tile of $x$ once (and of $B$ once, when the directions share it; else a tile of $B$ and one of $B'$) and accumulates two matmuls: $S_c$ with the weight $e^{\ell_{Q-1} - \ell_s}\Delta_s$ (to the chunk's end) and $S'_c$ with $e^{\ell'_{s-1}}\Delta'_s$ (to its start). As in chapter 5 the weight scales $x$, the operand `tl.dot` may take from {term}`registers`. With `GRAD=True` (the launch the backward pass makes) the same kernel forms what a chunk's outputs send to the two states entering it, $dH_c = \sum_{t \in c} e^{r_t}\, dy_t\, q_t^\top$ and $dH'_c = \sum_{t \in c} e^{\ell'_{Q-1} - \rho_t}\, dy_t\, q'^\top_t$: the sums of $S_c$ and $S'_c$ with $dy$ in place of $x$, the readouts in place of $B$, and the weights of $y_t$'s state terms.
 
 # %%
 show_source(chunk_states_kernel)
 
 # %% [markdown]
-# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction). Unlike chapter 5's kernels, this op's take each cumulative sum as one float32 number, rounded once from the float64 sum (`planes=False`): they factor their weights through reference positions and were not converted to chapter 5's two planes. Near the end of a strongly decaying chunk of 256 that brings back the error chapter 5 measured, about $3 \cdot 10^{-5}$ relative; the checks here, at a chunk of 16, are too short to show it.
+# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction). One difference from chapter 5: this op's kernels take each cumulative sum as a single float32 number, the float64 sum rounded once (`planes=False`), not as chapter 5's two planes. Some of their weights are split through a third position $u$ between the row and the column, $e^{\ell_t - \ell_s} = e^{\ell_t - \ell_u}\, e^{\ell_u - \ell_s}$ (the performance notes at the end of the chapter say why), and these kernels have not been converted to the two planes. Near the end of a strongly decaying chunk of 256 that brings back the error chapter 5 measured, a few $10^{-5}$ relative; the checks here, at a chunk of 16, are too short to show it.
 
 # %%
 inp = make_inputs(length=40, separate=True)
@@ -335,7 +360,7 @@ for name, weight, B_dir, got in (("S (to the chunk end)", to_end, inp["B"], stat
 # %% [markdown]
 # ### Both carries in one launch
 #
-# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element, the multiply by the decay across a chunk, $\gamma_c = e^{\ell_{Q-1}(c)}$ forward and $\gamma'_c = e^{\ell'_{Q-1}(c)}$ backward; each step waits for the one before it. One grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so the two walks can run side by side. At the benchmark's shapes that saves no time: the stored kernel table below has the fused carry at 0.363 ms against 0.188 ms for the causal one, and 0.587 against 0.311, about twice, like the other kernels. Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
+# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element, the multiply by the decay across a chunk, $\gamma_c = e^{\ell_{Q-1}(c)}$ forward and $\gamma'_c = e^{\ell'_{Q-1}(c)}$ backward; each step waits for the one before it. One grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so neither direction waits for the other to finish. At the benchmark's shapes that does not make two walks as cheap as one: one direction alone already starts thousands of programs (10,240 at the first shape, for 132 SMs), enough to keep every SM busy, so the second direction's programs add their whole time. In the stored kernel table at the end of the chapter the fused carry takes 0.363 ms against 0.188 ms for the causal one at the first shape, and 0.587 against 0.311 at the second: about twice, like the other kernels (each row adds the forward pass's launch and the backward pass's). Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
 
 # %%
 show_source(state_passing_kernel)
@@ -399,7 +424,7 @@ for shift in (False, True):
 # 5. $dB$, $dC$ and the reverse direction's $dB'$, $dC'$;
 # 6. the gradients of $\Delta$, $\Delta'$, $A$ and `dt_bias` from the decay gradients of both directions, each step's gradient summed over the pairs and positions whose decay holds that step, as in chapter 5.
 #
-# A reverse pair $(t, s)$, $s > t$, decays by $A \sum_{t \le k < s} \Delta'_k$ (without the shift), so it counts for the steps $s > k \ge t$: the mirror image of the forward pairs' $t \ge k > s$. Summing each step's gradient over the pairs that straddle it, instead of taking the reverse sum over $r \ge k$ of $\partial\mathcal J/\partial \ell_r$ (where, as chapter 5 shows, most pairs cancel in float32), took the relative error of $dA$ on a float32 case at chunk 256 from $1.3 \cdot 10^{-4}$ to $5.9 \cdot 10^{-6}$ and that of $d\,\mathrm{dt\_bias}$ from $2.7 \cdot 10^{-5}$ to $7.5 \cdot 10^{-7}$ (in the interpreter). Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$: the gradient formed at row $t$ goes to $C_{t-1}$, one row back, and to $C'_{t+1}$, one row on (`queries_to_rows`).
+# A reverse pair $(t, s)$, $s > t$, decays by $A \sum_{t \le k < s} \Delta'_k$ (without the shift), so its share of the decay gradient goes to the steps $k$ with $t \le k < s$, the steps it *straddles* in chapter 5's word: the mirror image of a forward pair, which straddles $s < k \le t$. As in chapter 5, the kernels add each step's gradient from the pairs that straddle it (the pair sums of step 4), instead of forming $\partial\mathcal J/\partial \ell_j$ at every position $j$ and summing it over $j \ge k$, where most terms cancel in float32. That took the relative error of $dA$ on a float32 case at chunk 256 from $1.3 \cdot 10^{-4}$ to $5.9 \cdot 10^{-6}$ and that of $d\,\mathrm{dt\_bias}$ from $2.7 \cdot 10^{-5}$ to $7.5 \cdot 10^{-7}$ (in the interpreter). Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$: the gradient formed at row $t$ goes to $C_{t-1}$, one row back, and to $C'_{t+1}$, one row on (`queries_to_rows`).
 
 # %%
 show_source(bidirectional_backward)
@@ -453,7 +478,7 @@ print_table(rows)
 # %% [markdown]
 # On the H200 that ran this page, the fused call took 1.02 ms: about 1.6 times one causal call (0.632 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from an H100, the same fused-to-causal ratio is 1.87.
 #
-# Do not compare the 3.2 ms with the benchmark's "naive two calls (mamba_ssm)" row: that row ran on another GPU, and it does less work outside the kernels. The cell above times `bidirectional_two_calls` as shown earlier, with shared parameters and no shift: our `ssd_chunk_scan` twice, on a flipped copy of $x$, $\Delta$, $B$ and $C$ for the reverse call, then PyTorch sums the two outputs, adds $D x$ and rounds the result, all in float32, so that the sum is rounded to bfloat16 once, as the fused kernel's is. Each of those float32 steps is a full pass over an output-sized tensor of twice the bytes of $x$. The benchmark's "naive two calls (mamba_ssm)" calls mamba_ssm's kernel twice on flipped copies as well, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass: much less traffic outside the kernels. Both are timed on the same shape (bfloat16, (4, 4096, 80, 64, 128), chunk 256, with $D$, `dt_bias` and softplus), so on one GPU the composition here could take longer than the benchmark's naive row although our causal kernel is the faster of the two (chapter 5).
+# Do not compare the 3.2 ms with the benchmark's "naive two calls (mamba_ssm)" row below: that row ran on another GPU, an H100, and does less work outside the kernels (the shape is the same, bfloat16 (4, 4096, 80, 64, 128) at chunk 256 with $D$, `dt_bias` and softplus). The cell above times `bidirectional_two_calls` with shared parameters and no shift: our `ssd_chunk_scan` twice, the second time on flipped copies of $x$, $\Delta$, $B$ and $C$; then it adds the two outputs and $D x$ in float32 and rounds to bfloat16 once at the end, as the fused kernel does. Each of those float32 steps is a full pass over an output-sized tensor at twice the bytes of $x$. The benchmark's naive row also calls mamba_ssm's kernel twice on flipped copies, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass. So on the same GPU our composition could be slower than that row, although our causal kernel is faster than mamba_ssm's (chapter 5).
 #
 # The benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
 
@@ -466,7 +491,7 @@ print_table(rows)
 # - ours with `shift=True` and separate reverse parameters, against Hydra's own method {cite}`repo_hydra` (both directions stacked along the batch through one `mamba_chunk_scan_combined` call, then a roll, a flip and a sum; the bar: at least 1.5× faster);
 # - peak memory over a forward and backward pass, and the time of each kernel of our pipeline.
 #
-# When its JSON is beside the book, it is shown here. The tables give times in ms; the figure divides each time by our causal SSD's on the same shape and pass, and draws the 1.25× bar:
+# When its JSON is beside the book, it is shown here. The first table gives each implementation's time in ms, with `pct_floor`, the op's floor as a percentage of its time (20 means five times slower than the floor; the floor is the time of its FLOPs at the measured matmul rate or of its bytes at the measured copy bandwidth, whichever is longer, as for the {term}`memory floor`); the second lists the bars. The "where the time goes" tables list every kernel a forward and backward pass launches, with its total time, `calls` (how many launches) and `pct` (its share of all the kernels' time in the pass). The chunk-state and state-passing kernels run once in the forward pass and once, with `GRAD`, in the backward pass, so their `calls` is 2 although each launch serves both directions. The bidirectional backward keeps chapter 5's kernel names; its $dG$ kernel, `chunk_scan_bwd_dscores_kernel` (two launches, see the performance notes), is the row to set against the causal `chunk_scan_bwd_dcb_kernel`. The `reduce_kernel` and `Memset` rows are PyTorch's own small kernels. The figure divides each time by our causal SSD's on the same shape and pass, and draws the 1.25× bar:
 
 # %% tags=["nbval-ignore-output"]
 results = pathlib.Path("data/bidirectional_bench.json")  # python benchmarks/bench_bidirectional.py --json ...
@@ -517,7 +542,7 @@ else:
           "--json book/data/bidirectional_bench.json writes it (bash scripts/gpu_benchmarks.sh bidirectional)")
 
 # %% [markdown]
-# **Verdict** (the stored run, an H100): the fused pipeline beats the two-call composition on mamba_ssm and Hydra's doubled batch at both shapes (Bi-Mamba2's own fused kernels were not measured). With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal ones run at 16–20 % of their floor (the `pct_floor` column: the time of their FLOPs at the measured matmul rate or of their bytes at the measured copy bandwidth, whichever is longer; see {term}`memory floor`), so there is room, but not from fusion alone.
+# **Verdict** (the stored run, an H100): the fused pipeline beats the two-call composition on mamba_ssm and Hydra's doubled batch at both shapes (Bi-Mamba2's own fused kernels were not measured). With shared parameters it is 2.2× faster than the two mamba_ssm calls forward and 1.8–2.2× forward and backward, with a 1.6× smaller peak memory; in Hydra's form it is 3.0–3.1× faster than Hydra's doubled batch forward and 2.4–2.5× forward and backward. It misses the bar against our own causal SSD: 1.85–1.96× its time, not 1.25×. The kernel table says why. Each kernel does about twice the work of its causal counterpart (both triangles of every diagonal block, two states per chunk, two carries) at about the same rate. The dx kernel is 1.43 ms against 0.62 ms, the outputs 0.66 against 0.33, the states 0.46 against 0.25. So the sum lands near 2×. Reaching 1.25× would take kernels that do the doubled work at 1.6× the causal kernels' rate; the causal op's floor is only 16–20 % of its time (the `pct_floor` column: the time of their FLOPs at the measured matmul rate or of their bytes at the measured copy bandwidth, whichever is longer; see {term}`memory floor`), so there is room, but not from fusion alone.
 #
 # :::{admonition} Performance notes
 # :class: dropdown
