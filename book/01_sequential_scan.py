@@ -21,7 +21,7 @@
 # - how to write that recurrence as a Triton kernel that walks time one step after another, and why its gradient is the same recurrence run backwards;
 # - what walking time sequentially costs on a GPU: the baseline every later chapter beats.
 #
-# It builds on nothing but the [introduction](intro.md), which fixes the notation and the colour code.
+# It builds on the [introduction](intro.md), which fixes the notation and the colour code, and on the [primer](00_primer.ipynb), whose words ({term}`program`, {term}`block`, {term}`registers`, {term}`warp`, {term}`SM`, {term}`memory floor`) this chapter uses without explaining them again.
 #
 # ```{admonition} Notation
 # | symbol | meaning |
@@ -65,7 +65,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# On a sequence we sample it with a step size $\Delta$. Holding $x$ constant over each step (zero-order hold) and solving the linear ODE exactly over one step gives
+# On a sequence we sample it with a step size $\Delta$. Hold $x$ (and $B$) constant over one step (zero-order hold); the linear ODE is then solved exactly over that step, $h(t+\Delta) = e^{\Delta A} h(t) + \int_0^{\Delta} e^{uA}\,du\; B\,x$, and with $A$ invertible $\int_0^{\Delta} e^{uA}\,du = A^{-1}(e^{\Delta A} - I) = (\Delta A)^{-1}(e^{\Delta A} - I)\,\Delta$. Writing $h_t$ for the state at the end of step $t$, this gives
 #
 # $$
 # \begin{aligned}
@@ -77,7 +77,7 @@ runtime.describe()
 #
 # When $\Delta_t A$ is small, $(\Delta_t A)^{-1}(\exp(\Delta_t A) - I) \approx I$ and $\bar B_t \approx \Delta_t B_t$; for large steps the two part ways (with $A = -1$, $B = 1$ and $\Delta = 3$, the exact $\bar B$ is $1 - e^{-3} \approx 0.95$, the approximation 3).
 #
-# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba uses the simpler Euler form $\bar B_t = \Delta_t B_t$ at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
+# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba keeps the exact decay $\bar A_t = \exp(\Delta_t A)$ but replaces $\bar B_t$ by its first-order term, $\bar B_t = \Delta_t B_t$ (the factor $(\Delta_t A)^{-1}(e^{\Delta_t A} - I) = I + \Delta_t A/2 + \dots$ set to $I$, as a forward-Euler step would), at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
 #
 # $$
 # \begin{gathered}
@@ -126,7 +126,7 @@ plt.show()
 show_source(linear_scan_ref)
 
 # %% [markdown]
-# With a constant decay $a$ the state forgets a past input like $a^t$: the memory length is about $1/(1-a)$ steps. Driven by the same random input, decays near 1 average over long windows, small decays follow the input.
+# With a constant decay $a$ the state forgets a past input like $a^t$: the memory length is about $1/(1-a)$ steps, since $\sum_{k \ge 0} a^k = 1/(1-a)$. The state is a decaying *sum* of past inputs, not an average: driven by the same random input, decays near 1 move slowly and swing wide, small decays follow the input.
 
 # %%
 steps = 200
@@ -142,12 +142,12 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The decay sets the memory: at $a = 0.5$ the state is the input, barely smoothed; at $a = 0.99$ it is a slow running average over about a hundred steps.
+# The decay sets the memory: at $a = 0.5$ the state is the input, barely smoothed; at $a = 0.99$ it moves slowly and swings several times wider than the input, because it adds up about a hundred past inputs (for unit-variance input its standard deviation tends to $1/\sqrt{1-a^2} \approx 7$). Multiplied by $1 - a$ it would be a running average.
 
 # %% [markdown]
 # ## Walking time on a GPU
 #
-# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
+# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences (`dim` the model's channels $d$, each with $N$ states $n$). The kernels of chapters 1 to 4 flatten them into the rows of a `(channels, L)` array and call each row a *channel*. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
 
 # %%
 def draw_sequential_schedule(channels=8, steps=12, block=4):
@@ -180,7 +180,7 @@ plt.show()
 show_source(sequential_scan_fwd_kernel)
 
 # %% [markdown]
-# The public function `sequential_scan(a, b, *, h0=None, reverse=False)` flattens the leading dimensions into channels, checks its arguments, and launches one program per 32 channels. We run it and, in the next cell, check it against the float64 loop on fresh random inputs: decays in $(0.6, 1)$, inputs normal, a random initial state, a channel count that is not a multiple of the block.
+# The public function `sequential_scan(a, b, *, h0=None, reverse=False)` flattens the leading dimensions into channels, checks its arguments, and launches one program per 32 channels. We run it and, in the next cell, check it against the float64 loop on fresh random inputs: decays in $(0.6, 1)$, inputs normal, a random initial state. On a GPU the cell uses 4 × 1536 = 6144 channels, exactly 192 blocks of 32; in the interpreter it uses 37, so the last block is partly masked. The tests (`tests/test_sequential_scan.py`) use 333 channels, which covers the masked last block on a GPU too.
 
 # %%
 channels, length = runtime.size(gpu=(4 * 1536, 2048), cpu=(37, 100))
@@ -243,11 +243,11 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 #
 # The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot \text{channels} \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 arrays of that size in all). Dividing by the measured device-to-device copy bandwidth gives the **{term}`memory floor`**: the time it takes to stream that many bytes at the speed `torch`'s own copy kernel reaches.
 #
-# The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (3.35 TB/s on an H100) lies about 10% above the measured copy bandwidth.
+# The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (4.8 TB/s on the H200 these cells ran on; 3.35 TB/s on an H100 SXM) lies about 14% above the measured copy bandwidth of 4.22 TB/s: the copy reaches 88% of it.
 #
-# We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) at Mamba-like width: `8 × 1536` channels.
+# We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) on `8 × 1536` rows: batch 8 and 1536 channels, one state each. (A Mamba layer of that width with $N = 16$ states would have 16 times as many rows, and 16 times as many programs.)
 #
-# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add per step takes a few cycles, and the loads, which do not depend on it, can run ahead. The reason is how few bytes are in flight. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, so every load instruction touches 32 separate 32-byte sectors to use 4 bytes of each (the rest of each sector serves the following steps, from cache). A memory system that is kept waiting on so few, scattered requests delivers a fraction of its bandwidth. The PyTorch loop is far slower still, since each step costs several kernel launches.
+# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.52 ms, about 215 ns per step, several hundred cycles: the time scale of a trip to memory. In each step the whole launch moves 384 programs × 3 arrays × 32 channels × 4 bytes = 147 KB, and 147 KB per 215 ns is the 0.69 TB/s in the table; to reach the copy bandwidth in the same time per step, about six times as many bytes would have to be in flight at once. Two things keep that number small. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, and memory is read in 32-byte *sectors* (eight float32 numbers), so every load instruction touches 32 separate sectors to use 4 bytes of each (the rest of each sector serves the following seven steps, from cache). The PyTorch loop is far slower still, since each step costs several kernel launches.
 
 # %% tags=["nbval-ignore-output"]
 channels = runtime.size(gpu=8 * 1536, cpu=16)
@@ -276,7 +276,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel stays at a small fraction of the memory floor at every length (in the stored H200 benchmark, `book/data/linear_scan_bench.json`, 16% of it at `(8, 1536, 4096)` in float32), and the PyTorch loop is slower by orders of magnitude; walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (671–685 of 4221 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 120 to 160 times slower than the kernel (750 to 1000 times the floor). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next
