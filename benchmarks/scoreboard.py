@@ -14,9 +14,11 @@ matplotlib: no torch, so the book builds without importing the kernels.
 """
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import pathlib
+import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -469,20 +471,68 @@ def plot_roofline(path, data=DATA):
     return sorted(set(points) - set(devices))
 
 
-def sources(data=DATA):
-    """Each stored benchmark file: its device and the tables that read it."""
+# The package code each stored run times: a run stored before the last change to that code may not
+# show the present kernels (the shared launch, custom-op and Triton helpers count for every run)
+SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "mamba_annotated/library.py")
+MEASURED_CODE = {
+    "linear_scan_bench.json": ("mamba_annotated/scan",),
+    "selective_scan_bench.json": ("mamba_annotated/scan",),
+    "selective_scan_cuda_bench.json": ("mamba_annotated/scan",),
+    "ssd_bench.json": ("mamba_annotated/ssd",),
+    "bidirectional_bench.json": ("mamba_annotated/bidirectional", "mamba_annotated/ssd"),
+    "attention_bench.json": ("mamba_annotated/attention",),
+    "attention_features_bench.json": ("mamba_annotated/attention",),
+    "attention_dropout_bench.json": ("mamba_annotated/attention",),
+    "decoding_bench.json": ("mamba_annotated/attention",),
+    "gated_norm_bench.json": ("mamba_annotated/gated_norm.py",),
+    "host_cost_bench.json": ("mamba_annotated",),
+    "models_bench.json": ("mamba_annotated",),
+}
+
+
+def last_change(*paths):
+    """When ``paths`` last changed in this git checkout: the commit time of the newest commit that
+    touched them, or now where one of them has uncommitted changes (a benchmark run not yet
+    committed is newer than the code). None outside a git checkout."""
+    root = DATA.parent.parent
+    try:
+        pending = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=root, capture_output=True,
+                                 text=True, timeout=60, check=True).stdout.strip()
+        stamp = subprocess.run(["git", "log", "-1", "--format=%cI", "--", *paths], cwd=root, capture_output=True,
+                               text=True, timeout=60, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if pending:
+        return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.fromisoformat(stamp) if stamp else None
+
+
+def sources(data=DATA, changed=last_change):
+    """Each stored benchmark file: its device, the tables that read it, when it was stored and
+    whether the code it times has changed since (``changed(*paths)`` gives a path's last change)."""
     read_by = {}
     for topic in TOPICS:
         for table in tables(topic, data):
             read_by.setdefault(table.source, set()).add(topic)
-    rows = []
+    rows, older = [], []
     for path in sorted(pathlib.Path(data).glob("*_bench.json")):
-        rows.append([path.name, load(path.name, data)["device"], ", ".join(sorted(read_by.get(path.name, ["–"])))])
+        stored = changed(f"book/data/{path.name}")
+        code = changed(*MEASURED_CODE.get(path.name, ("mamba_annotated",)), *SHARED_CODE)
+        behind = stored is not None and code is not None and code > stored
+        if behind:
+            older.append(path.name)
+        rows.append([path.name, load(path.name, data)["device"], ", ".join(sorted(read_by.get(path.name, ["–"]))),
+                     stored.date().isoformat() if stored else "–", "yes" if behind else "no" if stored else "–"])
     devices = sorted({r[1] for r in rows})
     verdict = ([f"All of them ran on one GPU, the {devices[0]}."] if len(devices) == 1 else
                [f"They come from {len(devices)} GPUs ({', '.join(devices)}), not from one run: compare times only "
                 "within a table, and re-run scripts/gpu_benchmarks.sh on one GPU to make every table comparable."])
-    return Table("the stored runs", "*_bench.json", ", ".join(devices), ["file", "device", "tables"], rows, verdict)
+    if older:
+        verdict.append(f"{len(older)} of the {len(rows)} runs were stored before the last change to the code they time "
+                       f"({', '.join(older)}): their numbers may not be those of the present kernels until "
+                       "scripts/gpu_benchmarks.sh runs again.")
+    return Table("the stored runs", "*_bench.json", ", ".join(devices),
+                 ["file", "device", "tables", "stored", "code changed since"], rows, verdict)
 
 
 def text(table):

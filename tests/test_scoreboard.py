@@ -29,6 +29,30 @@ def test_every_stored_benchmark_file_has_a_table():
     assert not unread, f"book/data files no scoreboard table reads: {unread}"
 
 
+def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
+    """The page says which runs are older than the code they time: there the tables may not show
+    the present kernels."""
+    import datetime
+
+    for path in (ROOT / "book" / "data").glob("*_bench.json"):  # every table reads its own file
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    day = {"book/data/ssd_bench.json": 1, "book/data/attention_bench.json": 5,
+           "mamba_annotated/ssd": 3, "mamba_annotated/attention": 2}
+
+    def changed(*paths):
+        known = [day[p] for p in paths if p in day]
+        return datetime.datetime(2026, 11, max(known), tzinfo=datetime.timezone.utc) if known else None
+
+    table = scoreboard.sources(tmp_path, changed)
+    dated = {row[0]: row[3:] for row in table.rows if row[3] != "–"}
+    assert dated == {"attention_bench.json": ["2026-11-05", "no"], "ssd_bench.json": ["2026-11-01", "yes"]}
+    assert f"1 of the {len(table.rows)} runs were stored before the last change to the code they time " \
+           "(ssd_bench.json)" in table.verdict[-1]
+    outside_git = scoreboard.sources(tmp_path, lambda *paths: None)
+    assert all(row[3:] == ["–", "–"] for row in outside_git.rows)
+    assert not any("stored before" in sentence for sentence in outside_git.verdict)
+
+
 def write(folder, name, data):
     (folder / name).write_text(json.dumps(data))
 

@@ -64,6 +64,9 @@ class _DataDirective(Directive):
         env = self.state.document.settings.env
         for path in sorted(scoreboard.DATA.glob("*.json")):
             env.note_dependency(str(path))
+        # the sources table says whether the package changed after each run: rebuild when it does
+        for path in sorted((scoreboard.DATA.parent.parent / "mamba_annotated").rglob("*.py")):
+            env.note_dependency(str(path))
         return env
 
 
