@@ -490,25 +490,25 @@ MEASURED_CODE = {
 }
 
 
+def git(*args):
+    """The output of ``git args`` in the checkout that holds book/data; None when git cannot say."""
+    try:
+        return subprocess.run(["git", *args], cwd=DATA.parent.parent, capture_output=True, text=True, timeout=60,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def last_change(*paths):
     """When ``paths`` last changed in this git checkout: the commit time of the newest commit that
     touched them, or now where one of them has uncommitted changes (a benchmark run not yet
     committed is newer than the code). None outside a git checkout or in a shallow clone, whose
     history does not reach back to the changes."""
-    root = DATA.parent.parent
-    try:
-        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=root, capture_output=True,
-                                 text=True, timeout=60, check=True).stdout.strip()
-        if shallow != "false":
-            return None
-        pending = subprocess.run(["git", "status", "--porcelain", "--", *paths], cwd=root, capture_output=True,
-                                 text=True, timeout=60, check=True).stdout.strip()
-        stamp = subprocess.run(["git", "log", "-1", "--format=%cI", "--", *paths], cwd=root, capture_output=True,
-                               text=True, timeout=60, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    if git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    if pending:
+    if git("status", "--porcelain", "--", *paths):
         return datetime.datetime.now(datetime.timezone.utc)
+    stamp = git("log", "-1", "--format=%cI", "--", *paths)
     return datetime.datetime.fromisoformat(stamp) if stamp else None
 
 

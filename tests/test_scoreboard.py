@@ -1,6 +1,7 @@
 """The scoreboard appendix (benchmarks/scoreboard.py, rendered by book/_ext/scoreboard_page.py): every
 stored benchmark file is shown, speeds and verdicts are the stored times' ratios, and the roofline
 uses benchmarks/costs.py's counts."""
+import datetime
 import json
 import math
 import pathlib
@@ -32,8 +33,6 @@ def test_every_stored_benchmark_file_has_a_table():
 def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
     """The page says which runs are older than the code they time: there the tables may not show
     the present kernels."""
-    import datetime
-
     for path in (ROOT / "book" / "data").glob("*_bench.json"):  # every table reads its own file
         (tmp_path / path.name).write_bytes(path.read_bytes())
     day = {"book/data/ssd_bench.json": 1, "book/data/attention_bench.json": 5,
