@@ -40,6 +40,14 @@ TUNED = (chunk_scan_module.chunk_scan_kernel, chunk_scan_bwd.chunk_scan_bwd_dx_k
          chunk_scan_bwd.chunk_scan_bwd_dcb_kernel, chunk_scan_bwd.chunk_scan_bwd_dbc_kernel)
 
 
+def kernel_name(kernel):
+    """The Python name of a kernel under its launch, autotune and jit wrappers (each keeps the one
+    it wraps as ``fn``)."""
+    while hasattr(kernel, "fn"):
+        kernel = kernel.fn
+    return kernel.__name__
+
+
 def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, groups=1):
     g = torch.Generator(device=DEVICE).manual_seed(0)
 
@@ -152,7 +160,7 @@ def main():
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
-    tuned = {k.fn.__name__: str(getattr(k, "best_config", None)) for k in TUNED}
+    tuned = {kernel_name(k): str(getattr(k, "best_config", None)) for k in TUNED}
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
