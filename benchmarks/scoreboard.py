@@ -235,8 +235,8 @@ def attention_features(data):
 
 
 def attention_dropout(data):
-    """The dropout run: what dropout costs against the same attention without it, in that run."""
-    d = load("attention_dropout_bench.json", data)
+    """What dropout costs against the same attention without it, both timed in the features run."""
+    d = load("attention_features_bench.json", data)
     keys = ("d", "batch", "N")
     rows, factors = [], []
     for mine in (r for r in d["rows"] if r["impl"] == "ours" and r["case"].startswith("dropout")):
@@ -247,7 +247,7 @@ def attention_dropout(data):
         rows.append([mine["case"], *(str(mine[k]) for k in keys), number(dense["fwd_ms"]), number(mine["fwd_ms"]),
                      times(cost[0]), number(dense["bwd_ms"]), number(mine["bwd_ms"]), times(cost[1])])
     return [Table(f"attention with dropout against the same attention without it (ms, {d['dtype']}, {d['heads']} "
-                  "heads; cost: the time with dropout over the time without)", "attention_dropout_bench.json",
+                  "heads; cost: the time with dropout over the time without)", "attention_features_bench.json",
                   d["device"], ["case", *keys, "dense fwd", "dropout fwd", "cost", "dense bwd", "dropout bwd", "cost"],
                   rows, [f"Dropout multiplies the time by {min(factors):.1f} to {max(factors):.1f}."])]
 
@@ -482,7 +482,6 @@ MEASURED_CODE = {
     "bidirectional_bench.json": ("mamba_annotated/bidirectional", "mamba_annotated/ssd"),
     "attention_bench.json": ("mamba_annotated/attention",),
     "attention_features_bench.json": ("mamba_annotated/attention",),
-    "attention_dropout_bench.json": ("mamba_annotated/attention",),
     "decoding_bench.json": ("mamba_annotated/attention",),
     "gated_norm_bench.json": ("mamba_annotated/gated_norm.py",),
     "host_cost_bench.json": ("mamba_annotated",),
