@@ -1,6 +1,6 @@
 """Execute notebooks in place with nbclient (the GPU pipeline's step 2).
 
-usage: python scripts/execute_notebooks.py [--fill-missing] book/01_sequential_scan.ipynb [...]
+usage: python scripts/execute_notebooks.py [--fill-missing | --stored-runs] book/01_sequential_scan.ipynb [...]
 Cells run from the book/ folder, as in Jupyter; no timing metadata is written, so a re-run
 changes only outputs.
 
@@ -10,8 +10,15 @@ The other cells keep their stored outputs. That is for a chapter that grew while
 earlier cells run did not change: their stored outputs are still those of a GPU run of the
 current code, and the prose that quotes the timings a live benchmark cell printed stays true. The
 strict nbval run that follows re-runs every cell against the stored outputs, old and new.
+
+--stored-runs runs only the code cells that read a stored benchmark run (their source names a
+``*_bench.json`` of book/data), each after the notebook's first code cell (its imports) and nothing
+else, and writes back their outputs alone. Those cells print and plot the files
+scripts/gpu_benchmarks.sh writes on a GPU and launch no kernel, so after a benchmark run their
+outputs can be brought up to date on any machine; every other cell keeps its GPU outputs.
 """
 import pathlib
+import re
 import sys
 import time
 
@@ -53,14 +60,34 @@ def execute(path: pathlib.Path, fill_missing: bool = False) -> None:
         nbformat.write(nb, path)
 
 
+STORED_RUN = re.compile(r"_bench\.json")
+
+
+def render_stored_runs(path: pathlib.Path) -> None:
+    """Re-run the cells of ``path`` that read a stored benchmark run, each with the first code cell
+    before it in a notebook of two cells, and store their outputs (module docstring)."""
+    nb = nbformat.read(path, as_version=4)
+    code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
+    for i in (i for i in code[1:] if STORED_RUN.search(nb.cells[i].source)):
+        pair = nbformat.v4.new_notebook(cells=[nb.cells[code[0]], nb.cells[i]], metadata=nb.metadata)
+        NotebookClient(pair, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        nb.cells[i].outputs = pair.cells[1].outputs
+        print(f"  {path.name} cell {i}: outputs re-rendered from the stored run", flush=True)
+    nbformat.write(nb, path)
+
+
 def main(args) -> int:
-    fill_missing = "--fill-missing" in args
-    paths = [a for a in args if a != "--fill-missing"]
+    fill_missing, stored_runs = "--fill-missing" in args, "--stored-runs" in args
+    paths = [a for a in args if a not in ("--fill-missing", "--stored-runs")]
     failed = []
     for name in paths:
         start = time.time()
         try:
-            execute(pathlib.Path(name), fill_missing)
+            if stored_runs:
+                render_stored_runs(pathlib.Path(name))
+            else:
+                execute(pathlib.Path(name), fill_missing)
             print(f"executed {name} in {time.time() - start:.0f} s", flush=True)
         except Exception as e:  # report every notebook, then fail
             print(f"FAILED {name}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
