@@ -17,6 +17,7 @@ else, and writes back their outputs alone. Those cells print and plot the files
 scripts/gpu_benchmarks.sh writes on a GPU and launch no kernel, so after a benchmark run their
 outputs can be brought up to date on any machine; every other cell keeps its GPU outputs.
 """
+import copy
 import pathlib
 import re
 import sys
@@ -69,7 +70,8 @@ def render_stored_runs(path: pathlib.Path) -> None:
     nb = nbformat.read(path, as_version=4)
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
     for i in (i for i in code[1:] if STORED_RUN.search(nb.cells[i].source)):
-        pair = nbformat.v4.new_notebook(cells=[nb.cells[code[0]], nb.cells[i]], metadata=nb.metadata)
+        # copies: running a cell replaces its outputs, and the import cell keeps its GPU run's
+        pair = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[code[0]], nb.cells[i]]), metadata=nb.metadata)
         NotebookClient(pair, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         nb.cells[i].outputs = pair.cells[1].outputs
