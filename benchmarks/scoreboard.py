@@ -471,6 +471,103 @@ def plot_roofline(path, data=DATA):
     return sorted(set(points) - set(devices))
 
 
+def bar_row(kernel, bar, cases, target, at_least=True, unit="×"):
+    """One bar of the issues against the stored runs: ``cases`` are (value, where measured); the
+    bar holds when the worst of them (the least for ``at_least``, else the largest) meets ``target``.
+    No case: the bar was not measured (chunk sizes or shapes no script runs)."""
+    wanted = f"{'≥' if at_least else '≤'} {target:.3g}{unit}"
+    if not cases:
+        return [kernel, bar, "not measured", "–", wanted, "not measured"]
+    value, where = (min if at_least else max)(cases)
+    holds = value >= target if at_least else value <= target
+    shown = f"{value:.1f}%" if unit == "%" else f"{value:.2f}{unit}"
+    return [kernel, bar, where, shown, wanted, "holds" if holds else "does not hold"]
+
+
+def issue_bars(data=DATA):
+    """The speed bars the book's issues set for each kernel (the bidirectional scan's and the
+    model's are in their own tables, which their scripts check), each against the worst case of the
+    stored runs that measure it."""
+    rows, files = [], set()
+
+    def read(name):
+        files.add(name)
+        return load(name, data)
+
+    scans = [r for r in read("linear_scan_bench.json")["sections"]["linear_scan"]]
+    ours = [r for r in scans if r["impl"] == "linear_scan"]
+    rows.append(bar_row("linear_scan", "float32 at the copy floor, every length, forward and forward+backward",
+                        [(r["pct_floor"], f"{r['shape']} {r['pass_']}") for r in ours if r["dtype"] == "float32"],
+                        97, unit="%"))
+    rows.append(bar_row("linear_scan", "bfloat16 forward+backward against accelerated_scan's Triton scan",
+                        [(p["ms"] / r["ms"], r["shape"]) for r in ours for p in scans
+                         if r["dtype"] == "bfloat16" and r["pass_"] == "fwd+bwd" and p["impl"].endswith("(Triton)")
+                         and (p["shape"], p["dtype"], p["pass_"]) == (r["shape"], r["dtype"], r["pass_"])], 1.0))
+    host = read("host_cost_bench.json")["rows"]
+    rows.append(bar_row("linear_scan", "bfloat16 forward+backward at (1, 64, 4096), host-bound: the peer's host "
+                        "time over ours", [(1 / r["ratio"], r["op"]) for r in host
+                                           if r["op"].startswith("linear_scan") and r["pass_"] == "forward+backward"],
+                        1.0))
+    for passes in ("forward", "forward+backward"):
+        rows.append(bar_row("selective_scan", f"{passes} against selective_scan_cuda, both shapes, dtypes and "
+                            "variants", [(r["speedup"], f"{r['shape'].partition(' (')[0]}, {r['dtype']}, "
+                                         f"{r['variant']}") for r in read("selective_scan_cuda_bench.json")["rows"]
+                                         if r["passes"] == passes], 1.0))
+    ssd_rows = read("ssd_bench.json")["rows"]
+    pairs = [(r, next(p for p in ssd_rows if p["impl"] == "mamba_ssm" and p["shape"] == r["shape"]
+                      and p["pass_"] == r["pass_"])) for r in ssd_rows if r["impl"] == "ours"]
+    rows.append(bar_row("ssd_chunk_scan", "forward and forward+backward against mamba_ssm, both shapes, chunk 256",
+                        [(p["ms"] / r["ms"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.5))
+    rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128", [], 1.5))
+    first = ssd_rows[0]["shape"]
+    rows.append(bar_row("ssd_chunk_scan", "of its floor, the first shape's forward",
+                        [(r["pct_floor"], r["shape"]) for r, _ in pairs if r["shape"] == first and r["pass_"] == "fwd"],
+                        30, unit="%"))
+    rows.append(bar_row("ssd_chunk_scan", "peak memory over mamba_ssm's",
+                        [(r["peak_MB"] / p["peak_MB"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.0,
+                        at_least=False))
+    rows.append(bar_row("ssd_chunk_scan", "time with 8 packed sequences (seq_idx) over the time without", [], 1.1,
+                        at_least=False))
+    attention_rows = read("attention_bench.json")["rows"]
+    mine = [r for r in attention_rows if r["impl"] == "ours (split)" and r["N"] in (4096, 16384)]
+    for peer in ("sdpa cudnn", "sdpa flash"):
+        for pass_, label in (("fwd", "forward"), ("bwd", "backward")):
+            rows.append(bar_row("attention", f"{label} against {peer}, N 4096 and 16384, head dims 64 and 128, "
+                                "causal or not",
+                                [(p[f"{pass_}_ms"] / r[f"{pass_}_ms"],
+                                  f"d {r['d']}, N {r['N']}{', causal' if r['causal'] else ''}")
+                                 for r in mine for p in attention_rows if p["impl"] == peer
+                                 and (p["d"], p["N"], p["causal"]) == (r["d"], r["N"], r["causal"])], 1.0))
+    rows.append(bar_row("attention", "peak memory of forward+backward at N 16384 over sdpa flash's",
+                        [(r["mem_vs_flash"], f"d {r['d']}{', causal' if r['causal'] else ''}") for r in mine
+                         if r["N"] == 16384], 0.6, at_least=False))
+    features = read("attention_features_bench.json")["rows"]
+    rows.append(bar_row("attention", "window 4096 at N 32768 over dense causal attention at N 8192 (the same "
+                        "tokens), forward and backward",
+                        [(w[f"{p}_ms"] / c[f"{p}_ms"], f"d {w['d']}, {p}") for w in features for c in features
+                         for p in ("fwd", "bwd") if w["impl"] == c["impl"] == "ours"
+                         and w["case"] == "window (4096, 0)" and c["case"] == "dense causal" and w["d"] == c["d"]],
+                        1.2, at_least=False))
+    steps = read("decoding_bench.json")["rows"]
+    eager = [r for r in steps if r["impl"] == "ours"]
+    rows.append(bar_row("attention_with_kvcache", "a decoding step against SDPA as PyTorch picks it, batch 1-64, "
+                        "4096-131072 keys",
+                        [(p["ms"] / r["ms"], f"batch {r['batch']}, N {r['N']}") for r in eager for p in steps
+                         if p["impl"] == "sdpa default" and (p["batch"], p["N"]) == (r["batch"], r["N"])], 1.0))
+    rows.append(bar_row("attention_with_kvcache", "of the copy floor at batch 1 and 131072 keys (within 10 %)",
+                        [(r["% floor"], f"batch 1, N {r['N']}") for r in eager if r["batch"] == 1
+                         and r["N"] == 131072], 100 / 1.1, unit="%"))
+    rows.append(bar_row("every op", "host time per call, the peer's over ours (ours at most 1.2× the peer's)",
+                        [(1 / r["ratio"], f"{r['op'].partition(' (')[0]} {r['pass_']}") for r in host],
+                        round(1 / 1.2, 2)))
+    held = sum(r[-1] == "holds" for r in rows)
+    missing = sum(r[-1] == "not measured" for r in rows)
+    devices = sorted({load(name, data)["device"] for name in files})
+    return Table("the bars of the issues, each against the worst case the stored runs measured", "*_bench.json",
+                 ", ".join(devices), ["kernel", "bar", "worst case", "measured", "target", "verdict"], rows,
+                 [f"{held} of {len(rows) - missing} measured bars hold; {missing} not measured by any script."])
+
+
 # The package code each stored run times: a run stored before the last change to that code may not
 # show the present kernels (the shared launch, custom-op and Triton helpers count for every run)
 SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "mamba_annotated/library.py")
@@ -553,6 +650,7 @@ def main():
     parser.add_argument("--roofline", type=pathlib.Path, help="also draw the roofline into this PNG")
     args = parser.parse_args()
     print(text(sources(args.data)), end="\n\n")
+    print(text(issue_bars(args.data)), end="\n\n")
     for topic in TOPICS:
         for table in tables(topic, args.data):
             print(text(table), end="\n\n")

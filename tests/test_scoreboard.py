@@ -142,3 +142,42 @@ def test_a_run_that_stores_its_rates_gives_its_device_roofs(tmp_path):
     write(tmp_path, "bidirectional_bench.json", bidirectional)
     assert scoreboard.roofs(tmp_path)["GPU X"] == {"copy": 3.0, "matmul": 650.0}
     assert "GPU X" not in scoreboard.plot_roofline(tmp_path / "roofline.png", tmp_path)
+
+
+def test_a_bar_is_judged_by_its_worst_case():
+    faster = scoreboard.bar_row("k", "speed", [(1.3, "a"), (0.97, "b"), (1.1, "c")], 1.0)
+    assert faster[2:] == ["b", "0.97×", "≥ 1×", "does not hold"]
+    assert scoreboard.bar_row("k", "speed", [(1.3, "a"), (1.0, "b")], 1.0)[-1] == "holds"  # the target itself meets it
+    ratio = scoreboard.bar_row("k", "time ratio", [(1.05, "a"), (1.25, "b")], 1.2, at_least=False)
+    assert ratio[2:] == ["b", "1.25×", "≤ 1.2×", "does not hold"]
+    floor = scoreboard.bar_row("k", "of the floor", [(98.1, "a"), (97.0, "b")], 97, unit="%")
+    assert floor[2:] == ["b", "97.0%", "≥ 97%", "holds"]
+    assert scoreboard.bar_row("k", "chunks 64", [], 1.5)[2:] == ["not measured", "–", "≥ 1.5×", "not measured"]
+
+# the files the bars read
+DATA_FILES = ("linear_scan_bench.json", "host_cost_bench.json", "selective_scan_cuda_bench.json", "ssd_bench.json",
+              "attention_bench.json", "attention_features_bench.json", "decoding_bench.json")
+
+
+def test_the_bars_read_the_stored_runs(tmp_path):
+    """Each bar's worst case is one of the stored rows: slowing our SSD forward in a copy of the data
+    flips its bar, and the verdict counts it."""
+    bars = scoreboard.issue_bars()
+    assert all(len(row) == len(bars.columns) for row in bars.rows)
+    assert {row[-1] for row in bars.rows} <= {"holds", "does not hold", "not measured"}
+    for name in DATA_FILES:
+        (tmp_path / name).write_text((ROOT / "book" / "data" / name).read_text())
+    ssd = json.loads((tmp_path / "ssd_bench.json").read_text())
+    for row in ssd["rows"]:
+        row["ms"] = row["ms"] * (0.1 if row["impl"] == "mamba_ssm" else 1.0)  # the peer ten times faster
+    (tmp_path / "ssd_bench.json").write_text(json.dumps(ssd))
+    fast = {row[1]: row for row in scoreboard.issue_bars(tmp_path).rows}
+    speed = fast["forward and forward+backward against mamba_ssm, both shapes, chunk 256"]
+    assert speed[-1] == "does not hold" and float(speed[3].rstrip("×")) < 0.2
+    for row in ssd["rows"]:
+        row["ms"] = row["ms"] * (100.0 if row["impl"] == "mamba_ssm" else 1.0)  # now ten times slower than ours
+    (tmp_path / "ssd_bench.json").write_text(json.dumps(ssd))
+    slow = scoreboard.issue_bars(tmp_path)
+    assert {row[1]: row for row in slow.rows}[speed[1]][-1] == "holds"
+    held = sum(row[-1] == "holds" for row in slow.rows)
+    assert slow.verdict[0].startswith(f"{held} of ")

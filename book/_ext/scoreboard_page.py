@@ -1,10 +1,11 @@
 """Sphinx extension: the scoreboard appendix's tables and roofline, built from book/data/*_bench.json.
 
-The page (book/scoreboard.md) places three directives; each turns benchmarks/scoreboard.py's tables
+The page (book/scoreboard.md) places four directives; each turns benchmarks/scoreboard.py's tables
 into docutils nodes when the page is read, so rebuilding the book after scripts/gpu_benchmarks.sh
 shows the new results:
 
     ```{scoreboard-sources}        the stored runs: file, device, the tables that read it
+    ```{scoreboard-bars}           the issues' bars, each against the worst case measured
     ```{scoreboard} ssd            one topic's tables (a key of scoreboard.TOPICS), each with its verdict
     ```{scoreboard-roofline}       the roofline figure, drawn into book/_generated/ (ignored by git)
 
@@ -76,6 +77,12 @@ class ScoreboardSources(_DataDirective):
         return table_nodes(scoreboard.sources())
 
 
+class ScoreboardBars(_DataDirective):
+    def run(self):
+        self.note_data()
+        return table_nodes(scoreboard.issue_bars())
+
+
 class ScoreboardTopic(_DataDirective):
     required_arguments = 1
 
@@ -103,6 +110,7 @@ class ScoreboardRoofline(_DataDirective):
 
 def setup(app):
     app.add_directive("scoreboard-sources", ScoreboardSources)
+    app.add_directive("scoreboard-bars", ScoreboardBars)
     app.add_directive("scoreboard", ScoreboardTopic)
     app.add_directive("scoreboard-roofline", ScoreboardRoofline)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
