@@ -3,8 +3,9 @@
 bfloat16, chunk 256, with D, dt_bias and softplus, at the two shapes of the speed bar. Prints the
 median times (forward, forward+backward), achieved TFLOP/s, the floor (FLOPs over the measured
 matmul rate, bytes over the measured copy bandwidth), peak memory, the speedup over the peer, a
-per-kernel breakdown of where the time goes, and the cost of a flip-based reverse cumsum against
-the in-kernel one. ``--json PATH`` writes everything as JSON. Usage:
+per-kernel breakdown of where the time goes, the cost of a flip-based reverse cumsum against
+the in-kernel one, and at the first shape the bars' other cases: chunks 64 and 128, and 8 packed
+sequences (seq_idx) against none. ``--json PATH`` writes everything as JSON. Usage:
 
     python benchmarks/bench_ssd.py [--json out.json] [--quick]
 """
@@ -71,12 +72,60 @@ def peak_mb(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def differentiable(inp):
+    """The inputs that take gradients, as leaves, and an upstream gradient for y."""
+    return {k: inp[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}, \
+        torch.randn_like(inp["x"])
+
+
+def passes(fn, inp, leaves, dy, *, chunk_size, seq_idx=None):
+    """The forward pass (no autograd) and the forward+backward pass of ``fn`` (ours or the peer's,
+    same signature) with D, dt_bias and softplus, as two callables to time."""
+    def fwd():
+        with torch.no_grad():
+            return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=chunk_size, D=inp["D"],
+                      dt_bias=inp["dt_bias"], seq_idx=seq_idx, dt_softplus=True)
+
+    def fwd_bwd():
+        # torch.autograd.grad, not backward(): the gradients are returned, not added into .grad,
+        # so no accumulation kernel (an add over x's size) is timed with the pass
+        y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=chunk_size,
+               D=leaves["D"], dt_bias=leaves["dt_bias"], seq_idx=seq_idx, dt_softplus=True)
+        return torch.autograd.grad(y, list(leaves.values()), dy)
+
+    return fwd, fwd_bwd
+
+
+def run_variants(shape, peer_fn, packed=8):
+    """The SSD bars' other cases at ``shape``: chunks 64 and 128 beside chunk 256, ours and the peer
+    (same inputs), and ``packed`` sequences of equal length marked by seq_idx against none. Rows of
+    shape, chunk, packed (sequences), impl, pass_, ms; speedup is the peer's time over ours for the
+    same chunk and packing, and for ours with seq_idx also its time over ours without (packing_cost)."""
+    inp = make_inputs(*shape)
+    leaves, dy = differentiable(inp)
+    length = shape[1]
+    seq_idx = (torch.arange(length, device=DEVICE, dtype=torch.int32) * packed // length).repeat(shape[0], 1)
+    impls = {"ours": ssd_chunk_scan, **({"mamba_ssm": peer_fn} if peer_fn is not None else {})}
+    rows = []
+    for chunk, marks in ((64, None), (128, None), (CHUNK, None), (CHUNK, seq_idx)):
+        for name, fn in impls.items():
+            for pass_, f in zip(("fwd", "fwd+bwd"), passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)):
+                rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
+                                 pass_=pass_, ms=bench.median_ms(f)))
+    for r in rows:
+        same = [q for q in rows if (q["chunk"], q["packed"], q["pass_"]) == (r["chunk"], r["packed"], r["pass_"])]
+        peer = next((q for q in same if q["impl"] == "mamba_ssm"), None)
+        r["speedup"] = peer["ms"] / r["ms"] if peer else float("nan")
+        alone = next(q for q in rows if (q["chunk"], q["packed"], q["impl"], q["pass_"])
+                     == (r["chunk"], 1, r["impl"], r["pass_"]))
+        r["packing_cost"] = r["ms"] / alone["ms"] if r["packed"] > 1 else float("nan")
+    return rows
+
+
 def run_shape(shape, peer_fn):
     batch, length, heads, headdim, dstate = shape
     inp = make_inputs(*shape)
-    kw = dict(chunk_size=CHUNK, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
-    leaves = {k: inp[k].clone().requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
-    dy = torch.randn_like(inp["x"])
+    leaves, dy = differentiable(inp)
     impls = {"ours": ssd_chunk_scan}
     if peer_fn is not None:
         impls["mamba_ssm"] = peer_fn
@@ -84,17 +133,7 @@ def run_shape(shape, peer_fn):
     f_fwd, f_all = flops(*shape)
     b_fwd, b_all = min_bytes(*shape)
     for name, fn in impls.items():
-        def fwd():
-            with torch.no_grad():
-                return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], **kw)
-
-        def fwd_bwd():
-            # torch.autograd.grad, not backward(): the gradients are returned, not added into .grad,
-            # so no accumulation kernel (an add over x's size) is timed with the pass
-            y = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size=CHUNK,
-                   D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
-            return torch.autograd.grad(y, list(leaves.values()), dy)
-
+        fwd, fwd_bwd = passes(fn, inp, leaves, dy, chunk_size=CHUNK)
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
@@ -160,13 +199,15 @@ def main():
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
+    variants = run_variants(SHAPES[0], peer_fn)
+    bench.print_table(variants)
     tuned = {kernel_name(k): str(getattr(k, "best_config", None)) for k in TUNED}
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
         args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
                                              matmul_TFLOPs=bench.matmul_tflops(), rows=all_rows, stages=all_stages,
-                                             configs=tuned), indent=1))
+                                             variants=variants, configs=tuned), indent=1))
 
 
 if __name__ == "__main__":

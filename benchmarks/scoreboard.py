@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from costs import attention_forward_bytes, bidirectional_min_bytes, scan_intensity, ssd_min_bytes  # noqa: E402
+from costs import CHUNK, attention_forward_bytes, bidirectional_min_bytes, scan_intensity, ssd_min_bytes  # noqa: E402
 
 DATA = pathlib.Path(__file__).resolve().parent.parent / "book" / "data"
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -165,10 +165,25 @@ def ssd(data):
         rows.append([ours["shape"], ours["pass_"], number(ours["ms"]), number(ours["TFLOPs"]),
                      f"{ours['pct_floor']:.0f}%", number(peer["ms"]), times(speed),
                      f"{number(ours['peak_MB'])} / {number(peer['peak_MB'])}"])
-    return [Table("ssd_chunk_scan against mamba_ssm's mamba_chunk_scan_combined (bfloat16, chunk 256)",
-                  "ssd_bench.json", d["device"],
-                  ["shape (b, L, h, p, n)", "pass", "ours ms", "TFLOP/s", "of floor", "mamba_ssm ms", "speed",
-                   "peak MB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
+    tables = [Table("ssd_chunk_scan against mamba_ssm's mamba_chunk_scan_combined (bfloat16, chunk 256)",
+                    "ssd_bench.json", d["device"],
+                    ["shape (b, L, h, p, n)", "pass", "ours ms", "TFLOP/s", "of floor", "mamba_ssm ms", "speed",
+                     "peak MB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
+    variants = [r for r in d.get("variants", []) if r["impl"] == "ours"]
+    if variants:
+        verdict, rows = Verdict(), []
+        for r in variants:
+            peer = next((q for q in d["variants"] if q["impl"] == "mamba_ssm" and (q["chunk"], q["packed"], q["pass_"])
+                         == (r["chunk"], r["packed"], r["pass_"])), None)
+            speed = verdict.add("mamba_chunk_scan_combined", f"chunk {r['chunk']}, {r['packed']} sequences, "
+                                f"{r['pass_']}", r["speedup"] if peer else None)
+            rows.append([r["chunk"], r["packed"], r["pass_"], number(r["ms"]), number(peer and peer["ms"]),
+                         times(speed), "–" if r["packed"] == 1 else times(r["packing_cost"])])
+        tables.append(Table(f"ssd_chunk_scan at other chunk sizes and with packed sequences (seq_idx), at "
+                            f"{variants[0]['shape']}", "ssd_bench.json", d["device"],
+                            ["chunk", "sequences", "pass", "ours ms", "mamba_ssm ms", "speed",
+                             "time over one sequence's"], rows, verdict.sentences("ssd_chunk_scan")))
+    return tables
 
 
 def bidirectional(data):
@@ -518,7 +533,10 @@ def issue_bars(data=DATA):
                       and p["pass_"] == r["pass_"])) for r in ssd_rows if r["impl"] == "ours"]
     rows.append(bar_row("ssd_chunk_scan", "forward and forward+backward against mamba_ssm, both shapes, chunk 256",
                         [(p["ms"] / r["ms"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.5))
-    rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128", [], 1.5))
+    variants = read("ssd_bench.json").get("variants", [])  # runs before these cases were timed lack them
+    rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128, the first shape",
+                        [(r["speedup"], f"chunk {r['chunk']} {r['pass_']}") for r in variants
+                         if r["impl"] == "ours" and r["chunk"] != CHUNK and not math.isnan(r["speedup"])], 1.5))
     first = ssd_rows[0]["shape"]
     rows.append(bar_row("ssd_chunk_scan", "of its floor, the first shape's forward",
                         [(r["pct_floor"], r["shape"]) for r, _ in pairs if r["shape"] == first and r["pass_"] == "fwd"],
@@ -526,8 +544,9 @@ def issue_bars(data=DATA):
     rows.append(bar_row("ssd_chunk_scan", "peak memory over mamba_ssm's",
                         [(r["peak_MB"] / p["peak_MB"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.0,
                         at_least=False))
-    rows.append(bar_row("ssd_chunk_scan", "time with 8 packed sequences (seq_idx) over the time without", [], 1.1,
-                        at_least=False))
+    rows.append(bar_row("ssd_chunk_scan", "time with 8 packed sequences (seq_idx) over the time without",
+                        [(r["packing_cost"], f"{r['shape']} {r['pass_']}") for r in variants
+                         if r["impl"] == "ours" and r["packed"] > 1], 1.1, at_least=False))
     attention_rows = read("attention_bench.json")["rows"]
     mine = [r for r in attention_rows if r["impl"] == "ours (split)" and r["N"] in (4096, 16384)]
     for peer in ("sdpa cudnn", "sdpa flash"):
