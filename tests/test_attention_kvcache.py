@@ -362,6 +362,37 @@ def test_noncontiguous_inputs():
     assert torch.equal(kv_cache[:, :, 0], k_after) and torch.equal(kv_cache[:, :, 1], v_after)
 
 
+@pytest.mark.parametrize("name, neighbours", [("cache_seqlens", "flipped"), ("cache_leftpad", "flipped"),
+                                              ("cache_batch_idx", "padding")])
+def test_noncontiguous_index_tensors(name, neighbours):
+    """cache_seqlens, cache_leftpad and cache_batch_idx as strided views: a column of a (batch, 2)
+    int32 tensor (a per-sequence record), its other column holding other valid values ("flipped":
+    the same values reversed, so a misread still passes the range checks and only the output can
+    show it) or -1 padding (a misread is refused as out of range). Before the public call copied
+    them, the kernels read the neighbours: a wrong output (relative error 0.2-0.5) or a refusal."""
+    case = make_case(batch=3, seqlen_q=2, heads=4, kv_heads=2, capacity=37, layout="indexed", seqlens=[9, 30, 17],
+                     leftpad=[2, 0, 5], causal=True, num_splits=2)
+    index = case[name]
+    other = index.flip(0) if neighbours == "flipped" else torch.full_like(index, -1)
+    case[name] = torch.stack([index, other], dim=1)[:, 0]
+    assert not case[name].is_contiguous() and torch.equal(case[name], index)
+    check_case(case)
+
+def test_noncontiguous_rotary_tables_block_table_and_slopes():
+    """The tensors test_noncontiguous_inputs passes contiguous, as views: the rotary tables the two
+    halves of one (seqlen_ro, rotary_dim / 2, 2) tensor (last stride 2), the block table
+    column-major, the ALiBi slopes (batch, heads) a transposed (heads, batch) tensor. Out, lse and
+    the caches after the append against float64."""
+    case = make_case(batch=2, seqlen_q=3, heads=4, kv_heads=2, capacity=29, layout="paged", page_size=5,
+                     seqlens=[4, 17], new=2, rotary_dim=16, rotary_interleaved=False, causal=True, num_splits=2)
+    tables = torch.stack([case["rotary_cos"], case["rotary_sin"]], dim=-1)
+    case["rotary_cos"], case["rotary_sin"] = tables[..., 0], tables[..., 1]
+    case["block_table"] = case["block_table"].t().contiguous().t()
+    case["alibi_slopes"] = geometric_alibi_slopes(8, DEVICE)[torch.randperm(8, device=DEVICE)].reshape(4, 2).t()
+    assert not any(case[n].is_contiguous() for n in ("rotary_cos", "rotary_sin", "block_table", "alibi_slopes"))
+    check_case(case)
+
+
 def test_empty_inputs():
     """No query: nothing to attend, but the new keys are still appended; a cache of no position."""
     case = make_case(batch=2, seqlen_q=0, capacity=9, seqlens=[1, 4], new=2)
@@ -369,6 +400,20 @@ def test_empty_inputs():
     case = make_case(batch=2, seqlen_q=3, capacity=0, seqlens=0)
     out, lse = check_case(case)
     assert not out.any() and torch.all(lse == math.inf)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_no_sequence_and_no_head(layout):
+    """A batch of no sequence (with keys to append, in a cache of rows or pages) and sequences of no
+    head: empty outputs of the right shapes and the caches untouched (checked by hand: the reference
+    takes neither)."""
+    for sizes, lse_shape in ((dict(batch=0, seqlens=[]), (0, 4, 1)), (dict(heads=0, kv_heads=0, seqlens=[3, 4]),
+                                                                     (2, 0, 1))):
+        case = make_case(layout=layout, page_size=4, new=1, **sizes)
+        k_cache, v_cache = case["k_cache"].clone(), case["v_cache"].clone()
+        out, lse = attention_with_kvcache(**case, return_softmax_lse=True)
+        assert out.shape == case["q"].shape and lse.shape == lse_shape
+        assert torch.equal(case["k_cache"], k_cache) and torch.equal(case["v_cache"], v_cache)
 
 
 def test_outputs_never_require_a_gradient():

@@ -86,7 +86,9 @@ def index_flags(*, batch: int, capacity: int, new: int, cache_rows: int, cache_s
                 cache_batch_idx=None, block_table=None, page_size: int = 1, rotary_limit=None) -> torch.Tensor:
     """flags (len(CHECKS),) int32 on the indices' device, from one launch of the check kernel: 1 where
     every index passes the check (module docstring), 0 where one fails. ``rotary_limit`` (seqlen_ro
-    - seqlen_q, or None for no rotary check) bounds cache_seqlens."""
+    - seqlen_q, or None for no rotary check) bounds cache_seqlens. The (batch,) tensors are read
+    densely (contiguous, as :func:`.kvcache.attention_with_kvcache` passes them); the block table
+    through its strides."""
     present = next(t for t in (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) if t is not None)
     flags = torch.empty(len(CHECKS), dtype=torch.int32, device=present.device)
     table_strides = block_table.stride() if block_table is not None else (0, 0)

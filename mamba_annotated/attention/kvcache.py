@@ -269,7 +269,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     page_block_size, kv_heads, d), sequence b's position p in page block_table[b, p //
     page_block_size] at row p % page_block_size; pages of any size (flash_attn asks for multiples
     of 256). kv_heads divides heads (grouped-query attention). float16, bfloat16 or float32, 16 <=
-    d <= 256, any strides (the caches are read and written through theirs).
+    d <= 256, any strides (the caches are read and written through theirs; a strided index tensor
+    is copied).
 
     Sequence b holds the positions [cache_leftpad[b], cache_seqlens[b]) of cache row
     cache_batch_idx[b] (b without it; not with a block table, as in flash_attn). ``cache_seqlens``
@@ -316,6 +317,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    # the index check and the attention kernels read these (batch,) tensors densely: a strided view (a
+    # column of a per-sequence record) is copied, not misread (flash_attn's wrapper copies two of them)
+    cache_seqlens, cache_batch_idx, cache_leftpad = (None if t is None else t.contiguous()
+                                                     for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
     rotate_per_row = window_left >= 0 or window_right >= 0  # causal or local, as flash_attn decides it
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, scale, window_left, window_right, softcap, bool(rotary_interleaved), rotate_per_row,

@@ -295,8 +295,8 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
     """Attention of q over the keys each sequence holds in the cache (module docstring).
 
     q (batch, seqlen_q, heads, d) with last stride 1, nothing empty; k_cache, v_cache in ``layout``
-    (``LAYOUTS``), any strides; ``key_end`` (batch,) int32: one past each sequence's last key;
-    ``key_start`` (batch,) int32 or None (0): its first key; ``pages``: cache_batch_idx (batch,)
+    (``LAYOUTS``), any strides; ``key_end`` (batch,) int32, contiguous: one past each sequence's
+    last key; ``key_start`` (batch,) int32, contiguous, or None (0): its first key; ``pages``: cache_batch_idx (batch,)
     ("indexed") or block_table (batch, pages) ("paged"), int32, or None ("contiguous").
     ``softmax_scale`` any finite float; ``window`` (left, right), -1 for an unbounded side;
     ``softcap`` > 0 or 0; ``alibi_slopes`` float32 (heads,) or (batch, heads) or None;
