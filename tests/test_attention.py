@@ -519,6 +519,29 @@ def test_gradients_of_noncontiguous_views(layout, causal):
     assert_view_gradients(make_leaf, views, causal, torch.float16)
 
 
+@pytest.mark.parametrize("layout, causal, dtype", [("expanded kv, strided q", False, torch.float32),
+                                                   ("transposed", True, torch.bfloat16),
+                                                   ("packed qkv", False, torch.bfloat16)])
+def test_noncontiguous_views_forward_and_gradients_in_float32_and_bfloat16(layout, causal, dtype):
+    """test_gradients_of_noncontiguous_views runs float16 and judges the gradients: here the out
+    of the same views too, and both in the other two dtypes, by the rule."""
+    make_leaf, views = NONCONTIGUOUS[layout]
+    q, k, v = views(make_leaf(dtype))
+    assert_within_same_computation("out", attention(q, k, v, causal=causal), naive_attention(q, k, v, causal)[0],
+                                   attention_ref(q, k, v, causal)[0], dtype)
+    assert_view_gradients(make_leaf, views, causal, dtype)
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_alibi_slopes_as_views(per_batch):
+    """ALiBi slopes that are views: (heads,) a strided slice, (batch, heads) a transposed (heads,
+    batch) tensor. Out, lse and the three gradients against float64 by the rule."""
+    batch, heads = 2, 4
+    slopes = alibi(heads, batch).t() if per_batch else alibi(2 * heads)[::2]
+    assert not slopes.is_contiguous()
+    check_all(*make_qkv(batch, 23, 30, heads, 2, 32, torch.float32), True, alibi_slopes=slopes)
+
+
 def test_default_backward_is_deterministic():
     n = 2048 if ON_GPU else 40
     q, k, v = make_qkv(2 if ON_GPU else 1, n, n, 4 if ON_GPU else 2, 1, 64 if ON_GPU else 16, torch.bfloat16)

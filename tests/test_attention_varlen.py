@@ -221,6 +221,19 @@ def test_noncontiguous_inputs():
         assert_within_same_computation(f"grad {name}", got[name], want_same[name], want[name], dtype)
 
 
+def test_offsets_and_slopes_as_views():
+    """cu_seqlens_q and cu_seqlens_k the two columns of one (batch + 1, 2) int32 tensor (stride 2:
+    read densely, they would be each other's neighbours), the ALiBi slopes (batch, heads) a
+    transposed (heads, batch) tensor: out, lse and the gradients against float64 by the rule."""
+    lengths_q, lengths_k = LENGTHS[0]
+    q, k, v, cu_q, cu_k, max_q, max_k = make_packed(lengths_q, lengths_k, 2, 1, 16, torch.float32)
+    offsets_qk = torch.stack([cu_q, cu_k], dim=1)
+    cu_q, cu_k = offsets_qk[:, 0], offsets_qk[:, 1]
+    slopes = alibi(2, len(lengths_q)).t()
+    assert not (cu_q.is_contiguous() or cu_k.is_contiguous() or slopes.is_contiguous())
+    check_varlen(q, k, v, cu_q, cu_k, max_q, max_k, True, alibi_slopes=slopes)
+
+
 def test_rows_that_see_no_key_and_rows_of_no_sequence():
     """A sequence without keys, causal rows before a diagonal past the keys, and rows past the last
     sequence: out 0, lse +inf, every gradient there 0 (checked on NaN-poisoned outputs)."""

@@ -487,6 +487,35 @@ def test_fused_views_forward_and_gradients(shift):
         assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
 
 
+def test_fused_views_of_the_per_head_arguments_and_seq_idx():
+    """The arguments test_fused_views_forward_and_gradients passes contiguous, as views: A one
+    number expanded over the heads (stride 0), D a transposed (headdim, heads) tensor, dt_bias a
+    strided slice, seq_idx one row expanded over the batch (stride 0); against float64, forward
+    and every gradient, reaching the leaves through the views."""
+    heads, headdim = 2, 8
+    inputs = make_inputs(batch=2, length=21, heads=heads, headdim=headdim, groups=1, D_shape=None, separate=True)
+    leaves = {k: v for k, v in inputs.items() if k not in ("A", "D", "dt_bias")}
+    leaves.update(A_one=-uniform(1, low=0.5, high=2.0), D_t=randn(headdim, heads),
+                  bias_wide=randn(2 * heads, scale=0.5))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    seq_idx = packed_ids(1, 21).expand(2, -1)
+
+    def call(fn, seq_idx):
+        def run(A_one, D_t, bias_wide, **rest):
+            return fn(A=A_one.expand(heads), D=D_t.t(), dt_bias=bias_wide[::2], **rest, seq_idx=seq_idx,
+                      dt_softplus=True, shift=True)
+        return run
+
+    ours = call(lambda **a: bidirectional_chunk_scan(**a, chunk_size=16), seq_idx)
+    ref = call(bidirectional_ref, seq_idx.contiguous())  # (torch.searchsorted warns of a view)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(torch.float32), "out")
+    errors = assert_gradients_close(ours, ref, leaves, tol=1.0)
+    assert set(errors) == set(leaves)
+    for name, err in errors.items():
+        as_argument = dict(A_one="A", D_t="D", bias_wide="dt_bias").get(name, name)
+        assert err < fused_grad_tol(as_argument, torch.float32), f"grad {name}: relative error {err:.3e}"
+
+
 def test_a_time_major_B_rev_gives_what_a_contiguous_one_gives():
     """The op copies a B' (or B, C, C') whose dstate is strided, which avoids the scores kernel's
     H100 defect (test_scores_of_a_time_major_B_rev_at_an_odd_length in test_reliability_smoke.py):

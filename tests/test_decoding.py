@@ -86,6 +86,16 @@ def test_ssd_step_16_bit_state():
     assert_close(inputs["state"], state_ref, tolerance(torch.bfloat16), "state")
 
 
+def test_ssd_step_float16_state():
+    """test_ssd_step_16_bit_state in float16, with D per channel."""
+    inputs = ssd_step_inputs(dtype=torch.float16, D_per_channel=True)
+    y_ref, state_ref = ssd_step_ref(inputs)
+    y = ssd_state_update(**inputs)
+    assert y.dtype == torch.float16 and inputs["state"].dtype == torch.float16
+    assert_close(y, y_ref, tolerance(torch.float16), "y")
+    assert_close(inputs["state"], state_ref, tolerance(torch.float16), "state")
+
+
 def test_ssd_step_bad_inputs():
     inputs = ssd_step_inputs()
     with pytest.raises(ValueError, match="B must have shape"):
@@ -99,18 +109,20 @@ def test_ssd_step_bad_inputs():
 # --- the selective step (Mamba-1) -------------------------------------------------------------------------
 
 def selective_step_inputs(batch=3, dim=10, dstate=6, groups=None, heads=None, dt_bias=True, dt_softplus=True, D=True,
-                          z=True):
-    """mamba_ssm's layouts: 3-d (batch, dim, dstate), or 4-d with ``heads``; B, C with ``groups``."""
+                          z=True, dtype=torch.float32, state_dtype=None):
+    """mamba_ssm's layouts: 3-d (batch, dim, dstate), or 4-d with ``heads``; B, C with ``groups``.
+    x, dt, B, C, z in ``dtype``, the state in ``state_dtype`` (default ``dtype``); A, D, dt_bias
+    float32, as a model keeps them."""
     lead = (heads,) if heads else ()
     bc = (batch, groups, dstate) if groups else (batch, dstate)
     return dict(
-        state=randn(batch, *lead, dstate, dim).transpose(-1, -2),
-        x=strided((batch, *lead, dim)),
-        dt=uniform(batch, *lead, dim, low=-1.0, high=1.0) if dt_softplus else uniform(batch, *lead, dim, low=0.05,
-                                                                                      high=0.8),
+        state=randn(batch, *lead, dstate, dim, dtype=state_dtype or dtype).transpose(-1, -2),
+        x=strided((batch, *lead, dim), dtype),
+        dt=(uniform(batch, *lead, dim, low=-1.0, high=1.0, dtype=dtype) if dt_softplus
+            else uniform(batch, *lead, dim, low=0.05, high=0.8, dtype=dtype)),
         A=-uniform(*lead, dim, dstate, low=0.2, high=2.0),
-        B=strided(bc), C=randn(*bc),
-        D=randn(*lead, dim) if D else None, z=randn(batch, *lead, dim) if z else None,
+        B=strided(bc, dtype), C=randn(*bc, dtype=dtype),
+        D=randn(*lead, dim) if D else None, z=randn(batch, *lead, dim, dtype=dtype) if z else None,
         dt_bias=randn(*lead, dim, scale=0.5) if dt_bias else None, dt_softplus=dt_softplus)
 
 
@@ -159,6 +171,57 @@ def test_selective_step_reads_D_and_dt_bias_through_their_strides(layout):
     y = selective_state_update(**inputs)
     assert_close(y, y_ref, TOL, "y")
     assert_close(inputs["state"], state_ref, TOL, "state (in place)")
+
+
+def as_view(t):
+    """The values of ``t`` in a view that is not contiguous: its dimensions reversed in memory, or, for
+    a vector, every other element of a tensor holding NaN in between (a dense read meets a NaN)."""
+    if t.dim() == 1:
+        return torch.stack([t, torch.full_like(t, math.nan)], dim=-1)[:, 0]
+    dims = list(range(t.dim()))[::-1]
+    return t.permute(dims).contiguous().permute(dims)
+
+
+@pytest.mark.parametrize("dtype, state_dtype", [(torch.float16, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("layout", [dict(), dict(heads=3, groups=3)], ids=["3d", "4d"])
+def test_selective_step_16_bit(dtype, state_dtype, layout):
+    """x, dt, B, C, z in 16 bits, the state in 16 bits or float32: y rounded once from the float32
+    update, the state rounded once into its dtype, both against float64."""
+    inputs = selective_step_inputs(**layout, dtype=dtype, state_dtype=state_dtype)
+    y_ref, state_ref = selective_step_ref(inputs)
+    y = selective_state_update(**inputs)
+    assert y.shape == inputs["x"].shape and y.dtype == dtype
+    assert inputs["state"].dtype == (state_dtype or dtype)
+    assert_close(y, y_ref, tolerance(dtype), "y")
+    assert_close(inputs["state"], state_ref, tolerance(state_dtype or dtype), "state (in place)")
+
+
+@pytest.mark.parametrize("step, layout", [("ssd", dict()), ("ssd", dict(D_per_channel=True)),
+                                          ("selective", dict(heads=3, groups=3))],
+                         ids=["ssd, D per head", "ssd, D per channel", "selective, 4-d"])
+def test_step_every_argument_a_view(step, layout):
+    """dt, A, C, z, D and dt_bias, which the float64 tests of each step pass contiguous, as views
+    (:func:`as_view`: transposed matrices, vectors with NaN between their elements); the state, x
+    and B are views there already."""
+    make, reference, update = ((ssd_step_inputs, ssd_step_ref, ssd_state_update) if step == "ssd"
+                               else (selective_step_inputs, selective_step_ref, selective_state_update))
+    inputs = make(**layout)
+    for name in ("dt", "A", "C", "z", "D", "dt_bias"):
+        inputs[name] = as_view(inputs[name])
+        assert not inputs[name].is_contiguous(), name
+    y_ref, state_ref = reference(inputs)
+    y = update(**inputs)
+    assert_close(y, y_ref, TOL, "y")
+    assert_close(inputs["state"], state_ref, TOL, "state (in place)")
+
+
+@pytest.mark.parametrize("step", ["ssd", "selective"])
+def test_steps_on_an_empty_batch(step, no_launch):
+    """A batch of no sequence: an empty y like x, and nothing launched."""
+    inputs = ssd_step_inputs(batch=0) if step == "ssd" else selective_step_inputs(batch=0, heads=3, groups=3)
+    y = (ssd_state_update if step == "ssd" else selective_state_update)(**inputs)
+    assert y.shape == inputs["x"].shape and y.dtype == inputs["x"].dtype
 
 
 def test_selective_step_unimplemented_and_bad_inputs():

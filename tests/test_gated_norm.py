@@ -84,6 +84,27 @@ def test_views_give_what_contiguous_copies_give():
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_strided_views_forward_and_gradients(dtype):
+    """x and z views whose channels are not adjacent in memory (the view above keeps them adjacent):
+    x channel-major (a transposed (width, rows) tensor), z every other channel of a wider one, the
+    weight one number expanded (stride 0), three groups; against float64, forward and the
+    gradients of the leaves through the views."""
+    rows, width = 11, 24
+    leaves = dict(x_t=randn(width, rows, dtype=dtype), z_wide=randn(rows, 2 * width, dtype=dtype),
+                  weight_one=1 + 0.5 * randn(1), bias=0.3 * randn(width))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+
+    def run(norm):
+        def fn(x_t, z_wide, weight_one, bias):
+            return norm(x_t.t(), weight_one.expand(width), bias, z_wide[:, ::2], 1e-5, 8, False)
+        return fn
+
+    ours, ref = run(rmsnorm_fn), run(rms_norm_f64)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype))
+    assert_gradients_close(ours, ref, leaves, tolerance(dtype))
+
+
 def test_gradients_are_the_same_bits_at_every_call():
     """The weight's gradient adds per-band partial sums on the host, not by atomics."""
     x = randn(size(gpu=4099, cpu=45), 64, dtype=torch.bfloat16).requires_grad_()
@@ -101,6 +122,17 @@ def test_no_rows():
     assert out.shape == (0, 16)
     dx, dw = torch.autograd.grad(out.sum(), [x, weight], allow_unused=False)
     assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_no_rows_with_bias_gate_and_groups(no_launch):
+    """Every argument present, no row: an empty out and dz, zero d weight and d bias, no launch."""
+    x, z = randn(2, 0, 16, dtype=torch.bfloat16).requires_grad_(), randn(2, 0, 16).requires_grad_()
+    weight, bias = randn(16).requires_grad_(), randn(16).requires_grad_()
+    out = rmsnorm_fn(x, weight, bias, z, group_size=8, norm_before_gate=False)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    dx, dw, db, dz = torch.autograd.grad(out.float().sum(), [x, weight, bias, z])
+    assert dx.shape == x.shape and dz.shape == z.shape and dz.dtype == z.dtype
+    assert torch.equal(dw, torch.zeros_like(dw)) and torch.equal(db, torch.zeros_like(db))
 
 
 def test_the_op_passes_torch_library_checks():

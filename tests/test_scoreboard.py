@@ -45,7 +45,7 @@ def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
     table = scoreboard.sources(tmp_path, changed)
     dated = {row[0]: row[3:] for row in table.rows if row[3] != "–"}
     assert dated == {"attention_bench.json": ["2026-11-05", "no"], "ssd_bench.json": ["2026-11-01", "yes"]}
-    assert f"1 of the {len(table.rows)} runs were stored before the last change to the code they time " \
+    assert f"1 of the {len(table.rows)} runs was stored before the last change to the code they time " \
            "(ssd_bench.json)" in table.verdict[-1]
     outside_git = scoreboard.sources(tmp_path, lambda *paths: None)
     assert all(row[3:] == ["–", "–"] for row in outside_git.rows)

@@ -297,6 +297,31 @@ def test_non_contiguous_inputs_forward_and_gradients():
     assert_gradients_close(run(selective_scan), run(selective_scan_ref), leaves, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_D_delta_bias_and_grouped_B_C_forward_and_gradients(dtype):
+    """The arguments the test above passes contiguous, as views: D a strided slice (stride 2),
+    delta_bias one number expanded over the channels (stride 0), B and C in the grouped 4-d form,
+    time-major (batch, L, 2, groups, N) storage permuted to (batch, groups, N, L); u and delta
+    transposed. Against float64, forward (y and the last state) and the gradients of the leaves."""
+    batch, dim, groups, dstate, length = 2, 4, 2, 3, 21
+    leaves = dict(ut=randn(batch, length, dim, dtype=dtype), delta_t=randn(batch, length, dim, dtype=dtype, scale=0.5),
+                  A=-uniform(dim, dstate, low=0.2, high=2.0), BC=randn(batch, length, 2, groups, dstate, dtype=dtype),
+                  D_wide=randn(2 * dim), bias_one=randn(1, scale=0.3))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+
+    def run(scan):
+        def fn(ut, delta_t, A, BC, D_wide, bias_one):
+            B, C = BC.permute(2, 0, 3, 4, 1).unbind(0)    # (batch, groups, N, L), stride(-1) != 1
+            y, last = scan(ut.transpose(1, 2), delta_t.transpose(1, 2), A, B, C, D=D_wide[::2], z=None,
+                           delta_bias=bias_one.expand(dim), delta_softplus=True, return_last_state=True)
+            return torch.cat([y.flatten(), last.flatten().to(y.dtype)])  # one upstream rounding for both
+        return fn
+
+    ours, ref = run(selective_scan), run(selective_scan_ref)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype), "y and last state")
+    assert_gradients_close(ours, ref, leaves, tolerance(dtype))
+
+
 def test_positional_call_as_mamba_ssm_makes_it():
     """mamba_ssm's Mamba.forward (no fast path): selective_scan_fn(x, dt, A, B, C, self.D.float(),
     z=z, delta_bias=self.dt_proj.bias.float(), delta_softplus=True, return_last_state=...)."""

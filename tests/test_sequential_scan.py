@@ -7,7 +7,7 @@ from mamba_annotated import runtime
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close, random_scan_inputs, randn,
-                                     tolerance)
+                                     tolerance, uniform)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -45,6 +45,29 @@ def test_noncontiguous_input_is_copied_not_misread(scan):
     a_t = a.t().contiguous().t()  # same values, transposed strides
     assert not a_t.is_contiguous()
     assert_close(scan(a_t, b), linear_scan_ref(a, b), tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype, reverse", [(torch.float32, True), (torch.bfloat16, False)])
+def test_non_contiguous_views_forward_and_gradients(dtype, reverse):
+    """tests/test_linear_scan.py's test of this name for chapter 1's scan: a and b halves of one
+    time-major projection (last stride != 1), h0 a strided slice; against float64, forward and the
+    gradients of the leaves through the views."""
+    channels, length = 19, 23  # channels: not a multiple of the channel block
+    projection = torch.cat([uniform(length, channels, low=0.6, high=1.0), randn(length, channels)], dim=1)
+    projection = projection.to(dtype).requires_grad_()
+    h0_wide = randn(2 * channels).requires_grad_()
+
+    def run(scan):
+        def fn(projection, h0_wide):
+            a, b = projection.T.chunk(2, dim=0)            # (channels, length) views, stride(-1) != 1
+            return scan(a, b, h0=h0_wide[::2], reverse=reverse)
+        return fn
+
+    ours = run(lambda a, b, **kw: sequential_scan(a, b, **kw))
+    ref = run(linear_scan_ref)
+    leaves = dict(projection=projection, h0_wide=h0_wide)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype), "h")
+    assert_gradients_close(ours, ref, leaves, tolerance(dtype))
 
 
 def test_initial_state_of_another_dtype():

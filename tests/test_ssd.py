@@ -429,6 +429,20 @@ def test_varlen_states_are_the_final_states_of_separate_runs():
         assert_close(varlen[i], ssd_quadratic_ref(**alone, return_final_states=True)[1][0], tolerance(torch.float32))
 
 
+def test_varlen_states_of_offsets_given_as_a_view():
+    """cu_seqlens a column of a (sequences + 1, 2) tensor (stride 2; the varlen-states kernel reads
+    offsets densely, so the op must copy them): the states are still each sequence's final state,
+    against float64."""
+    inputs, cu_seqlens, seq_idx = varlen_case(29, [7, 20, 29])
+    inputs.pop("initial_states")
+    cu_view = torch.stack([cu_seqlens, cu_seqlens.flip(0)], dim=1)[:, 0]
+    assert not cu_view.is_contiguous()
+    _, varlen = ssd_chunk_scan(**inputs, chunk_size=16, seq_idx=seq_idx, cu_seqlens=cu_view, return_varlen_states=True)
+    for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        alone = {k: (v[:, start:end] if v.dim() >= 3 else v) for k, v in inputs.items()}
+        assert_close(varlen[i], ssd_quadratic_ref(**alone, return_final_states=True)[1][0], tolerance(torch.float32))
+
+
 def test_no_backward_after_return_varlen_states():
     """As mamba_ssm: no backward pass after return_varlen_states=True, and a clear error, not a
     gradient that silently leaves the varlen states out."""
