@@ -590,18 +590,22 @@ def issue_bars(data=DATA):
 # The package code each stored run times: a run stored before the last change to that code may not
 # show the present kernels (the shared launch, custom-op and Triton helpers count for every run)
 SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "mamba_annotated/library.py")
+# attention's decoding path (the KV-cache call and its kernels), which only the decoding run calls (the
+# models decode with their own modules): git pathspecs that leave it out of the others' code
+NOT_DECODING = tuple(f":(exclude)mamba_annotated/attention/{name}"
+                     for name in ("kvcache.py", "split_kv.py", "index_checks.py", "rotary.py"))
 MEASURED_CODE = {
     "linear_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_cuda_bench.json": ("mamba_annotated/scan",),
     "ssd_bench.json": ("mamba_annotated/ssd",),
     "bidirectional_bench.json": ("mamba_annotated/bidirectional", "mamba_annotated/ssd"),
-    "attention_bench.json": ("mamba_annotated/attention",),
-    "attention_features_bench.json": ("mamba_annotated/attention",),
+    "attention_bench.json": ("mamba_annotated/attention", *NOT_DECODING),
+    "attention_features_bench.json": ("mamba_annotated/attention", *NOT_DECODING),
     "decoding_bench.json": ("mamba_annotated/attention",),
     "gated_norm_bench.json": ("mamba_annotated/gated_norm.py",),
-    "host_cost_bench.json": ("mamba_annotated",),
-    "models_bench.json": ("mamba_annotated",),
+    "host_cost_bench.json": ("mamba_annotated", *NOT_DECODING),
+    "models_bench.json": ("mamba_annotated", *NOT_DECODING),
 }
 
 
@@ -648,7 +652,8 @@ def sources(data=DATA, changed=last_change):
                [f"They come from {len(devices)} GPUs ({', '.join(devices)}), not from one run: compare times only "
                 "within a table, and re-run scripts/gpu_benchmarks.sh on one GPU to make every table comparable."])
     if older:
-        verdict.append(f"{len(older)} of the {len(rows)} runs were stored before the last change to the code they time "
+        verdict.append(f"{len(older)} of the {len(rows)} runs {'was' if len(older) == 1 else 'were'} stored before the "
+                       "last change to the code they time "
                        f"({', '.join(older)}): their numbers may not be those of the present kernels until "
                        "scripts/gpu_benchmarks.sh runs again.")
     return Table("the stored runs", "*_bench.json", ", ".join(devices),
