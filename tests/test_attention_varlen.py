@@ -194,13 +194,13 @@ def test_sequences_of_equal_lengths_give_attentions_bits(dropout_p):
         assert torch.equal(got, want.flatten(0, 1)), f"grad {name}"
 
 
-def test_noncontiguous_inputs():
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_noncontiguous_inputs(dtype):
     """q a head-major view, k and v the two halves of one (total_k, kv_heads, 2 d) projection,
-    strided in their last dim (copied, as in ``attention``): out, and the gradients of the leaves
-    through those views, against float64 through the same views."""
+    strided in their last dim (copied, as in ``attention``): out, lse, and the gradients of the
+    leaves through those views, against float64 through the same views."""
     lengths_q, lengths_k = LENGTHS[0]
     packing = (offsets(lengths_q), offsets(lengths_k), max(lengths_q), max(lengths_k))
-    dtype = torch.float16
     leaves = dict(q_leaf=randn(2, sum(lengths_q) + 1, 32, dtype=dtype),
                   kv_leaf=randn(sum(lengths_k), 1, 64, dtype=dtype))
 
@@ -212,7 +212,11 @@ def test_noncontiguous_inputs():
     ours = lambda **t: attention_varlen(*views(**t), *packing, causal=True)  # noqa: E731
     same = lambda **t: varlen_reference(*views(**t), *packing[:2], True, attend=naive_attention)[0]  # noqa: E731
     ref = lambda **t: varlen_reference(*views(**t), *packing[:2], True)[0]  # noqa: E731
-    assert_within_same_computation("out", ours(**leaves), same(**leaves), ref(**leaves), dtype)
+    out, lse = attention_varlen(q, k, v, *packing, causal=True, return_lse=True)
+    ref_out, ref_lse = varlen_reference(q, k, v, *packing[:2], True)
+    same_out, same_lse = varlen_reference(q, k, v, *packing[:2], True, attend=naive_attention)
+    assert_within_same_computation("out", out, same_out, ref_out, dtype)
+    assert_within_same_computation("lse", lse, same_lse, ref_lse, dtype)
     leaves = {name: t.requires_grad_() for name, t in leaves.items()}
     grad_out = torch.randn(q.shape, dtype=torch.float64, device=DEVICE)
     got, want_same = gradients(ours, leaves, grad_out), gradients(same, leaves, grad_out)

@@ -460,12 +460,27 @@ def test_fused_cu_seqlens_is_seq_idx_and_separate_runs(shift):
 
 
 @pytest.mark.parametrize("shift", [False, True])
-def test_fused_views_forward_and_gradients(shift):
+def test_fused_cu_seqlens_as_a_view_forward_and_every_gradient(shift):
+    """cu_seqlens a stride-2 slice (a column of a (sequences + 1, 2) tensor whose other column holds
+    the offsets reversed: read densely they are not offsets at all), an empty sequence among them,
+    slow decays: forward and every gradient against float64 (check_fused)."""
+    inputs = make_inputs(batch=1, heads=2, groups=1, separate=shift)
+    inputs["A"] = -uniform(2, low=0.02, high=0.1)
+    offsets = torch.tensor([0, 5, 5, 6, 16, 27, 37], dtype=torch.int64, device=DEVICE)
+    cu_view = torch.stack([offsets, offsets.flip(0)], dim=1)[:, 0]
+    assert cu_view.stride() == (2,)
+    check_fused(inputs, cu_seqlens=cu_view, dt_softplus=True, shift=shift)
+
+
+@pytest.mark.parametrize("shift, dtype", [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
+def test_fused_views_forward_and_gradients(shift, dtype):
     """Every tensor a view: x, z, B, C, B', C' and both steps split out of one projection (as a
-    Hydra or Mamba-2 layer does), x also time-major transposed; the gradients reach the projection."""
+    Hydra or Mamba-2 layer does), x also time-major transposed; the gradients reach the projection.
+    In float16 the projection and x; A, D and dt_bias float32, as a model keeps them."""
     batch, length, heads, headdim, groups, dstate = 2, 37, 2, 8, 1, 8
     widths = [heads * headdim] * 2 + [groups * dstate] * 4 + [heads] * 2
-    leaves = dict(proj=randn(batch, length, sum(widths)), xt=randn(length, batch, heads, headdim),
+    leaves = dict(proj=randn(batch, length, sum(widths), dtype=dtype),
+                  xt=randn(length, batch, heads, headdim, dtype=dtype),
                   A=-uniform(heads, low=0.5, high=2.0), D=randn(heads), dt_bias=randn(heads, scale=0.5))
     leaves = {k: v.requires_grad_() for k, v in leaves.items()}
 
@@ -481,10 +496,10 @@ def test_fused_views_forward_and_gradients(shift):
 
     ours = call(lambda *a, **k: bidirectional_chunk_scan(*a[:5], 16, **k))
     ref = call(bidirectional_ref)
-    assert_close(ours(**leaves), ref(**leaves), tolerance(torch.float32))
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype))
     errors = assert_gradients_close(ours, ref, leaves, tol=1.0)
     for name, err in errors.items():
-        assert err < fused_grad_tol(name if name != "proj" else "x", torch.float32), f"grad {name}: {err:.3e}"
+        assert err < fused_grad_tol(name if name not in ("proj", "xt") else "x", dtype), f"grad {name}: {err:.3e}"
 
 
 def test_fused_views_of_the_per_head_arguments_and_seq_idx():

@@ -84,7 +84,7 @@ def test_views_give_what_contiguous_copies_give():
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_channel_strided_views_forward_and_gradients(dtype):
     """x and z views whose channels are not adjacent in memory (the view above keeps them adjacent):
     x channel-major (a transposed (width, rows) tensor), z every other channel of a wider one, the

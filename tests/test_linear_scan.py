@@ -163,11 +163,13 @@ def test_extras_are_keyword_only(scan):
         scan(a, b, h0)
 
 
-@pytest.mark.parametrize("reverse", [False, True])
-def test_non_contiguous_views_forward_and_gradients(reverse):
-    """a and b as halves of one projection along time-major memory, h0 an expanded (stride-0) row."""
+@pytest.mark.parametrize("dtype, reverse", [(torch.float32, False), (torch.float32, True), (torch.float16, False),
+                                            (torch.bfloat16, True)])
+def test_non_contiguous_views_forward_and_gradients(dtype, reverse):
+    """a and b as halves of one projection along time-major memory, h0 an expanded (stride-0) row;
+    in 16 bits the projection (a, b) too, h0 float32."""
     rows, length = 6, 37
-    projection = randn(length, 2 * rows).requires_grad_()
+    projection = randn(length, 2 * rows, dtype=dtype).requires_grad_()
     h0 = randn(1).expand(rows).requires_grad_()
 
     def run(scan):
@@ -179,5 +181,5 @@ def test_non_contiguous_views_forward_and_gradients(reverse):
     ours = lambda projection, h0: run(lambda a, b, **kw: linear_scan(a, b, **kw))(projection, h0)  # noqa: E731
     ref = lambda projection, h0: run(linear_scan_ref)(projection, h0)  # noqa: E731
     leaves = dict(projection=projection, h0=h0)
-    assert_close(ours(**leaves), ref(**leaves), tolerance(torch.float32), "h")
-    assert_gradients_close(ours, ref, leaves, tolerance(torch.float32))
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype), "h")
+    assert_gradients_close(ours, ref, leaves, tolerance(dtype))

@@ -297,7 +297,7 @@ def test_non_contiguous_inputs_forward_and_gradients():
     assert_gradients_close(run(selective_scan), run(selective_scan_ref), leaves, 1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_non_contiguous_D_delta_bias_and_grouped_B_C_forward_and_gradients(dtype):
     """The arguments the test above passes contiguous, as views: D a strided slice (stride 2),
     delta_bias one number expanded over the channels (stride 0), B and C in the grouped 4-d form,

@@ -361,6 +361,38 @@ def test_gradients_of_views_equal_those_of_contiguous_copies():
         assert_close(got[name], want[name], 1e-6, f"grad {name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_views_forward_and_gradients_against_float64(dtype):
+    """The views of the test above (x, z, B, C and dt split from one projection, here in ``dtype``;
+    A expanded from one number, D transposed, dt_bias strided, initial_states expanded over the
+    batch and transposed, seq_idx expanded) judged against float64 itself, not a contiguous copy:
+    y, the final states and the gradient of every leaf through the views."""
+    b, L, H, P, G, N = 2, 21, 2, 16, 1, 16
+    widths = [H * P, H * P, G * N, G * N, H]
+    leaves = dict(proj=randn(b, L, sum(widths), dtype=dtype), A_one=-uniform(1, low=0.5, high=1.5),
+                  D_t=randn(P, H), bias_wide=randn(2 * H, scale=0.5), state_one=randn(1, H, N, P))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    seq_idx = (torch.arange(L, device=DEVICE) >= 8).to(torch.int32).expand(b, -1)
+
+    def call(fn):
+        def run(proj, A_one, D_t, bias_wide, state_one):
+            z, x, B, C, dt = torch.split(proj, widths, dim=-1)
+            return _y_and_final(fn(x.unflatten(-1, (H, P)), dt, A_one.expand(H), B.unflatten(-1, (G, N)),
+                                   C.unflatten(-1, (G, N)), D=D_t.t(), z=z.unflatten(-1, (H, P)),
+                                   dt_bias=bias_wide[::2], seq_idx=seq_idx, dt_softplus=True, return_final_states=True,
+                                   initial_states=state_one.expand(b, -1, -1, -1).transpose(2, 3)))
+        return run
+
+    ours = call(lambda *a, **k: ssd_chunk_scan(*a, chunk_size=16, **k))
+    ref = call(ssd_quadratic_ref)
+    assert_close(ours(**leaves), ref(**leaves), tolerance(dtype), "y and final states")
+    errors = assert_gradients_close(ours, ref, leaves, tol=1.0)
+    assert set(errors) == set(leaves)
+    for name, err in errors.items():
+        as_argument = dict(proj="x", A_one="A", D_t="D", bias_wide="dt_bias", state_one="initial_states")[name]
+        assert err < grad_tol(as_argument, dtype), f"grad {name}: relative error {err:.3e}"
+
+
 def test_time_major_B_and_C_give_what_contiguous_ones_give():
     """Mamba-2's block passes B and C time major (its convolution's output transposed back: dstate
     strided). The op reads copies of such a B and C (the bidirectional scores kernel read that layout
