@@ -509,7 +509,7 @@ def issue_bars(data=DATA):
         files.add(name)
         return load(name, data)
 
-    scans = [r for r in read("linear_scan_bench.json")["sections"]["linear_scan"]]
+    scans = read("linear_scan_bench.json")["sections"]["linear_scan"]
     ours = [r for r in scans if r["impl"] == "linear_scan"]
     rows.append(bar_row("linear_scan", "float32 at the copy floor, every length, forward and forward+backward",
                         [(r["pct_floor"], f"{r['shape']} {r['pass_']}") for r in ours if r["dtype"] == "float32"],
@@ -528,12 +528,13 @@ def issue_bars(data=DATA):
                             "variants", [(r["speedup"], f"{r['shape'].partition(' (')[0]}, {r['dtype']}, "
                                          f"{r['variant']}") for r in read("selective_scan_cuda_bench.json")["rows"]
                                          if r["passes"] == passes], 1.0))
-    ssd_rows = read("ssd_bench.json")["rows"]
+    ssd_run = read("ssd_bench.json")
+    ssd_rows = ssd_run["rows"]
     pairs = [(r, next(p for p in ssd_rows if p["impl"] == "mamba_ssm" and p["shape"] == r["shape"]
                       and p["pass_"] == r["pass_"])) for r in ssd_rows if r["impl"] == "ours"]
     rows.append(bar_row("ssd_chunk_scan", "forward and forward+backward against mamba_ssm, both shapes, chunk 256",
                         [(p["ms"] / r["ms"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.5))
-    variants = read("ssd_bench.json").get("variants", [])  # runs before these cases were timed lack them
+    variants = ssd_run.get("variants", [])  # runs before these cases were timed lack them
     rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128, the first shape",
                         [(r["speedup"], f"chunk {r['chunk']} {r['pass_']}") for r in variants
                          if r["impl"] == "ours" and r["chunk"] != CHUNK and not math.isnan(r["speedup"])], 1.5))

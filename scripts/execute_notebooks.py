@@ -19,7 +19,6 @@ outputs can be brought up to date on any machine; every other cell keeps its GPU
 """
 import copy
 import pathlib
-import re
 import sys
 import time
 
@@ -61,7 +60,7 @@ def execute(path: pathlib.Path, fill_missing: bool = False) -> None:
         nbformat.write(nb, path)
 
 
-STORED_RUN = re.compile(r"_bench\.json")
+STORED_RUN = "_bench.json"  # in the source of a cell that reads a stored benchmark run
 
 
 def render_stored_runs(path: pathlib.Path) -> None:
@@ -69,7 +68,7 @@ def render_stored_runs(path: pathlib.Path) -> None:
     before it in a notebook of two cells, and store their outputs (module docstring)."""
     nb = nbformat.read(path, as_version=4)
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
-    for i in (i for i in code[1:] if STORED_RUN.search(nb.cells[i].source)):
+    for i in (i for i in code[1:] if STORED_RUN in nb.cells[i].source):
         # copies: running a cell replaces its outputs, and the import cell keeps its GPU run's
         pair = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[code[0]], nb.cells[i]]), metadata=nb.metadata)
         NotebookClient(pair, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,

@@ -27,7 +27,8 @@ def test_stored_runs_rerenders_only_the_cells_that_read_a_benchmark_file(tmp_pat
              nbformat.v4.new_code_cell('print(MARK, json.loads(pathlib.Path("data/toy_bench.json").read_text())["ms"])',
                                        outputs=[stream("stale 0.5\n")])]
     path = tmp_path / "toy.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}), path)
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernel}), path)
     assert execute_notebooks.main(["--stored-runs", str(path)]) == 0
     nb = nbformat.read(path, as_version=4)
     assert [o["text"] for o in nb.cells[2].outputs] == ["imports ran 1.25\n"]
