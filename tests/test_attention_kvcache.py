@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mamba_annotated import attention_with_kvcache
-from mamba_annotated.attention import split_kv
+from mamba_annotated.attention import kvcache, split_kv
 from mamba_annotated.attention.api import resolve_window
 from mamba_annotated.attention.index_checks import index_flags
 from mamba_annotated.attention.kvcache import attention_with_kvcache_op
@@ -414,6 +414,82 @@ def test_no_sequence_and_no_head(layout):
         out, lse = attention_with_kvcache(**case, return_softmax_lse=True)
         assert out.shape == case["q"].shape and lse.shape == lse_shape
         assert torch.equal(case["k_cache"], k_cache) and torch.equal(case["v_cache"], v_cache)
+
+
+REMEMBERED_CALL_VARIANTS = [
+    # each differs from the checked call only where Python's == cannot see it, or in a value
+    (dict(causal=1.0), TypeError, "causal must be a bool"),                      # 1.0 == True
+    (dict(window_size=(-1.0, -1)), TypeError, "window_size must be a pair of ints"),  # == (-1, -1)
+    (dict(num_splits=True), TypeError, "num_splits must be an int"),             # True == 1
+    (dict(return_softmax_lse=1.0), TypeError, "return_softmax_lse must be a bool"),
+    (dict(cache_seqlens=20), ValueError, r"cache_seqlens \(20\) \+ seqlen_new \(2\) must be between 0"),
+]
+
+
+@pytest.mark.parametrize("changed, error, message", REMEMBERED_CALL_VARIANTS)
+def test_a_remembered_call_does_not_let_a_different_one_through(changed, error, message):
+    """The public call keeps the checks' verdict for a kind of call (kvcache.call_key): a call that
+    differs in what the checks read is checked again, however equal Python finds its arguments."""
+    case = make_case(batch=2, capacity=21, seqlens=3, new=2, causal=True, num_splits=1)
+    attention_with_kvcache(**case, return_softmax_lse=True)
+    with pytest.raises(error, match=message):
+        attention_with_kvcache(**(case | dict(return_softmax_lse=True) | changed))
+
+
+def test_a_remembered_call_does_not_let_other_strides_or_grad_mode_through():
+    """Strides are part of a call's kind (an expanded cache cannot take the append), and ALiBi
+    slopes that require a gradient are refused under grad mode after a call under no_grad."""
+    case = make_case(batch=2, capacity=21, seqlens=[3, 5], new=2)
+    check_case(case)
+    attention_with_kvcache(**case)  # the same kind of call as the next one but for k_cache's strides
+    expanded = case | dict(k_cache=case["k_cache"][:1].expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match="k_cache is written in place .* cannot be an expanded view"):
+        attention_with_kvcache(**expanded)
+    slopes = geometric_alibi_slopes(case["q"].shape[2]).requires_grad_()
+    with torch.no_grad():
+        attention_with_kvcache(**make_case(batch=2, capacity=21, seqlens=[3, 5]), alibi_slopes=slopes)
+    with pytest.raises(NotImplementedError, match="alibi_slopes: no gradient"):
+        attention_with_kvcache(**make_case(batch=2, capacity=21, seqlens=[3, 5]), alibi_slopes=slopes)
+
+
+def test_an_unhashable_argument_is_checked_at_every_call():
+    case = make_case(batch=2, capacity=21, seqlens=[3, 5], causal=True)
+    check_case(case | dict(window_size=[4, 0]))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        attention_with_kvcache(**(case | dict(window_size=[4.0, 0])))
+
+
+def test_remembered_plans_give_the_same_bits_and_stay_bounded(monkeypatch):
+    """Outputs with every plan remembered equal those planned afresh, bit for bit; past MAX_PLANS
+    kinds of call the dictionaries start afresh rather than grow."""
+    monkeypatch.setattr(split_kv, "MAX_PLANS", 3)
+    memos = (kvcache.CHECKED_CALLS, kvcache.PLANS, split_kv.LAUNCH_PLANS)
+    for capacity in (9, 21, 33, 45, 57):
+        case = make_case(batch=2, capacity=capacity, seqlens=[3, 5], window_size=(4, 0), num_splits=2)
+        first = attention_with_kvcache(**case, return_softmax_lse=True)
+        again = attention_with_kvcache(**case, return_softmax_lse=True)
+        for memo in memos:
+            memo.clear()
+        fresh = attention_with_kvcache(**case, return_softmax_lse=True)
+        for a, b, c in zip(first, again, fresh):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        assert all(len(memo) <= 3 for memo in memos)
+
+
+def test_launch_plan_follows_the_float32_matmul_precision():
+    """The float32 dot precision is read at every call, not remembered with the plan."""
+    q, k_cache = randn(1, 1, 4, 32), randn(1, 16, 2, 32)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        precisions = []
+        for setting in ("highest", "high", "highest"):
+            torch.set_float32_matmul_precision(setting)
+            plan = split_kv.launch_plan(q, k_cache, layout="contiguous", leftpad=False, alibi=False,
+                                        softmax_scale=0.1, window=(-1, -1), softcap=0.0, num_splits=1, config=None)
+            precisions.append(plan.constants["PRECISION"])
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert precisions == ["ieee", "tf32", "ieee"]
 
 
 def test_outputs_never_require_a_gradient():

@@ -5,9 +5,17 @@ rotate, and attend over each sequence's cache with the split-KV kernels (:mod:`.
 registers it with torch.library as a custom op that mutates k_cache and v_cache, with a fake
 function, so that ``torch.compile(fullgraph=True)`` traces a call; ``attention_with_kvcache`` is
 the public function, flash_attn's signature, which checks its arguments and calls one of them.
+
+A decoding loop calls the op once per layer and token with the same shapes, strides and options
+each time; only the tensors' contents and addresses change. What follows from those alone (the
+argument checks, the split count, the index checks' messages) is worked out at the first call of
+each kind and kept in a dictionary keyed by them (:func:`call_key`): on the GPU host the checks
+and the planning were most of the eager call's host time at batch 1 (data/decoding_bench.json), a
+call that the device finishes faster than Python launches it. The index tensors' values are not
+in the key: they are checked on the device at every call.
 """
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -16,7 +24,7 @@ from ..validation import check_tensor
 from .api import check_alibi_slopes, check_real, check_softcap, resolve_window, MAX_HEAD_DIM, MIN_HEAD_DIM
 from .index_checks import CHECKS, index_flags
 from .rotary import rotate
-from .split_kv import MAX_SPLITS, decoding_config, default_splits, rows_per_tile, split_kv_attention
+from .split_kv import MAX_SPLITS, decoding_config, default_splits, remember, rows_per_tile, split_kv_attention
 
 INDEX_DTYPES = (torch.int32,)
 
@@ -143,39 +151,87 @@ def check_bool(name, value):
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
 
 
-def check_indices(q, k_cache, new, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                  rotate_per_row):
+class DecodingPlan(NamedTuple):
+    """What a call's launches need that follows from its arguments' shapes and options alone."""
+    new: int                  # keys appended (k's length, 0 without k)
+    capacity: int             # the most positions a sequence holds
+    window: tuple             # (left, right) as the kernels take it
+    num_splits: int           # the split count, resolved (>= 1)
+    layout: str               # the cache's layout (:data:`.split_kv.LAYOUTS`)
+    checks: tuple             # ((flag index, message), ...): the index checks this call needs
+    rotary_limit: Optional[int]  # seqlen_ro - seqlen_q for the queries' rotary check, or None
+
+
+# plans by :func:`plan_key` (a model's calls come in a few kinds)
+PLANS: dict = {}
+
+
+def plan_key(q, k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_left,
+             window_right, rotate_per_row, num_splits) -> tuple:
+    return (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape[1],
+            None if rotary_cos is None else rotary_cos.shape[0], cache_seqlens is None, cache_batch_idx is None,
+            cache_leftpad is None, None if block_table is None else block_table.shape, window_left, window_right,
+            rotate_per_row, num_splits)
+
+
+def plan_decoding(q, k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  window_left, window_right, rotate_per_row, num_splits) -> DecodingPlan:
+    """The :class:`DecodingPlan` of a call (checked arguments), from :data:`PLANS` when a call of the
+    same kind has been planned."""
+    key = plan_key(q, k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                   window_left, window_right, rotate_per_row, num_splits)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan
+    batch, seqlen_q, heads, head_dim = q.shape
+    new = 0 if k is None else k.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
+    rows = k_cache.shape[0]
+    # a right edge at or past seqlen_q - 1 hides no key from any query: the kernels drop it
+    window = (window_left, window_right if window_right < seqlen_q - 1 else -1)
+    block_n = decoding_config(head_dim, q.dtype, split=True)["BLOCK_N"]  # the tiles a split would stream
+    if num_splits == 0:
+        group = heads // k_cache.shape[2] if k_cache.shape[2] else 1
+        row_blocks = -(-seqlen_q * group // rows_per_tile(seqlen_q * group))
+        num_splits = default_splits(batch, k_cache.shape[2], capacity, q.device, row_blocks=row_blocks,
+                                    block_n=block_n)
+    num_splits = max(1, min(num_splits, -(-capacity // block_n)))  # no more splits than key blocks
+    layout = "paged" if block_table is not None else "indexed" if cache_batch_idx is not None else "contiguous"
+    rotary = rotary_cos is not None and rotate_per_row and seqlen_q > new
+    checks = []
+    if cache_seqlens is not None:
+        checks.append((CHECKS.index("cache_seqlens"), f"cache_seqlens + seqlen_new ({new}) must be between 0 and the "
+                                                       f"cache's capacity ({capacity}) for every sequence"))
+    if cache_leftpad is not None:
+        checks.append((CHECKS.index("cache_leftpad"), "cache_leftpad must be between 0 and cache_seqlens for every "
+                                                       "sequence"))
+    if cache_batch_idx is not None:
+        checks.append((CHECKS.index("cache_batch_idx"), f"cache_batch_idx must index the rows of k_cache (0 <= index "
+                                                         f"< {rows})"))
+    if block_table is not None and block_table.numel():
+        checks.append((CHECKS.index("block_table"), f"block_table's entries for the pages a sequence holds must index "
+                                                     f"the pages of k_cache (0 <= entry < {rows})"))
+    if rotary:
+        checks.append((CHECKS.index("rotary"), f"rotary_cos and rotary_sin need a row for every query position, "
+                                                f"cache_seqlens + seqlen_q ({seqlen_q}) <= seqlen_ro "
+                                                f"({rotary_cos.shape[0]})"))
+    plan = DecodingPlan(new, capacity, window, num_splits, layout, tuple(checks),
+                        rotary_cos.shape[0] - seqlen_q if rotary else None)
+    return remember(PLANS, key, plan)
+
+
+def check_indices(plan: DecodingPlan, q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
     """The checks that read index tensors, on the device and without synchronising: one launch of
     :mod:`.index_checks`' kernel, then one ``torch._assert_async`` per check this call needs (on a
     GPU a failed one stops the stream with its message; on the CPU it raises at once). Skipped
     while torch.compile traces or a CUDA graph captures."""
-    if cache_seqlens is None and cache_leftpad is None and cache_batch_idx is None and block_table is None:
+    if not plan.checks:
         return
-    capacity = cache_capacity(k_cache, block_table)
-    rows = k_cache.shape[0]
-    rotary = rotary_cos is not None and rotate_per_row and q.shape[1] > new
-    flags = index_flags(batch=q.shape[0], capacity=capacity, new=new, cache_rows=rows, cache_seqlens=cache_seqlens,
-                        cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx, block_table=block_table,
-                        page_size=k_cache.shape[1], rotary_limit=rotary_cos.shape[0] - q.shape[1] if rotary else None)
-    # the messages are formatted only for the checks asked (each f-string costs host time)
-    if cache_seqlens is not None:
-        torch._assert_async(flags[CHECKS.index("cache_seqlens")],
-                            f"cache_seqlens + seqlen_new ({new}) must be between 0 and the cache's capacity "
-                            f"({capacity}) for every sequence")
-    if cache_leftpad is not None:
-        torch._assert_async(flags[CHECKS.index("cache_leftpad")],
-                            "cache_leftpad must be between 0 and cache_seqlens for every sequence")
-    if cache_batch_idx is not None:
-        torch._assert_async(flags[CHECKS.index("cache_batch_idx")],
-                            f"cache_batch_idx must index the rows of k_cache (0 <= index < {rows})")
-    if block_table is not None and block_table.numel():
-        torch._assert_async(flags[CHECKS.index("block_table")],
-                            f"block_table's entries for the pages a sequence holds must index the pages of "
-                            f"k_cache (0 <= entry < {rows})")
-    if rotary:
-        torch._assert_async(flags[CHECKS.index("rotary")],
-                            f"rotary_cos and rotary_sin need a row for every query position, cache_seqlens + "
-                            f"seqlen_q ({q.shape[1]}) <= seqlen_ro ({rotary_cos.shape[0]})")
+    flags = index_flags(batch=q.shape[0], capacity=plan.capacity, new=plan.new, cache_rows=k_cache.shape[0],
+                        cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                        block_table=block_table, page_size=k_cache.shape[1], rotary_limit=plan.rotary_limit)
+    for index, message in plan.checks:
+        torch._assert_async(flags[index], message)
 
 
 def append(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, cache_batch_idx, block_table) -> None:
@@ -205,10 +261,11 @@ def attend_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     append, rotate, attend. Returns (out, lse); nothing is differentiated (no_grad)."""
     with torch.no_grad():
         batch, seqlen_q, heads, head_dim = q.shape
-        new = 0 if k is None else k.shape[1]
+        plan = plan_decoding(q, k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                             window_left, window_right, rotate_per_row, num_splits)
+        new = plan.new
         if not traced_or_captured():
-            check_indices(q, k_cache, new, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                          rotate_per_row)
+            check_indices(plan, q, k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table)
         if k is not None:
             positions = cache_seqlens.long()[:, None] + torch.arange(new, device=q.device)
             if rotary_cos is not None:
@@ -219,30 +276,19 @@ def attend_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             offsets = (torch.arange(seqlen_q, device=q.device) if rotate_per_row
                        else torch.zeros(seqlen_q, dtype=torch.long, device=q.device))
             q = rotate(q, rotary_cos, rotary_sin, cache_seqlens.long()[:, None] + offsets, rotary_interleaved)
-        capacity = cache_capacity(k_cache, block_table)
         if q.numel() == 0 or k_cache.shape[2] == 0:
             lse = torch.full((batch, heads, seqlen_q), float("inf"), dtype=torch.float32, device=q.device)
             return q.new_zeros(q.shape), lse
         # one past each sequence's last key, int32 (cache_seqlens is int32; a decoding step without
         # new keys launches nothing for it: each small op costs microseconds of host time)
         if cache_seqlens is None:
-            key_end = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+            key_end = torch.full((batch,), plan.capacity, dtype=torch.int32, device=q.device)
         else:
             key_end = cache_seqlens + new if new else cache_seqlens
-        # a right edge at or past seqlen_q - 1 hides no key from any query: the kernels drop it
-        window = (window_left, window_right if window_right < seqlen_q - 1 else -1)
-        group = heads // k_cache.shape[2]
-        block_n = decoding_config(head_dim, q.dtype, split=True)["BLOCK_N"]  # the tiles a split would stream
-        if num_splits == 0:
-            row_blocks = -(-seqlen_q * group // rows_per_tile(seqlen_q * group))
-            num_splits = default_splits(batch, k_cache.shape[2], capacity, q.device, row_blocks=row_blocks,
-                                        block_n=block_n)
-        num_splits = max(1, min(num_splits, -(-capacity // block_n)))  # no more splits than key blocks
-        layout = "paged" if block_table is not None else "indexed" if cache_batch_idx is not None else "contiguous"
         return split_kv_attention(last_dim_contiguous(q), k_cache, v_cache, key_end=key_end, key_start=cache_leftpad,
-                                  pages=block_table if block_table is not None else cache_batch_idx, layout=layout,
-                                  softmax_scale=softmax_scale, window=window, softcap=softcap,
-                                  alibi_slopes=alibi_slopes, num_splits=num_splits)
+                                  pages=block_table if block_table is not None else cache_batch_idx,
+                                  layout=plan.layout, softmax_scale=softmax_scale, window=plan.window, softcap=softcap,
+                                  alibi_slopes=alibi_slopes, num_splits=plan.num_splits)
 
 
 attention_with_kvcache_op = torch.library.custom_op(f"{NAMESPACE}::attention_with_kvcache", attend_with_kvcache,
@@ -255,6 +301,47 @@ def fake_attend_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, 
                              rotary_interleaved, rotate_per_row, alibi_slopes, num_splits):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+def check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+               return_softmax_lse) -> tuple:
+    """Every check of the public call that reads no tensor's values (raises TypeError or ValueError
+    naming the argument); returns the options resolved: (window_left, window_right, softcap,
+    rotate_per_row)."""
+    check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, num_splits)
+    check_bool("rotary_interleaved", rotary_interleaved)
+    check_bool("return_softmax_lse", return_softmax_lse)
+    softcap = check_softcap(softcap)
+    check_alibi_slopes(alibi_slopes, q)
+    if softmax_scale is not None:
+        check_real("softmax_scale", softmax_scale)
+    window_left, window_right = resolve_window(causal, window_size, cache_capacity(k_cache, block_table))
+    rotate_per_row = window_left >= 0 or window_right >= 0  # causal or local, as flash_attn decides it
+    return window_left, window_right, softcap, rotate_per_row
+
+
+# calls that passed :func:`check_call`, by :func:`call_key`, with its result
+CHECKED_CALLS: dict = {}
+
+
+def call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+             return_softmax_lse) -> tuple:
+    """The key of a public call in :data:`CHECKED_CALLS`: what :func:`check_call` reads. Of a tensor
+    its type, shape, strides, dtype and device (not its values); of anything else its type and
+    value (True == 1 in Python, not here), a tuple's element by element; whether ALiBi slopes that
+    require a gradient meet grad mode (refused only then). An unhashable argument makes the key
+    unhashable. Written out rather than looped over: it is built at every call."""
+    tensors = [(type(t), t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else (type(t), t)
+               for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                         cache_leftpad, block_table, alibi_slopes)]
+    window = tuple(map(type, window_size)) if type(window_size) is tuple else None
+    return (*tensors, type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size, window,
+            type(softcap), softcap, type(rotary_interleaved), rotary_interleaved, type(num_splits), num_splits,
+            type(return_softmax_lse), return_softmax_lse,
+            alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled())
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -304,16 +391,23 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     seqlen_new past the capacity, cache_batch_idx or block_table entries past k_cache, cache_leftpad
     past cache_seqlens) are refused on the device without synchronising (``torch._assert_async``).
     """
-    check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, block_table, num_splits)
-    check_bool("rotary_interleaved", rotary_interleaved)
-    check_bool("return_softmax_lse", return_softmax_lse)
-    softcap = check_softcap(softcap)
-    check_alibi_slopes(alibi_slopes, q)
-    if softmax_scale is not None:
-        check_real("softmax_scale", softmax_scale)
-    capacity = cache_capacity(k_cache, block_table)
-    window_left, window_right = resolve_window(causal, window_size, capacity)
+    compiling = torch.compiler.is_compiling()  # torch.compile traces the checks, not a dictionary
+    key = options = None
+    if not compiling:
+        key = call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                       cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                       alibi_slopes, num_splits, return_softmax_lse)
+        try:
+            options = CHECKED_CALLS.get(key)
+        except TypeError:  # an unhashable argument: this call is checked every time
+            key = None
+    if options is None:
+        options = check_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                             cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                             rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        if key is not None:
+            remember(CHECKED_CALLS, key, options)
+    window_left, window_right, softcap, rotate_per_row = options
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
@@ -321,11 +415,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
     # column of a per-sequence record) is copied, not misread (flash_attn's wrapper copies two of them)
     cache_seqlens, cache_batch_idx, cache_leftpad = (None if t is None else t.contiguous()
                                                      for t in (cache_seqlens, cache_batch_idx, cache_leftpad))
-    rotate_per_row = window_left >= 0 or window_right >= 0  # causal or local, as flash_attn decides it
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, scale, window_left, window_right, softcap, bool(rotary_interleaved), rotate_per_row,
             alibi_slopes, int(num_splits))
-    if torch.compiler.is_compiling():
+    if compiling:
         out, lse = attention_with_kvcache_op(*(t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
                                                for t in args))
     else:

@@ -64,6 +64,8 @@ kv_heads * d * s (the cache itself, at a decoding step), plus q and out; with sp
 partials written and read once more, 2 * splits * batch * seqlen_q * heads * (d + 1) * 4. FLOPs
 4 * batch * seqlen_q * heads * L * d: the kernel is bound by memory, the bytes of the cache.
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -290,6 +292,62 @@ def merge_splits_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, lse_ptr, stri
     tl.store(lse_ptr + (b.to(tl.int64) * heads + head) * seqlen_q + query, lse)
 
 
+class SplitLaunch(NamedTuple):
+    """What :func:`split_kv_attention`'s launches take that follows from shapes and options alone."""
+    split: bool               # more than one split: partials, then the merge kernel
+    group: int                # query heads per kv head
+    page_size: int
+    qk_scale: float
+    cap2: float
+    grid: tuple
+    constants: dict           # the attention kernel's constexpr arguments and launch options
+    merge_grid: tuple
+    merge_constants: dict
+
+
+# launch plans by their arguments (:func:`launch_plan`): a decoding loop repeats a few kinds of call,
+# and working the plan out again cost the host more than launching the kernels did
+LAUNCH_PLANS: dict = {}
+MAX_PLANS = 1024
+
+
+def remember(memo: dict, key, value):
+    """memo[key] = value, returned; a memo of MAX_PLANS entries starts afresh first (shapes that
+    change at every call must not grow it without end)."""
+    if len(memo) >= MAX_PLANS:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def launch_plan(q, k_cache, *, layout, leftpad, alibi, softmax_scale, window, softcap, num_splits, config):
+    """The :class:`SplitLaunch` of a call of :func:`split_kv_attention` (its arguments in words),
+    from LAUNCH_PLANS when one of the same kind was planned. The float32 dot precision is read at
+    every call (the global setting may change between calls)."""
+    precision = dot_precision(q.dtype)
+    key = (q.shape, q.dtype, k_cache.shape, layout, leftpad, alibi, softmax_scale, window, softcap, num_splits,
+           precision, None if config is None else tuple(config.items()))
+    plan = LAUNCH_PLANS.get(key)
+    if plan is not None:
+        return plan
+    batch, seqlen_q, heads, head_dim = q.shape
+    group = heads // k_cache.shape[2]
+    cfg = dict(config or decoding_config(head_dim, q.dtype, split=num_splits > 1))
+    block_m = rows_per_tile(seqlen_q * group)
+    block_d = block_size(head_dim)
+    qk_scale, cap2 = logit_scales(softmax_scale, softcap)
+    constants = dict(WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
+                     ALIBI=alibi, SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi, LEFTPAD=leftpad,
+                     LAYOUT=layout, SPLIT=num_splits > 1, PRECISION=precision, BLOCK_M=block_m, BLOCK_D=block_d,
+                     **cfg)
+    plan = SplitLaunch(
+        split=num_splits > 1, group=group, page_size=k_cache.shape[1] if layout == "paged" else 1,
+        qk_scale=qk_scale, cap2=cap2, grid=(k_cache.shape[2] * cdiv(seqlen_q * group, block_m), batch, num_splits),
+        constants=constants, merge_grid=(batch * seqlen_q, heads),
+        merge_constants=dict(BLOCK_S=block_size(num_splits, smallest=2), BLOCK_D=block_d, num_warps=4))
+    return remember(LAUNCH_PLANS, key, plan)
+
+
 def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=None, layout="contiguous",
                        softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, num_splits=1, config=None):
     """Attention of q over the keys each sequence holds in the cache (module docstring).
@@ -305,16 +363,12 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
     seqlen_q) float32. ``config`` overrides :func:`decoding_config` (the benchmark's sweep).
     """
     batch, seqlen_q, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = heads // kv_heads
-    cfg = dict(config or decoding_config(head_dim, q.dtype, split=num_splits > 1))
-    block_n = cfg.pop("BLOCK_N")
-    block_m = rows_per_tile(seqlen_q * group)
-    block_d = block_size(head_dim)
-    split = num_splits > 1
+    plan = launch_plan(q, k_cache, layout=layout, leftpad=key_start is not None, alibi=alibi_slopes is not None,
+                       softmax_scale=softmax_scale, window=window, softcap=softcap, num_splits=num_splits,
+                       config=config)
     out = outputs.empty(q.shape, q.dtype, q.device)
     lse = outputs.empty((batch, heads, seqlen_q), torch.float32, q.device)
-    if split:
+    if plan.split:
         partial_out = outputs.empty((num_splits, batch, seqlen_q, heads, head_dim), torch.float32, q.device)
         partial_lse = outputs.empty((num_splits, batch, heads, seqlen_q), torch.float32, q.device)
     else:
@@ -325,22 +379,16 @@ def split_kv_attention(q, k_cache, v_cache, *, key_end, key_start=None, pages=No
         pages_strides = pages.stride()
     else:
         pages_strides = (pages.stride(0), 0)
-    page_size = k_cache.shape[1] if layout == "paged" else 1
-    qk_scale, cap2 = logit_scales(softmax_scale, softcap)
-    grid = (kv_heads * cdiv(seqlen_q * group, block_m), batch, num_splits)
-    split_kv_attention_kernel[grid](
+    split_kv_attention_kernel[plan.grid](
         q, k_cache, v_cache, partial_out, partial_lse, key_end if key_start is None else key_start, key_end,
         key_end if pages is None else pages, key_end if alibi_slopes is None else alibi_slopes,
         *q.stride()[:3], *k_cache.stride(), *v_cache.stride(), *pages_strides, *out.stride()[:3],
         *alibi_strides(alibi_slopes),
-        batch, seqlen_q, heads, group, head_dim, page_size, num_splits, qk_scale, cap2, *window,
-        WINDOW_LEFT=window[0] >= 0, WINDOW_RIGHT=window[1] >= 0, SOFTCAP=softcap_mode(softcap, q.dtype),
-        ALIBI=alibi_slopes is not None, SCALE_FIRST=softmax_scale <= 0 or softcap > 0 or alibi_slopes is not None,
-        LEFTPAD=key_start is not None, LAYOUT=layout, SPLIT=split, PRECISION=dot_precision(q.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, **cfg,
+        batch, seqlen_q, heads, plan.group, head_dim, plan.page_size, num_splits, plan.qk_scale, plan.cap2, *window,
+        **plan.constants,
     )
-    if split:
-        merge_splits_kernel[(batch * seqlen_q, heads)](
+    if plan.split:
+        merge_splits_kernel[plan.merge_grid](
             partial_out, partial_lse, out, lse, *out.stride()[:3], batch, seqlen_q, heads, head_dim, num_splits,
-            BLOCK_S=block_size(num_splits, smallest=2), BLOCK_D=block_d, num_warps=4)
+            **plan.merge_constants)
     return out, lse
