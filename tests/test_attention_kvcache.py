@@ -445,7 +445,7 @@ def test_a_remembered_call_does_not_let_other_strides_or_grad_mode_through():
     expanded = case | dict(k_cache=case["k_cache"][:1].expand(2, -1, -1, -1))
     with pytest.raises(ValueError, match="k_cache is written in place .* cannot be an expanded view"):
         attention_with_kvcache(**expanded)
-    slopes = geometric_alibi_slopes(case["q"].shape[2]).requires_grad_()
+    slopes = geometric_alibi_slopes(case["q"].shape[2], device=DEVICE).requires_grad_()
     with torch.no_grad():
         attention_with_kvcache(**make_case(batch=2, capacity=21, seqlens=[3, 5]), alibi_slopes=slopes)
     with pytest.raises(NotImplementedError, match="alibi_slopes: no gradient"):
