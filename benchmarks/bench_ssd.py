@@ -3,11 +3,17 @@
 bfloat16, chunk 256, with D, dt_bias and softplus, at the two shapes of the speed bar. Prints the
 median times (forward, forward+backward), achieved TFLOP/s, the floor (FLOPs over the measured
 matmul rate, bytes over the measured copy bandwidth), peak memory, the speedup over the peer, a
-per-kernel breakdown of where the time goes, the cost of a flip-based reverse cumsum against
-the in-kernel one, and at the first shape the bars' other cases: chunks 64 and 128, and 8 packed
-sequences (seq_idx) against none. ``--json PATH`` writes everything as JSON. Usage:
+per-kernel breakdown of where the time goes, and the cost of a flip-based reverse cumsum against
+the in-kernel one. ``--json PATH`` writes everything as JSON.
 
-    python benchmarks/bench_ssd.py [--json out.json] [--quick]
+``--variants`` times the bars' other cases instead, at the first shape: chunks 64 and 128 beside
+256, and 8 packed sequences (seq_idx) against none, ours and the peer on the same inputs. It is a
+run of its own (scripts/gpu_benchmarks.sh's ``ssd_variants``, data/ssd_variants_bench.json)
+because each chunk size is a new specialization of every kernel to tune: on an H200 with an empty
+Triton cache, the main run and the start of the variants took the 325 s a device call had left,
+and the variants did not finish. Usage:
+
+    python benchmarks/bench_ssd.py [--json out.json] [--quick | --variants]
 """
 import argparse
 import json
@@ -184,6 +190,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--variants", action="store_true", help="chunks 64 and 128, and packed sequences, instead")
     args = parser.parse_args()
     if DEVICE.type != "cuda":
         sys.exit("bench_ssd: needs a CUDA GPU")
@@ -192,6 +199,13 @@ def main():
     peer_fn = module.mamba_chunk_scan_combined if module is not None else None
     print(f"device: {device_name()}; matmul {bench.matmul_tflops():.0f} TFLOP/s (bf16), "
           f"copy {bench.copy_bandwidth_gbps():.0f} GB/s")
+    rates = dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(), matmul_TFLOPs=bench.matmul_tflops())
+    if args.variants:
+        variants = run_variants(SHAPES[0], peer_fn)
+        bench.print_table(variants)
+        if args.json:
+            args.json.write_text(json.dumps(dict(rates, variants=variants), indent=1))
+        return
     all_rows, all_stages = [], {}
     for shape in SHAPES[: 1 if args.quick else None]:
         rows, stages = run_shape(shape, peer_fn)
@@ -199,16 +213,11 @@ def main():
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
-    variants = run_variants(SHAPES[0], peer_fn)
-    bench.print_table(variants)
     tuned = {kernel_name(k): str(getattr(k, "best_config", None)) for k in TUNED}
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
-        args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
-                                             matmul_TFLOPs=bench.matmul_tflops(), rows=all_rows, stages=all_stages,
-                                             variants=variants, configs=tuned), indent=1))
-
+        args.json.write_text(json.dumps(dict(rates, rows=all_rows, stages=all_stages, configs=tuned), indent=1))
 
 if __name__ == "__main__":
     main()

@@ -155,6 +155,15 @@ def selective_scan(data):
     return tables
 
 
+# bench_ssd.py --variants: chunks 64 and 128 and packed sequences, a run of its own
+VARIANTS_FILE = "ssd_variants_bench.json"
+
+
+def ssd_variants_run(data):
+    """The stored run of SSD's other chunk sizes and packed sequences, or None before the first."""
+    return load(VARIANTS_FILE, data) if (pathlib.Path(data) / VARIANTS_FILE).exists() else None
+
+
 def ssd(data):
     d = load("ssd_bench.json", data)
     verdict, rows = Verdict(), []
@@ -169,18 +178,19 @@ def ssd(data):
                     "ssd_bench.json", d["device"],
                     ["shape (b, L, h, p, n)", "pass", "ours ms", "TFLOP/s", "of floor", "mamba_ssm ms", "speed",
                      "peak MB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
-    variants = [r for r in d.get("variants", []) if r["impl"] == "ours"]
+    run = ssd_variants_run(data)
+    variants = [r for r in run["variants"] if r["impl"] == "ours"] if run else []
     if variants:
         verdict, rows = Verdict(), []
         for r in variants:
-            peer = next((q for q in d["variants"] if q["impl"] == "mamba_ssm" and (q["chunk"], q["packed"], q["pass_"])
-                         == (r["chunk"], r["packed"], r["pass_"])), None)
+            peer = next((q for q in run["variants"] if q["impl"] == "mamba_ssm"
+                         and (q["chunk"], q["packed"], q["pass_"]) == (r["chunk"], r["packed"], r["pass_"])), None)
             speed = verdict.add("mamba_chunk_scan_combined", f"chunk {r['chunk']}, {r['packed']} sequences, "
                                 f"{r['pass_']}", r["speedup"] if peer else None)
             rows.append([r["chunk"], r["packed"], r["pass_"], number(r["ms"]), number(peer and peer["ms"]),
                          times(speed), "–" if r["packed"] == 1 else times(r["packing_cost"])])
         tables.append(Table(f"ssd_chunk_scan at other chunk sizes and with packed sequences (seq_idx), at "
-                            f"{variants[0]['shape']}", "ssd_bench.json", d["device"],
+                            f"{variants[0]['shape']}", VARIANTS_FILE, run["device"],
                             ["chunk", "sequences", "pass", "ours ms", "mamba_ssm ms", "speed",
                              "time over one sequence's"], rows, verdict.sentences("ssd_chunk_scan")))
     return tables
@@ -534,7 +544,7 @@ def issue_bars(data=DATA):
                       and p["pass_"] == r["pass_"])) for r in ssd_rows if r["impl"] == "ours"]
     rows.append(bar_row("ssd_chunk_scan", "forward and forward+backward against mamba_ssm, both shapes, chunk 256",
                         [(p["ms"] / r["ms"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.5))
-    variants = ssd_run.get("variants", [])  # runs before these cases were timed lack them
+    variants = read(VARIANTS_FILE)["variants"] if ssd_variants_run(data) else []
     rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128, the first shape",
                         [(r["speedup"], f"chunk {r['chunk']} {r['pass_']}") for r in variants
                          if r["impl"] == "ours" and r["chunk"] != CHUNK and not math.isnan(r["speedup"])], 1.5))
@@ -600,6 +610,7 @@ MEASURED_CODE = {
     "selective_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_cuda_bench.json": ("mamba_annotated/scan",),
     "ssd_bench.json": ("mamba_annotated/ssd",),
+    VARIANTS_FILE: ("mamba_annotated/ssd",),
     "bidirectional_bench.json": ("mamba_annotated/bidirectional", "mamba_annotated/ssd"),
     "attention_bench.json": ("mamba_annotated/attention", *NOT_DECODING),
     "attention_features_bench.json": ("mamba_annotated/attention", *NOT_DECODING),

@@ -184,13 +184,11 @@ def test_the_bars_read_the_stored_runs(tmp_path):
 
 
 def test_the_ssd_variants_measure_their_bars_and_get_a_table(tmp_path):
-    """bench_ssd.py's chunks 64 and 128 and packed-sequence rows (a run that has them) decide the two
-    SSD bars that are otherwise not measured, and show as a second SSD table."""
+    """bench_ssd.py --variants' chunks 64 and 128 and packed-sequence rows (a run of its own,
+    ssd_variants_bench.json) decide the two SSD bars that are otherwise not measured, and show as a
+    second SSD table."""
     for name in DATA_FILES:
         (tmp_path / name).write_text((ROOT / "book" / "data" / name).read_text())
-    ssd = json.loads((tmp_path / "ssd_bench.json").read_text())
-    ssd.pop("variants", None)
-    (tmp_path / "ssd_bench.json").write_text(json.dumps(ssd))
     before = {row[1]: row for row in scoreboard.issue_bars(tmp_path).rows}
     assert [row[-1] for name, row in before.items() if "chunks 64" in name or "seq_idx" in name] == ["not measured"] * 2
     assert len(scoreboard.ssd(tmp_path)) == 1
@@ -198,11 +196,11 @@ def test_the_ssd_variants_measure_their_bars_and_get_a_table(tmp_path):
     def row(chunk, packed, impl, pass_, ms, speedup, cost=float("nan")):
         return dict(shape="(4, 4096, 80, 64, 128)", chunk=chunk, packed=packed, impl=impl, pass_=pass_, ms=ms,
                     speedup=speedup, packing_cost=cost)
-    ssd["variants"] = [row(64, 1, "ours", "fwd", 1.0, 1.6), row(64, 1, "mamba_ssm", "fwd", 1.6, 1.0),
-                       row(128, 1, "ours", "fwd", 1.0, 1.4), row(128, 1, "mamba_ssm", "fwd", 1.4, 1.0),
-                       row(256, 1, "ours", "fwd", 1.0, 1.5), row(256, 1, "mamba_ssm", "fwd", 1.5, 1.0),
-                       row(256, 8, "ours", "fwd", 1.05, 1.6, 1.05), row(256, 8, "mamba_ssm", "fwd", 1.7, 1.0, 1.13)]
-    (tmp_path / "ssd_bench.json").write_text(json.dumps(ssd))
+    variants = [row(64, 1, "ours", "fwd", 1.0, 1.6), row(64, 1, "mamba_ssm", "fwd", 1.6, 1.0),
+                row(128, 1, "ours", "fwd", 1.0, 1.4), row(128, 1, "mamba_ssm", "fwd", 1.4, 1.0),
+                row(256, 1, "ours", "fwd", 1.0, 1.5), row(256, 1, "mamba_ssm", "fwd", 1.5, 1.0),
+                row(256, 8, "ours", "fwd", 1.05, 1.6, 1.05), row(256, 8, "mamba_ssm", "fwd", 1.7, 1.0, 1.13)]
+    (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(dict(device="a GPU", variants=variants)))
     after = {row[1]: row for row in scoreboard.issue_bars(tmp_path).rows}
     chunks = next(row for name, row in after.items() if "chunks 64" in name)
     assert chunks[2:4] == ["chunk 128 fwd", "1.40×"] and chunks[-1] == "does not hold"
@@ -210,3 +208,4 @@ def test_the_ssd_variants_measure_their_bars_and_get_a_table(tmp_path):
     assert packed[3] == "1.05×" and packed[-1] == "holds"  # ours' cost, not the peer's 1.13
     tables = scoreboard.ssd(tmp_path)
     assert len(tables) == 2 and len(tables[1].rows) == 4 and tables[1].rows[3][-1] == "1.05×"
+    assert tables[1].source == scoreboard.VARIANTS_FILE and tables[1].device == "a GPU"
