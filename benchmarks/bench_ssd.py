@@ -26,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from costs import CHUNK, ssd_flops as flops, ssd_min_bytes as min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
+from mamba_annotated.figures import python_function  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward  # noqa: E402
@@ -45,14 +46,6 @@ SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
 ]
 TUNED = (chunk_scan_module.chunk_scan_kernel, chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
          chunk_scan_bwd.chunk_scan_bwd_dcb_kernel, chunk_scan_bwd.chunk_scan_bwd_dbc_kernel)
-
-
-def kernel_name(kernel):
-    """The Python name of a kernel under its launch, autotune and jit wrappers (each keeps the one
-    it wraps as ``fn``)."""
-    while hasattr(kernel, "fn"):
-        kernel = kernel.fn
-    return kernel.__name__
 
 
 def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, groups=1):
@@ -213,7 +206,7 @@ def main():
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
-    tuned = {kernel_name(k): str(getattr(k, "best_config", None)) for k in TUNED}
+    tuned = {python_function(k).__name__: str(getattr(k, "best_config", None)) for k in TUNED}
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)

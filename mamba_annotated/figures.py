@@ -14,13 +14,17 @@ COLORS = {
 MIXER_COLORS = {"transformer": "#9467bd", "mamba": "#8c564b", "mamba2": "#17becf", "hybrid": "#bcbd22"}
 
 
+def python_function(obj):
+    """The Python function under a Triton kernel's wrappers (@lean_launch, @triton.autotune and
+    @triton.jit each keep the object they wrap as ``fn``), or ``obj`` itself."""
+    while hasattr(obj, "fn"):
+        obj = obj.fn
+    return obj
+
+
 def source_of(obj) -> str:
-    """The source text of a function or Triton kernel (through @triton.autotune and @triton.jit,
-    which wrap the function in objects with a ``fn`` attribute)."""
-    fn = obj
-    while hasattr(fn, "fn"):
-        fn = fn.fn
-    return inspect.getsource(fn)
+    """The source text of a function or Triton kernel (:func:`python_function`)."""
+    return inspect.getsource(python_function(obj))
 
 
 def show_source(obj):

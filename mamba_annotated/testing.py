@@ -131,6 +131,16 @@ def uniform(*shape, low: float, high: float, dtype=torch.float32, device=DEVICE)
     return (torch.rand(*shape, device=device) * (high - low) + low).to(dtype)
 
 
+def every_other(t: torch.Tensor, between: torch.Tensor) -> torch.Tensor:
+    """A stride-2 view of a vector ``t``'s values: column 0 of a two-column record whose column 1
+    holds ``between`` (e.g. values a dense read would misread quietly, or NaN, or -1). Tests give
+    it where an op takes a (batch,) or offsets tensor, to see that the op reads it by its stride or
+    copies it."""
+    view = torch.stack([t, between], dim=1)[:, 0]
+    assert view.stride() == (2,) and torch.equal(view, t)
+    return view
+
+
 def random_scan_inputs(shape, dtype=torch.float32, with_h0=True):
     """Fresh (a, b, h0) for a first-order scan along the last dim of ``shape``.
 

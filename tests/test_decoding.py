@@ -17,7 +17,7 @@ from mamba_annotated.scan.reference import discretize
 from mamba_annotated.scan.selective_step import selective_state_update
 from mamba_annotated.ssd.reference import ssd_recurrent_ref
 from mamba_annotated.ssd.step import ssd_state_update
-from mamba_annotated.testing import assert_close, randn, tolerance, uniform
+from mamba_annotated.testing import assert_close, every_other, randn, tolerance, uniform
 
 TOL = tolerance(torch.float32)
 OPTIONS = [dict(dt_bias=True, dt_softplus=True, D=True, z=True), dict(dt_bias=False, dt_softplus=False, D=False, z=False),
@@ -177,7 +177,7 @@ def as_view(t):
     """The values of ``t`` in a view that is not contiguous: its dimensions reversed in memory, or, for
     a vector, every other element of a tensor holding NaN in between (a dense read meets a NaN)."""
     if t.dim() == 1:
-        return torch.stack([t, torch.full_like(t, math.nan)], dim=-1)[:, 0]
+        return every_other(t, torch.full_like(t, math.nan))
     dims = list(range(t.dim()))[::-1]
     return t.permute(dims).contiguous().permute(dims)
 

@@ -25,7 +25,8 @@ from mamba_annotated.triton_ops import LN2
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref,
                                            ssd_varlen_states_ref)
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close,
-                                     assert_within_same_computation, gradients, randn, tolerance, uniform)
+                                     assert_within_same_computation, every_other, gradients, randn, tolerance,
+                                     uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
 ALL_GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -467,8 +468,7 @@ def test_varlen_states_of_offsets_given_as_a_view():
     against float64."""
     inputs, cu_seqlens, seq_idx = varlen_case(29, [7, 20, 29])
     inputs.pop("initial_states")
-    cu_view = torch.stack([cu_seqlens, cu_seqlens.flip(0)], dim=1)[:, 0]
-    assert not cu_view.is_contiguous()
+    cu_view = every_other(cu_seqlens, cu_seqlens.flip(0))
     _, varlen = ssd_chunk_scan(**inputs, chunk_size=16, seq_idx=seq_idx, cu_seqlens=cu_view, return_varlen_states=True)
     for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
         alone = {k: (v[:, start:end] if v.dim() >= 3 else v) for k, v in inputs.items()}

@@ -9,10 +9,11 @@ the public function, flash_attn's signature, which checks its arguments and call
 A decoding loop calls the op once per layer and token with the same shapes, strides and options
 each time; only the tensors' contents and addresses change. What follows from those alone (the
 argument checks, the split count, the index checks' messages) is worked out at the first call of
-each kind and kept in a dictionary keyed by them (:func:`call_key`): on the GPU host the checks
-and the planning were most of the eager call's host time at batch 1 (data/decoding_bench.json), a
-call that the device finishes faster than Python launches it. The index tensors' values are not
-in the key: they are checked on the device at every call.
+each kind and kept in dictionaries keyed by them (:func:`call_key`, :func:`plan_key`), because at
+batch 1 the device finishes a step faster than Python can launch it, and working them out again
+cost tens of microseconds of host time per call (chapter 7 and data/decoding_host_ab.json give
+the measurements). The index tensors' values are not in the keys: they are checked on the device
+at every call.
 """
 import numbers
 from typing import NamedTuple, Optional

@@ -43,7 +43,9 @@ def packed_seq_idx(seq_idx, cu_seqlens, length):
     if seq_idx is not None or cu_seqlens is None:
         return seq_idx
     positions = torch.arange(length, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    return torch.searchsorted(cu_seqlens[1:], positions, right=True)[None]
+    # searchsorted copies (and warns about) boundaries that are not contiguous: a strided view of
+    # offsets (a column of a per-batch record) is copied here, once, without the warning
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)[None]
 
 
 def along(index, t, dim):
