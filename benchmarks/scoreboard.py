@@ -13,6 +13,7 @@ scripts/gpu_benchmarks.sh and rebuilding the book updates the page. From a termi
 matplotlib: no torch, so the book builds without importing the kernels.
 """
 import argparse
+import ast
 import dataclasses
 import datetime
 import json
@@ -605,9 +606,10 @@ SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "ma
 # models decode with their own modules): git pathspecs that leave it out of the others' code
 NOT_DECODING = tuple(f":(exclude)mamba_annotated/attention/{name}"
                      for name in ("kvcache.py", "split_kv.py", "index_checks.py", "rotary.py"))
-# the modules no benchmark times (the book's figures, the tests' judging rules, the exercises' checks):
-# a run over the whole package does not count them as code it times
-NOT_TIMED = tuple(f":(exclude)mamba_annotated/{name}" for name in ("figures.py", "testing.py", "exercises.py"))
+# what the host-cost and model runs, which time the package at large, do not call: the book's figures,
+# the tests' judging rules, the exercises' checks, and the bidirectional scan (neither times it)
+NOT_TIMED = tuple(f":(exclude)mamba_annotated/{name}"
+                  for name in ("figures.py", "testing.py", "exercises.py", "bidirectional"))
 MEASURED_CODE = {
     "linear_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_bench.json": ("mamba_annotated/scan",),
@@ -633,17 +635,54 @@ def git(*args):
         return None
 
 
+def code_of(source):
+    """What a Python file does, blind to its docstrings and comments: the dump of its syntax tree
+    with every module, class and function docstring taken out (comments never reach the tree).
+    None for no file; the text itself for one that does not parse."""
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    for node in ast.walk(tree):
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+                and isinstance(node.body[0].value.value, str)):
+            node.body = node.body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def changes_what_runs(name, old, new):
+    """Whether a file's change from ``old`` to ``new`` (texts, None where absent) can change what a
+    benchmark measures: for Python, a change of more than docstrings and comments; any other file's
+    change counts (a benchmark run's JSON included)."""
+    if not name.endswith(".py"):
+        return old != new
+    return code_of(old) != code_of(new)
+
+
 def last_change(*paths):
-    """When ``paths`` last changed in this git checkout: the commit time of the newest commit that
-    touched them, or now where one of them has uncommitted changes (a benchmark run not yet
-    committed is newer than the code). None outside a git checkout or in a shallow clone, whose
-    history does not reach back to the changes."""
+    """When ``paths`` last changed in this git checkout, docstrings and comments aside
+    (:func:`changes_what_runs`): the commit time of the newest commit that changed them, or now
+    where the working tree changes them (a benchmark run not yet committed is newer than the
+    code). None outside a git checkout or in a shallow clone, whose history does not reach back to
+    the changes."""
     if git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    if git("status", "--porcelain", "--", *paths):
-        return datetime.datetime.now(datetime.timezone.utc)
-    stamp = git("log", "-1", "--format=%cI", "--", *paths)
-    return datetime.datetime.fromisoformat(stamp) if stamp else None
+    edited = (git("diff", "--name-only", "HEAD", "--", *paths) or "").splitlines()
+    edited += (git("ls-files", "--others", "--exclude-standard", "--", *paths) or "").splitlines()  # untracked
+    for name in edited:
+        on_disk = DATA.parent.parent / name
+        if changes_what_runs(name, git("show", f"HEAD:{name}"), on_disk.read_text() if on_disk.exists() else None):
+            return datetime.datetime.now(datetime.timezone.utc)
+    for line in (git("log", "--format=%H %cI", "--", *paths) or "").splitlines():
+        commit, stamp = line.split()
+        names = git("diff-tree", "--no-commit-id", "--name-only", "-r", "--root", commit, "--", *paths) or ""
+        if any(changes_what_runs(name, git("show", f"{commit}^:{name}"), git("show", f"{commit}:{name}"))
+               for name in names.splitlines()):
+            return datetime.datetime.fromisoformat(stamp)
+    return None
 
 
 def sources(data=DATA, changed=last_change):

@@ -4,6 +4,7 @@ uses benchmarks/costs.py's counts."""
 import datetime
 import json
 import math
+import os
 import pathlib
 import sys
 
@@ -50,6 +51,50 @@ def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
     outside_git = scoreboard.sources(tmp_path, lambda *paths: None)
     assert all(row[3:] == ["–", "–"] for row in outside_git.rows)
     assert not any("stored before" in sentence for sentence in outside_git.verdict)
+
+
+def test_code_of_is_blind_to_docstrings_and_comments_only():
+    before = 'def f(x):\n    """Doubles."""\n    return 2 * x  # twice\n'
+    reworded = '"""A module."""\n\n\ndef f(x):\n    """Twice x, reworded."""\n    # a comment of its own\n    return 2 * x\n'
+    assert scoreboard.code_of(before) == scoreboard.code_of(reworded)
+    assert scoreboard.code_of(before) != scoreboard.code_of(before.replace("2 * x", "3 * x"))
+    assert scoreboard.code_of('def f():\n    """Only a docstring."""\n') == scoreboard.code_of("def f():\n    pass\n")
+    assert scoreboard.changes_what_runs("run.json", "{}", '{"a": 1}')
+    assert scoreboard.changes_what_runs("new.py", None, "x = 1\n")
+    assert not scoreboard.changes_what_runs("a.py", before, reworded)
+
+
+def test_last_change_skips_commits_that_touch_only_docstrings_and_comments(tmp_path, monkeypatch):
+    """A run is older than its code only when the code changed, not its prose: in a repository of
+    its own, a commit that rewords a docstring does not date the code; one that changes a line does,
+    and so does such a change not yet committed."""
+    import subprocess
+
+    def commit(day, files, message):
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        date = f"2026-11-{day:02d}T12:00:00+00:00"
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], cwd=tmp_path,
+                       check=True, env={**os.environ, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+    code = 'def f(x):\n    """Doubles."""\n    return 2 * x\n'
+    commit(1, {"pkg/a.py": code}, "code")
+    commit(2, {"book/data/run.json": "{}"}, "a run")
+    commit(3, {"pkg/a.py": code.replace("Doubles.", "Twice x.") + "# a note\n"}, "prose")
+
+    def day(*paths):
+        return scoreboard.last_change(*paths).day
+    assert (day("pkg"), day("book/data/run.json")) == (1, 2)
+    (tmp_path / "pkg/a.py").write_text(code.replace("Doubles.", "Reworded again."))  # uncommitted prose
+    assert day("pkg") == 1
+    commit(4, {"pkg/a.py": code.replace("2 * x", "x + x")}, "code again")
+    assert day("pkg") == 4
+    (tmp_path / "pkg/a.py").write_text(code.replace("2 * x", "3 * x"))  # uncommitted code
+    assert scoreboard.last_change("pkg") > datetime.datetime(2026, 11, 5, tzinfo=datetime.timezone.utc)
 
 
 def write(folder, name, data):
