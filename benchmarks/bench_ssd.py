@@ -182,8 +182,9 @@ def breakdown(inp, dy):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=pathlib.Path)
-    parser.add_argument("--quick", action="store_true", help="first shape only")
-    parser.add_argument("--variants", action="store_true", help="chunks 64 and 128, and packed sequences, instead")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="first shape only")
+    which.add_argument("--variants", action="store_true", help="chunks 64 and 128, and packed sequences, instead")
     args = parser.parse_args()
     if DEVICE.type != "cuda":
         sys.exit("bench_ssd: needs a CUDA GPU")
@@ -211,6 +212,7 @@ def main():
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
         args.json.write_text(json.dumps(dict(rates, rows=all_rows, stages=all_stages, configs=tuned), indent=1))
+
 
 if __name__ == "__main__":
     main()

@@ -545,7 +545,10 @@ def issue_bars(data=DATA):
                       and p["pass_"] == r["pass_"])) for r in ssd_rows if r["impl"] == "ours"]
     rows.append(bar_row("ssd_chunk_scan", "forward and forward+backward against mamba_ssm, both shapes, chunk 256",
                         [(p["ms"] / r["ms"], f"{r['shape']} {r['pass_']}") for r, p in pairs], 1.5))
-    variants = read(VARIANTS_FILE)["variants"] if ssd_variants_run(data) else []
+    variants_run = ssd_variants_run(data)
+    if variants_run:
+        files.add(VARIANTS_FILE)
+    variants = variants_run["variants"] if variants_run else []
     rows.append(bar_row("ssd_chunk_scan", "the same at chunks 64 and 128, the first shape",
                         [(r["speedup"], f"chunk {r['chunk']} {r['pass_']}") for r in variants
                          if r["impl"] == "ours" and r["chunk"] != CHUNK and not math.isnan(r["speedup"])], 1.5))
@@ -609,7 +612,7 @@ NOT_DECODING = tuple(f":(exclude)mamba_annotated/attention/{name}"
 # what the host-cost and model runs, which time the package at large, do not call: the book's figures,
 # the tests' judging rules, the exercises' checks, and the bidirectional scan (neither times it)
 NOT_TIMED = tuple(f":(exclude)mamba_annotated/{name}"
-                  for name in ("figures.py", "testing.py", "exercises.py", "bidirectional"))
+                  for name in ("figures.py", "testing.py", "exercises.py", "bidirectional", "modules/hydra.py"))
 MEASURED_CODE = {
     "linear_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_bench.json": ("mamba_annotated/scan",),
@@ -656,7 +659,10 @@ def code_of(source):
 def changes_what_runs(name, old, new):
     """Whether a file's change from ``old`` to ``new`` (texts, None where absent) can change what a
     benchmark measures: for Python, a change of more than docstrings and comments; any other file's
-    change counts (a benchmark run's JSON included)."""
+    change counts (a benchmark run's JSON included), and so does one that git could not show on
+    either side (both None), rather than pass for no change."""
+    if old is None and new is None:
+        return True
     if not name.endswith(".py"):
         return old != new
     return code_of(old) != code_of(new)
@@ -664,23 +670,30 @@ def changes_what_runs(name, old, new):
 
 def last_change(*paths):
     """When ``paths`` last changed in this git checkout, docstrings and comments aside
-    (:func:`changes_what_runs`): the commit time of the newest commit that changed them, or now
-    where the working tree changes them (a benchmark run not yet committed is newer than the
-    code). None outside a git checkout or in a shallow clone, whose history does not reach back to
-    the changes."""
+    (:func:`changes_what_runs`): the commit time of the newest commit that changed them against
+    its first parent, or now where the working tree changes them (a benchmark run not yet committed
+    is newer than the code). None outside a git checkout or in a shallow clone, whose history does
+    not reach back to the changes. Paths are the repository's, from its top folder, unquoted."""
     if git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    edited = (git("diff", "--name-only", "HEAD", "--", *paths) or "").splitlines()
-    edited += (git("ls-files", "--others", "--exclude-standard", "--", *paths) or "").splitlines()  # untracked
+    top = pathlib.Path(git("rev-parse", "--show-toplevel"))
+    names = ("-c", "core.quotePath=false")  # names as they are, not C-quoted, for git show
+    edited = (git(*names, "diff", "--name-only", "HEAD", "--", *paths) or "").splitlines()
+    edited += (git(*names, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *paths)
+               or "").splitlines()  # untracked
     for name in edited:
-        on_disk = DATA.parent.parent / name
+        on_disk = top / name
         if changes_what_runs(name, git("show", f"HEAD:{name}"), on_disk.read_text() if on_disk.exists() else None):
             return datetime.datetime.now(datetime.timezone.utc)
-    for line in (git("log", "--format=%H %cI", "--", *paths) or "").splitlines():
-        commit, stamp = line.split()
-        names = git("diff-tree", "--no-commit-id", "--name-only", "-r", "--root", commit, "--", *paths) or ""
-        if any(changes_what_runs(name, git("show", f"{commit}^:{name}"), git("show", f"{commit}:{name}"))
-               for name in names.splitlines()):
+    for line in (git("log", "--format=%H %P|%cI", "--", *paths) or "").splitlines():
+        commits, stamp = line.split("|")
+        commit, *parents = commits.split()
+        # against the first parent (a merge's own changes; a root commit's against nothing)
+        changed = git(*names, "diff", "--name-only", parents[0], commit, "--", *paths) if parents else \
+            git(*names, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root", commit, "--", *paths)
+        before = (lambda name: git("show", f"{parents[0]}:{name}")) if parents else (lambda name: None)
+        if any(changes_what_runs(name, before(name), git("show", f"{commit}:{name}"))
+               for name in (changed or "").splitlines()):
             return datetime.datetime.fromisoformat(stamp)
     return None
 

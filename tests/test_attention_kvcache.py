@@ -10,6 +10,7 @@ append is checked element by element: exactly, except where rotary embeddings ro
 which may differ from the float64 rotation by one unit of its dtype (float32 arithmetic, rounded
 once, against float64 rounded once).
 """
+import collections
 import inspect
 import math
 import random
@@ -459,20 +460,48 @@ def test_an_unhashable_argument_is_checked_at_every_call():
 
 
 def test_remembered_plans_give_the_same_bits_and_stay_bounded(monkeypatch):
-    """Outputs with every plan remembered equal those planned afresh, bit for bit; past MAX_PLANS
-    kinds of call the dictionaries start afresh rather than grow."""
-    monkeypatch.setattr(split_kv, "MAX_PLANS", 3)
+    """Outputs with every plan remembered equal those planned afresh, bit for bit; past
+    MAX_REMEMBERED kinds of call the dictionaries start afresh rather than grow."""
+    monkeypatch.setattr(split_kv, "MAX_REMEMBERED", 3)
     memos = (kvcache.CHECKED_CALLS, kvcache.PLANS, split_kv.LAUNCH_PLANS)
-    for capacity in (9, 21, 33, 45, 57):
-        case = make_case(batch=2, capacity=capacity, seqlens=[3, 5], window_size=(4, 0), num_splits=2)
-        first = attention_with_kvcache(**case, return_softmax_lse=True)
-        again = attention_with_kvcache(**case, return_softmax_lse=True)
+    for memo in memos:
+        memo.clear()
+    cases = [make_case(batch=2, capacity=capacity, seqlens=[3, 5], window_size=(4, 0), num_splits=2)
+             for capacity in (9, 21, 33, 45, 57)]
+    remembered = []
+    for case in cases:  # five kinds of call: each dictionary fills to three, starts afresh, fills again
+        attention_with_kvcache(**case, return_softmax_lse=True)
+        remembered.append(attention_with_kvcache(**case, return_softmax_lse=True))
+        assert all(0 < len(memo) <= 3 for memo in memos)
+    assert all(len(memo) == 2 for memo in memos)  # 3 kinds, then afresh: kinds 4 and 5
+    for case, again in zip(cases, remembered):
         for memo in memos:
             memo.clear()
         fresh = attention_with_kvcache(**case, return_softmax_lse=True)
-        for a, b, c in zip(first, again, fresh):
-            assert torch.equal(a, b) and torch.equal(a, c)
-        assert all(len(memo) <= 3 for memo in memos)
+        assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+
+
+def test_an_int_cache_seqlens_is_checked_at_every_call_without_a_key_per_value():
+    """A decoding loop that passes its position as an int makes one kind of call, not one per
+    step, and a position past the cache is still refused."""
+    kvcache.CHECKED_CALLS.clear()
+    case = make_case(batch=2, capacity=21, new=1)
+    for position in (3, 4, 5):
+        attention_with_kvcache(**case, cache_seqlens=position)
+    assert len(kvcache.CHECKED_CALLS) == 1
+    with pytest.raises(ValueError, match=r"cache_seqlens \(21\) \+ seqlen_new \(1\) must be between 0"):
+        attention_with_kvcache(**case, cache_seqlens=21)
+
+
+def test_a_window_given_as_a_tuple_subclass_is_keyed_by_its_elements_types():
+    """A namedtuple window (1, 0) equals (True, 0) and (1.0, 0) in Python: after the first is
+    remembered, the other two are still refused."""
+    Window = collections.namedtuple("Window", "left right")
+    case = make_case(batch=2, capacity=21, seqlens=[3, 5])
+    attention_with_kvcache(**case, window_size=Window(1, 0))
+    for window in (Window(True, 0), Window(1.0, 0)):
+        with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+            attention_with_kvcache(**case, window_size=window)
 
 
 def test_launch_plan_follows_the_float32_matmul_precision():
@@ -579,6 +608,7 @@ BAD_INPUTS = [
     (lambda c: dict(rotary_interleaved=None), TypeError, "rotary_interleaved must be a bool"),
     (lambda c: dict(return_softmax_lse="yes"), TypeError, "return_softmax_lse must be a bool"),
     (lambda c: dict(alibi_slopes=torch.ones(3, device=DEVICE)), ValueError, "alibi_slopes must have shape"),
+    (lambda c: dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a tensor or None"),
     (lambda c: dict(k=c["k"], v=c["v"], k_cache=c["k_cache"][:1].expand(2, -1, -1, -1)), ValueError,
      "k_cache is written in place .* cannot be an expanded view"),
 ]

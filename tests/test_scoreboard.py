@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -67,20 +68,24 @@ def test_code_of_is_blind_to_docstrings_and_comments_only():
 def test_last_change_skips_commits_that_touch_only_docstrings_and_comments(tmp_path, monkeypatch):
     """A run is older than its code only when the code changed, not its prose: in a repository of
     its own, a commit that rewords a docstring does not date the code; one that changes a line does,
-    and so does such a change not yet committed."""
-    import subprocess
+    and so does such a change not yet committed, or a new file not yet added (named with an accent,
+    which git quotes unless told not to)."""
+    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # not the project's index
 
     def commit(day, files, message):
         for name, text in files.items():
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_text(text)
-        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
         date = f"2026-11-{day:02d}T12:00:00+00:00"
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], cwd=tmp_path,
-                       check=True, env={**os.environ, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
+                        "-qm", message], cwd=tmp_path, check=True,
+                       env={**git_env, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
 
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
     monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+    for key in [k for k in os.environ if k.startswith("GIT_")]:
+        monkeypatch.delenv(key)
     code = 'def f(x):\n    """Doubles."""\n    return 2 * x\n'
     commit(1, {"pkg/a.py": code}, "code")
     commit(2, {"book/data/run.json": "{}"}, "a run")
@@ -92,9 +97,16 @@ def test_last_change_skips_commits_that_touch_only_docstrings_and_comments(tmp_p
     (tmp_path / "pkg/a.py").write_text(code.replace("Doubles.", "Reworded again."))  # uncommitted prose
     assert day("pkg") == 1
     commit(4, {"pkg/a.py": code.replace("2 * x", "x + x")}, "code again")
-    assert day("pkg") == 4
+    commit(5, {"pkg/é.py": code}, "a file whose name git quotes")
+    commit(6, {"pkg/é.py": code.replace("Doubles.", "Twice x.")}, "its prose")
+    assert day("pkg") == 5
+    before = datetime.datetime.now(datetime.timezone.utc)
     (tmp_path / "pkg/a.py").write_text(code.replace("2 * x", "3 * x"))  # uncommitted code
-    assert scoreboard.last_change("pkg") > datetime.datetime(2026, 11, 5, tzinfo=datetime.timezone.utc)
+    assert scoreboard.last_change("pkg") >= before
+    (tmp_path / "pkg/a.py").write_text(code.replace("2 * x", "x + x"))
+    assert day("pkg") == 5
+    (tmp_path / "pkg/new.py").write_text("x = 1\n")  # untracked
+    assert scoreboard.last_change("pkg") >= before
 
 
 def write(folder, name, data):

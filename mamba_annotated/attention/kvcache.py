@@ -111,9 +111,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         if isinstance(cache_seqlens, torch.Tensor):
             check_tensor("cache_seqlens", cache_seqlens, dtypes=INDEX_DTYPES, shape=(batch,))
         elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-            if not 0 <= cache_seqlens <= capacity - new:
-                raise ValueError(f"cache_seqlens ({cache_seqlens}) + seqlen_new ({new}) must be between 0 and the "
-                                 f"cache's capacity ({capacity})")
+            check_int_seqlens(cache_seqlens, new, capacity)
         else:
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape (batch,); "
                             f"got {type(cache_seqlens).__name__}")
@@ -147,6 +145,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cach
         raise ValueError(f"num_splits must be between 0 (a heuristic chooses) and {MAX_SPLITS}; got {num_splits}")
 
 
+def check_int_seqlens(cache_seqlens: int, new: int, capacity: int) -> None:
+    """An int cache_seqlens (every sequence's length) leaves room for the new keys."""
+    if not 0 <= cache_seqlens <= capacity - new:
+        raise ValueError(f"cache_seqlens ({cache_seqlens}) + seqlen_new ({new}) must be between 0 and the "
+                         f"cache's capacity ({capacity})")
+
+
 def check_bool(name, value):
     if isinstance(value, torch.Tensor) or not isinstance(value, (bool, numbers.Integral)):
         raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
@@ -169,6 +174,8 @@ PLANS: dict = {}
 
 def plan_key(q, k_cache, k, rotary_cos, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_left,
              window_right, rotate_per_row, num_splits) -> tuple:
+    """What :func:`plan_decoding` reads of a call: shapes, dtype, device, which index tensors are
+    given, the resolved window and split options (the arguments are checked already)."""
     return (q.shape, q.dtype, q.device, k_cache.shape, None if k is None else k.shape[1],
             None if rotary_cos is None else rotary_cos.shape[0], cache_seqlens is None, cache_batch_idx is None,
             cache_leftpad is None, None if block_table is None else block_table.shape, window_left, window_right,
@@ -332,17 +339,23 @@ def call_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, c
              return_softmax_lse) -> tuple:
     """The key of a public call in :data:`CHECKED_CALLS`: what :func:`check_call` reads. Of a tensor
     its type, shape, strides, dtype and device (not its values); of anything else its type and
-    value (True == 1 in Python, not here), a tuple's element by element; whether ALiBi slopes that
-    require a gradient meet grad mode (refused only then). An unhashable argument makes the key
-    unhashable. Written out rather than looped over: it is built at every call."""
+    value (True == 1 == 1.0 in Python, not here), a tuple's element by element, a tuple subclass's
+    too; whether ALiBi slopes that require a gradient meet grad mode (refused only then). An int
+    cache_seqlens goes in by its type alone: a decoding loop that passes its position as an int
+    would otherwise make a new key at every step (the public call checks its range every time).
+    An unhashable argument makes the key unhashable."""
     tensors = [(type(t), t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else (type(t), t)
-               for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                         cache_leftpad, block_table, alibi_slopes)]
-    window = tuple(map(type, window_size)) if type(window_size) is tuple else None
-    return (*tensors, type(softmax_scale), softmax_scale, type(causal), causal, type(window_size), window_size, window,
-            type(softcap), softcap, type(rotary_interleaved), rotary_interleaved, type(num_splits), num_splits,
-            type(return_softmax_lse), return_softmax_lse,
-            alibi_slopes is not None and alibi_slopes.requires_grad and torch.is_grad_enabled())
+               for t in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                         block_table, alibi_slopes)]
+    seqlens = (type(cache_seqlens), None if type(cache_seqlens) is int else
+               cache_seqlens.shape if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens)
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens += (cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device)
+    window = tuple(map(type, window_size)) if isinstance(window_size, tuple) else None
+    return (*tensors, seqlens, type(softmax_scale), softmax_scale, type(causal), causal, type(window_size),
+            window_size, window, type(softcap), softcap, type(rotary_interleaved), rotary_interleaved,
+            type(num_splits), num_splits, type(return_softmax_lse), return_softmax_lse,
+            isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad and torch.is_grad_enabled())
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -408,6 +421,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                              rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
         if key is not None:
             remember(CHECKED_CALLS, key, options)
+    elif type(cache_seqlens) is int:  # in the key by its type alone
+        check_int_seqlens(cache_seqlens, 0 if k is None else k.shape[1], cache_capacity(k_cache, block_table))
     window_left, window_right, softcap, rotate_per_row = options
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):

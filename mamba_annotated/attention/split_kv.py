@@ -64,6 +64,7 @@ kv_heads * d * s (the cache itself, at a decoding step), plus q and out; with sp
 partials written and read once more, 2 * splits * batch * seqlen_q * heads * (d + 1) * 4. FLOPs
 4 * batch * seqlen_q * heads * L * d: the kernel is bound by memory, the bytes of the cache.
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -308,13 +309,15 @@ class SplitLaunch(NamedTuple):
 # launch plans by their arguments (:func:`launch_plan`): a decoding loop repeats a few kinds of call,
 # and working the plan out again cost the host more than launching the kernels did
 LAUNCH_PLANS: dict = {}
-MAX_PLANS = 1024
+# entries a dictionary of remembered checks or plans holds before it starts afresh (:func:`remember`)
+MAX_REMEMBERED = 1024
 
 
 def remember(memo: dict, key, value):
-    """memo[key] = value, returned; a memo of MAX_PLANS entries starts afresh first (shapes that
-    change at every call must not grow it without end)."""
-    if len(memo) >= MAX_PLANS:
+    """memo[key] = value, returned: the decoding path's dictionaries of checks and plans worked out
+    once per kind of call (here and in :mod:`.kvcache`). One of MAX_REMEMBERED entries is emptied
+    first, so that arguments that change at every call cannot grow it without end."""
+    if len(memo) >= MAX_REMEMBERED:
         memo.clear()
     memo[key] = value
     return value
@@ -325,8 +328,11 @@ def launch_plan(q, k_cache, *, layout, leftpad, alibi, softmax_scale, window, so
     from LAUNCH_PLANS when one of the same kind was planned. The float32 dot precision is read at
     every call (the global setting may change between calls)."""
     precision = dot_precision(q.dtype)
-    key = (q.shape, q.dtype, k_cache.shape, layout, leftpad, alibi, softmax_scale, window, softcap, num_splits,
-           precision, None if config is None else tuple(config.items()))
+    # the window's sides enter the constants only as bounded or not (their values are launch
+    # arguments); the scale's sign too, which 0.0 == -0.0 would hide
+    key = (q.shape, q.dtype, k_cache.shape, layout, leftpad, alibi, softmax_scale, math.copysign(1.0, softmax_scale),
+           window[0] >= 0, window[1] >= 0, softcap, num_splits, precision,
+           None if config is None else tuple(config.items()))
     plan = LAUNCH_PLANS.get(key)
     if plan is not None:
         return plan

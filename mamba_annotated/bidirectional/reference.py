@@ -43,8 +43,8 @@ def packed_seq_idx(seq_idx, cu_seqlens, length):
     if seq_idx is not None or cu_seqlens is None:
         return seq_idx
     positions = torch.arange(length, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-    # searchsorted copies (and warns about) boundaries that are not contiguous: a strided view of
-    # offsets (a column of a per-batch record) is copied here, once, without the warning
+    # searchsorted wants contiguous boundaries: given a strided view of offsets (a column of a
+    # per-batch record) it would make the same copy itself, with a warning
     return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)[None]
 
 
