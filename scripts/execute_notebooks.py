@@ -69,8 +69,10 @@ def render_stored_runs(path: pathlib.Path) -> None:
     nb = nbformat.read(path, as_version=4)
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
     for i in (i for i in code[1:] if STORED_RUN in nb.cells[i].source):
-        # copies: running a cell replaces its outputs, and the import cell keeps its GPU run's
-        pair = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[code[0]], nb.cells[i]]), metadata=nb.metadata)
+        # copies: running a cell replaces its outputs, and the import cell keeps its GPU run's; running
+        # also rewrites the kernel's language_info, and the notebook keeps its GPU run's
+        pair = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[code[0]], nb.cells[i]]),
+                                        metadata=copy.deepcopy(nb.metadata))
         NotebookClient(pair, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         nb.cells[i].outputs = pair.cells[1].outputs
