@@ -25,11 +25,13 @@ if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRETED:  # the interpreter's associative_scan, one combine call per step instead of per element,
-    # and its float32 -> bfloat16 conversions rounded to nearest even, as a GPU rounds them
-    from . import interpreter_rounding, interpreter_scan
+    # its float32 -> bfloat16 conversions rounded to nearest even, as a GPU rounds them, and its
+    # calls between jitted functions without patching triton.language again
+    from . import interpreter_calls, interpreter_rounding, interpreter_scan
 
     interpreter_scan.install()
     interpreter_rounding.install()
+    interpreter_calls.install()
 DEVICE = torch.device("cuda" if HAS_CUDA and not INTERPRETED else "cpu")
 
 
