@@ -610,9 +610,11 @@ SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "ma
 NOT_DECODING = tuple(f":(exclude)mamba_annotated/attention/{name}"
                      for name in ("kvcache.py", "split_kv.py", "index_checks.py", "rotary.py"))
 # what the host-cost and model runs, which time the package at large, do not call: the book's figures,
-# the tests' judging rules, the exercises' checks, and the bidirectional scan (neither times it)
+# the tests' judging rules, the exercises' checks, the bidirectional scan (neither times it), and the
+# patches of Triton's interpreter, which run on CPU only
 NOT_TIMED = tuple(f":(exclude)mamba_annotated/{name}"
-                  for name in ("figures.py", "testing.py", "exercises.py", "bidirectional", "modules/hydra.py"))
+                  for name in ("figures.py", "testing.py", "exercises.py", "bidirectional", "modules/hydra.py",
+                               "interpreter_calls.py", "interpreter_rounding.py", "interpreter_scan.py"))
 MEASURED_CODE = {
     "linear_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_bench.json": ("mamba_annotated/scan",),
