@@ -15,15 +15,25 @@ are already patched changes nothing: :func:`install` makes it skip the walk. The
 patching, and any call outside a launch or with a module not yet patched, run Triton's code.
 """
 import inspect
+import threading
 
 from triton import language as tl
 from triton.runtime import interpreter
 
-triton_patch_lang = interpreter._patch_lang if hasattr(interpreter, "_patch_lang") else None
-triton_launch = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
 
-# the language modules patched by the launch that is running; None outside a launch
-patched_in_launch = None
+def triton_original(name, owner):
+    """Triton's own ``owner.name``, also when this module is reloaded after :func:`install`
+    (where the attribute is already the patch, which keeps the original beside it)."""
+    current = getattr(owner, name, None)
+    return getattr(current, "triton_original", current)
+
+
+triton_patch_lang = triton_original("_patch_lang", interpreter)
+triton_launch = triton_original("__call__", getattr(interpreter, "GridExecutor", None))
+
+# per thread, as each launch runs on its caller's thread: the language modules patched by the launch
+# running there (``.modules``); None outside a launch
+launch_state = threading.local()
 
 
 class NothingPatched:
@@ -39,25 +49,32 @@ def language_modules(fn) -> frozenset:
     return frozenset(m for m in (tl, tl.core) if any(v is m for v in fn.__globals__.values()))
 
 
+def patched_in_launch():
+    """The modules the launch running on this thread has patched so far; None outside a launch."""
+    return getattr(launch_state, "modules", None)
+
+
 def patch_lang_once(fn):
     """``interpreter._patch_lang``, skipped where the running launch has patched ``fn``'s modules."""
-    modules = language_modules(fn)
-    if patched_in_launch is not None and modules and modules <= patched_in_launch:
+    modules, patched = language_modules(fn), patched_in_launch()
+    if patched is not None and modules and modules <= patched:
         return NothingPatched()
     scope = triton_patch_lang(fn)  # an fn with no language module fails Triton's own assert here
-    if patched_in_launch is not None:
-        patched_in_launch.update(modules)
+    if patched is not None:
+        patched.update(modules)
     return scope
 
 
 def launch(self, *args, **kwargs):
     """``GridExecutor.__call__``, recording which modules its patching and its calls patched."""
-    global patched_in_launch
-    outer, patched_in_launch = patched_in_launch, set()
+    outer, launch_state.modules = patched_in_launch(), set()
     try:
         return triton_launch(self, *args, **kwargs)
     finally:
-        patched_in_launch = outer
+        launch_state.modules = outer
+
+
+patch_lang_once.triton_original, launch.triton_original = triton_patch_lang, triton_launch
 
 
 def install():

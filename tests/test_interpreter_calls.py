@@ -44,8 +44,9 @@ def counting_triton_patching(monkeypatch):
 
 
 def test_the_package_installs_it():
-    assert interpreter._patch_lang is interpreter_calls.patch_lang_once
-    assert interpreter.GridExecutor.__call__ is interpreter_calls.launch
+    assert interpreter._patch_lang.__name__ == "patch_lang_once"
+    assert interpreter.GridExecutor.__call__.__name__ == "launch"
+    assert interpreter._patch_lang.triton_original is not interpreter._patch_lang
 
 
 def test_a_launch_patches_once_and_its_calls_reuse_it(monkeypatch):
@@ -66,13 +67,60 @@ def test_without_it_every_call_patches_and_gives_the_same_bits(monkeypatch):
     assert len(calls) == 1 + 2 * 3  # what the patch saves: Triton's own patching at every call
 
 
+@triton.jit
+def failing_tile(ptr, offsets):
+    tl.static_assert(offsets.shape[0] == 1024, "a helper that refuses every tile here")
+    return tl.load(ptr + offsets)
+
+
+@triton.jit
+def failing_helper_kernel(x_ptr, BLOCK: tl.constexpr):
+    failing_tile(x_ptr, tl.arange(0, BLOCK))
+
+
+def language_attributes():
+    """Every attribute of the modules and classes a launch patches, by identity."""
+    return {(owner.__name__, name): id(value) for owner in (tl, tl.math, tl.tensor, tl.dtype)
+            for name, value in vars(owner).items()}
+
+
 def test_the_language_is_restored_after_a_launch_and_after_a_failing_one():
-    load, dot = tl.load, tl.dot
+    before = language_attributes()
     run_twice_scaled()
-    assert tl.load is load and tl.dot is dot and interpreter_calls.patched_in_launch is None
-    with pytest.raises(Exception):
-        twice_scaled_kernel[(1,)](torch.zeros(8), torch.zeros(8), BLOCK=6)  # arange needs a power of 2
-    assert tl.load is load and tl.dot is dot and interpreter_calls.patched_in_launch is None
+    assert language_attributes() == before and interpreter_calls.patched_in_launch() is None
+    with pytest.raises(Exception, match="refuses every tile"):
+        failing_helper_kernel[(2,)](torch.zeros(8), BLOCK=8)
+    assert language_attributes() == before and interpreter_calls.patched_in_launch() is None
+
+
+@triton.jit
+def row_sums_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tile = tl.load(x_ptr + row * BLOCK + tl.arange(0, BLOCK))
+    # tl.sum and tl.zeros live in triton.language's own modules, whose globals hold
+    # triton.language.core, a module the launch of a kernel that imports triton.language leaves alone
+    total = tl.sum(tile, axis=0) + tl.sum(tl.zeros((BLOCK,), tl.float32) + 1.0, axis=0)
+    tl.store(out_ptr + row, total)
+
+
+def test_a_call_into_a_module_the_launch_did_not_patch_patches_it_once(monkeypatch):
+    calls = counting_triton_patching(monkeypatch)
+    x = torch.arange(4 * 8, dtype=torch.float32)
+    out = torch.empty(4)
+    row_sums_kernel[(4,)](x, out, BLOCK=8)
+    assert torch.equal(out, x.view(4, 8).sum(1) + 8)
+    assert len(calls) == 2, calls  # the kernel's modules, then core at the first of 12 calls
+
+
+def test_a_reloaded_module_still_calls_tritons_own_functions():
+    """After importlib.reload (an edited module in a notebook), the patch keeps Triton's functions,
+    not its own, which would call themselves."""
+    import importlib
+    original = interpreter_calls.triton_patch_lang
+    reloaded = importlib.reload(interpreter_calls)
+    reloaded.install()
+    assert reloaded.triton_patch_lang is original
+    assert torch.equal(run_twice_scaled()[1], 5 * torch.arange(32, dtype=torch.float32))
 
 
 def test_language_modules_are_those_the_interpreter_patches():
