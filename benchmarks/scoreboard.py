@@ -670,59 +670,63 @@ def changes_what_runs(name, old, new):
     return code_of(old) != code_of(new)
 
 
-def last_change(*paths):
-    """When ``paths`` last changed in this git checkout, docstrings and comments aside
-    (:func:`changes_what_runs`): the commit time of the newest commit that changed them against
-    its first parent, or now where the working tree changes them (a benchmark run not yet committed
-    is newer than the code). None outside a git checkout or in a shallow clone, whose history does
-    not reach back to the changes. Paths are the repository's, from its top folder, unquoted."""
+def stored_run(path):
+    """The commit that stored a benchmark run (the newest that changed its file) and its commit
+    time; (None, now) where the working tree changes the file (a run not yet committed, made by the
+    code as it is); None outside a git checkout, in a shallow clone, whose history may not reach
+    back to the run, or for a file git has never held."""
     if git("rev-parse", "--is-shallow-repository") != "false":
         return None
+    if git("diff", "--name-only", "HEAD", "--", path) or git("ls-files", "--others", "--exclude-standard", "--", path):
+        return None, datetime.datetime.now(datetime.timezone.utc)
+    line = git("log", "-1", "--format=%H|%cI", "--", path)
+    if not line:
+        return None
+    commit, stamp = line.split("|")
+    return commit, datetime.datetime.fromisoformat(stamp)
+
+
+def changed_since(commit, *paths):
+    """Whether the code under ``paths`` (git pathspecs from the repository's top) differs between
+    ``commit`` and the working tree, docstrings and comments aside (:func:`changes_what_runs`). The
+    code at the run's commit against the code now, not the history between: a change that was
+    later reverted, or reworded, is no change. ``commit`` None: the working tree's own run."""
+    if commit is None:
+        return False
     top = pathlib.Path(git("rev-parse", "--show-toplevel"))
     names = ("-c", "core.quotePath=false")  # names as they are, not C-quoted, for git show
-    edited = (git(*names, "diff", "--name-only", "HEAD", "--", *paths) or "").splitlines()
-    edited += (git(*names, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *paths)
-               or "").splitlines()  # untracked
-    for name in edited:
-        on_disk = top / name
-        if changes_what_runs(name, git("show", f"HEAD:{name}"), on_disk.read_text() if on_disk.exists() else None):
-            return datetime.datetime.now(datetime.timezone.utc)
-    for line in (git("log", "--format=%H %P|%cI", "--", *paths) or "").splitlines():
-        commits, stamp = line.split("|")
-        commit, *parents = commits.split()
-        # against the first parent (a merge's own changes; a root commit's against nothing)
-        changed = git(*names, "diff", "--name-only", parents[0], commit, "--", *paths) if parents else \
-            git(*names, "diff-tree", "--no-commit-id", "--name-only", "-r", "--root", commit, "--", *paths)
-        before = (lambda name: git("show", f"{parents[0]}:{name}")) if parents else (lambda name: None)
-        if any(changes_what_runs(name, before(name), git("show", f"{commit}:{name}"))
-               for name in (changed or "").splitlines()):
-            return datetime.datetime.fromisoformat(stamp)
-    return None
+    differing = (git(*names, "diff", "--name-only", commit, "--", *paths) or "").splitlines()
+    differing += (git(*names, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *paths)
+                  or "").splitlines()  # untracked
+    return any(changes_what_runs(name, git("show", f"{commit}:{name}"),
+                                 (top / name).read_text() if (top / name).exists() else None)
+               for name in differing)
 
 
-def sources(data=DATA, changed=last_change):
+def sources(data=DATA, stored=stored_run, changed=changed_since):
     """Each stored benchmark file: its device, the tables that read it, when it was stored and
-    whether the code it times has changed since (``changed(*paths)`` gives a path's last change)."""
+    whether the code it times has changed since (``stored(path)`` gives the run's commit and time,
+    ``changed(commit, *paths)`` whether the code differs from that commit's)."""
     read_by = {}
     for topic in TOPICS:
         for table in tables(topic, data):
             read_by.setdefault(table.source, set()).add(topic)
     rows, older = [], []
     for path in sorted(pathlib.Path(data).glob("*_bench.json")):
-        stored = changed(f"book/data/{path.name}")
-        code = changed(*MEASURED_CODE.get(path.name, ("mamba_annotated",)), *SHARED_CODE)
-        behind = stored is not None and code is not None and code > stored
+        run = stored(f"book/data/{path.name}")
+        behind = run is not None and changed(run[0], *MEASURED_CODE.get(path.name, ("mamba_annotated",)),
+                                             *SHARED_CODE)
         if behind:
             older.append(path.name)
         rows.append([path.name, load(path.name, data)["device"], ", ".join(sorted(read_by.get(path.name, ["–"]))),
-                     stored.date().isoformat() if stored else "–", "yes" if behind else "no" if stored else "–"])
+                     run[1].date().isoformat() if run else "–", "yes" if behind else "no" if run else "–"])
     devices = sorted({r[1] for r in rows})
     verdict = ([f"All of them ran on one GPU, the {devices[0]}."] if len(devices) == 1 else
                [f"They come from {len(devices)} GPUs ({', '.join(devices)}), not from one run: compare times only "
                 "within a table, and re-run scripts/gpu_benchmarks.sh on one GPU to make every table comparable."])
     if older:
-        verdict.append(f"{len(older)} of the {len(rows)} runs {'was' if len(older) == 1 else 'were'} stored before the "
-                       "last change to the code they time "
+        verdict.append(f"{len(older)} of the {len(rows)} runs {'was' if len(older) == 1 else 'were'} stored before a "
+                       "change to the code they time "
                        f"({', '.join(older)}): their numbers may not be those of the present kernels until "
                        "scripts/gpu_benchmarks.sh runs again.")
     return Table("the stored runs", "*_bench.json", ", ".join(devices),

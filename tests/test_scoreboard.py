@@ -37,19 +37,22 @@ def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
     the present kernels."""
     for path in (ROOT / "book" / "data").glob("*_bench.json"):  # every table reads its own file
         (tmp_path / path.name).write_bytes(path.read_bytes())
-    day = {"book/data/ssd_bench.json": 1, "book/data/attention_bench.json": 5,
-           "mamba_annotated/ssd": 3, "mamba_annotated/attention": 2}
+    runs = {"book/data/ssd_bench.json": "c1", "book/data/attention_bench.json": "c5"}
+    changed_code = {("c1", "mamba_annotated/ssd")}  # what differs now from the run's commit
 
-    def changed(*paths):
-        known = [day[p] for p in paths if p in day]
-        return datetime.datetime(2026, 11, max(known), tzinfo=datetime.timezone.utc) if known else None
+    def stored(path):
+        return (runs[path], datetime.datetime(2026, 11, int(runs[path][1:]), tzinfo=datetime.timezone.utc)) \
+            if path in runs else None
 
-    table = scoreboard.sources(tmp_path, changed)
+    def changed(commit, *paths):
+        return any((commit, p) in changed_code for p in paths)
+
+    table = scoreboard.sources(tmp_path, stored, changed)
     dated = {row[0]: row[3:] for row in table.rows if row[3] != "–"}
     assert dated == {"attention_bench.json": ["2026-11-05", "no"], "ssd_bench.json": ["2026-11-01", "yes"]}
-    assert f"1 of the {len(table.rows)} runs was stored before the last change to the code they time " \
+    assert f"1 of the {len(table.rows)} runs was stored before a change to the code they time " \
            "(ssd_bench.json)" in table.verdict[-1]
-    outside_git = scoreboard.sources(tmp_path, lambda *paths: None)
+    outside_git = scoreboard.sources(tmp_path, lambda path: None, changed)
     assert all(row[3:] == ["–", "–"] for row in outside_git.rows)
     assert not any("stored before" in sentence for sentence in outside_git.verdict)
 
@@ -65,11 +68,12 @@ def test_code_of_is_blind_to_docstrings_and_comments_only():
     assert not scoreboard.changes_what_runs("a.py", before, reworded)
 
 
-def test_last_change_skips_commits_that_touch_only_docstrings_and_comments(tmp_path, monkeypatch):
-    """A run is older than its code only when the code changed, not its prose: in a repository of
-    its own, a commit that rewords a docstring does not date the code; one that changes a line does,
-    and so does such a change not yet committed, or a new file not yet added (named with an accent,
-    which git quotes unless told not to)."""
+def test_the_code_is_compared_with_the_runs_commit_docstrings_and_comments_aside(tmp_path, monkeypatch):
+    """A run is older than its code only when the code differs from the code at the run's commit:
+    in a repository of its own, a commit that rewords a docstring does not make it older; one that
+    changes a line does, and so does such a change not yet committed, or a new file not yet added
+    (named with an accent, which git quotes unless told not to); a change reverted later does not
+    (dating the code by its newest commit said it did). A run not yet committed is the code's own."""
     git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # not the project's index
 
     def commit(day, files, message):
@@ -89,24 +93,35 @@ def test_last_change_skips_commits_that_touch_only_docstrings_and_comments(tmp_p
     code = 'def f(x):\n    """Doubles."""\n    return 2 * x\n'
     commit(1, {"pkg/a.py": code}, "code")
     commit(2, {"book/data/run.json": "{}"}, "a run")
-    commit(3, {"pkg/a.py": code.replace("Doubles.", "Twice x.") + "# a note\n"}, "prose")
 
-    def day(*paths):
-        return scoreboard.last_change(*paths).day
-    assert (day("pkg"), day("book/data/run.json")) == (1, 2)
+    def older():
+        run, stamp = scoreboard.stored_run("book/data/run.json")
+        assert stamp.day == 2
+        return scoreboard.changed_since(run, "pkg")
+    commit(3, {"pkg/a.py": code.replace("Doubles.", "Twice x.") + "# a note\n"}, "prose")
+    assert not older()
     (tmp_path / "pkg/a.py").write_text(code.replace("Doubles.", "Reworded again."))  # uncommitted prose
-    assert day("pkg") == 1
-    commit(4, {"pkg/a.py": code.replace("2 * x", "x + x")}, "code again")
-    commit(5, {"pkg/é.py": code}, "a file whose name git quotes")
-    commit(6, {"pkg/é.py": code.replace("Doubles.", "Twice x.")}, "its prose")
-    assert day("pkg") == 5
-    before = datetime.datetime.now(datetime.timezone.utc)
+    assert not older()
+    commit(4, {"pkg/a.py": code.replace("2 * x", "x + x")}, "code")
+    assert older()
+    commit(5, {"pkg/a.py": code}, "the code change reverted")
+    assert not older()
     (tmp_path / "pkg/a.py").write_text(code.replace("2 * x", "3 * x"))  # uncommitted code
-    assert scoreboard.last_change("pkg") >= before
-    (tmp_path / "pkg/a.py").write_text(code.replace("2 * x", "x + x"))
-    assert day("pkg") == 5
+    assert older()
+    (tmp_path / "pkg/a.py").write_text(code)
+    commit(6, {"pkg/é.py": code}, "a file whose name git quotes")
+    assert older()
+    commit(7, {"pkg/é.py": code.replace("Doubles.", "Twice x.")}, "its prose")
+    assert older()
+    commit(8, {"book/data/run.json": '{"again": 1}'}, "a new run")
+    new_run, stamp = scoreboard.stored_run("book/data/run.json")
+    assert stamp.day == 8 and not scoreboard.changed_since(new_run, "pkg")
     (tmp_path / "pkg/new.py").write_text("x = 1\n")  # untracked
-    assert scoreboard.last_change("pkg") >= before
+    assert scoreboard.changed_since(new_run, "pkg")
+    (tmp_path / "book/data/run.json").write_text('{"uncommitted": 1}')  # a run of the working tree
+    run, stamp = scoreboard.stored_run("book/data/run.json")
+    assert run is None and stamp.day == datetime.datetime.now(datetime.timezone.utc).day
+    assert not scoreboard.changed_since(run, "pkg")
 
 
 def write(folder, name, data):
