@@ -28,10 +28,10 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_ssd import CHUNK, SHAPES, make_inputs  # noqa: E402  the benchmark's shapes, chunk and inputs
+
 MiB = 2 ** 20
-# the benchmark's shapes (batch, L, heads, headdim, dstate), chunk 256, one group (bench_ssd.py)
-SHAPES = [(4, 4096, 80, 64, 128), (1, 65536, 32, 64, 128)]
-CHUNK = 256
 # frames of these packages name the function that allocated a tensor
 OWNERS = ("mamba_annotated", "mamba_ssm")
 
@@ -108,17 +108,9 @@ def launches_stubbed():
         interpreter.GridExecutor.__call__, autotuner.Autotuner.run, torch.cuda.device = saved
 
 
-def inputs(batch, length, heads, headdim, dstate):
-    """bench_ssd.py's inputs (their values do not matter here): bfloat16 x, B, C; float32 dt, A, D, dt_bias."""
-    return dict(x=torch.randn(batch, length, heads, headdim, dtype=torch.bfloat16),
-                dt=torch.randn(batch, length, heads), A=-torch.rand(heads) - 1,
-                B=torch.randn(batch, length, 1, dstate, dtype=torch.bfloat16),
-                C=torch.randn(batch, length, 1, dstate, dtype=torch.bfloat16),
-                D=torch.randn(heads), dt_bias=torch.randn(heads))
-
-
 def forward_ledger(fn, inp) -> Ledger:
-    """The ledger of one forward pass of ``fn`` (ours or the peer's, one signature), as bench_ssd.py runs it."""
+    """The ledger of one forward pass of ``fn`` (ours or the peer's, one signature) on bench_ssd.py's
+    inputs ``inp``, called as it calls them."""
     ledger = Ledger()
     with torch.no_grad(), launches_stubbed(), ledger:
         fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], chunk_size=CHUNK, D=inp["D"],
@@ -147,7 +139,7 @@ def main():
         impls["mamba_ssm"] = combined.mamba_chunk_scan_combined
     for text in args.shapes:
         shape = tuple(int(v) for v in text.split(","))
-        inp = inputs(*shape)
+        inp = make_inputs(*shape)
         print(f"== {shape}, chunk {CHUNK}, bfloat16, D, dt_bias, softplus, forward under no_grad")
         peaks = {}
         for name, fn in impls.items():

@@ -34,7 +34,7 @@ def test_ssd_forward_peak_is_its_output_states_and_sums():
     from triton.runtime import interpreter
     launch, device = interpreter.GridExecutor.__call__, torch.cuda.device
     batch, length, heads, headdim, dstate = 1, 300, 4, 16, 32
-    inp = ledger_script.inputs(batch, length, heads, headdim, dstate)
+    inp = ledger_script.make_inputs(batch, length, heads, headdim, dstate)
     ledger = ledger_script.forward_ledger(ssd_chunk_scan, inp)
     assert interpreter.GridExecutor.__call__ is launch and torch.cuda.device is device
     alive = list(ledger.at_peak.values())
