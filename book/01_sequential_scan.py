@@ -276,7 +276,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (677–689 of 4249 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 100 to 130 times slower than the kernel (640 to 790 times the floor). Walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (677–689 of 4249 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 100 to 130 times slower than the kernel (630 to 790 times the floor). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next
