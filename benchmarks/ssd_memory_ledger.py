@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_ssd import CHUNK, SHAPES, make_inputs  # noqa: E402  the benchmark's shapes, chunk and inputs
+from mamba_annotated import runtime, ssd_chunk_scan  # noqa: E402
+from peers import mamba_ssm_module  # noqa: E402
 
 MiB = 2 ** 20
 # frames of these packages name the function that allocated a tensor
@@ -81,6 +83,7 @@ def allocating_function() -> str:
     """The innermost frame in mamba_annotated or mamba_ssm, as module.function:line."""
     for frame in reversed(traceback.extract_stack()):
         path = pathlib.Path(frame.filename)
+        # outputs.empty allocates for every launcher of ours: name the launcher instead
         if any(owner in path.parts for owner in OWNERS) and path.stem != "outputs":
             return f"{path.stem}.{frame.name}:{frame.lineno}"
     return "?"
@@ -129,11 +132,9 @@ def main():
     parser.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES],
                         help="batch,L,heads,headdim,dstate ...")
     args = parser.parse_args()
-    from mamba_annotated import runtime, ssd_chunk_scan
     if not runtime.INTERPRETED:
-        sys.exit("run with TRITON_INTERPRET=1 (or where there is no GPU): the launches are stubbed in Triton's interpreter")
-    import peers
-    combined = peers.mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+        sys.exit("ssd_memory_ledger: needs Triton's interpreter (TRITON_INTERPRET=1, or a machine without a GPU)")
+    combined = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
     impls = {"ours": ssd_chunk_scan}
     if combined is not None:
         impls["mamba_ssm"] = combined.mamba_chunk_scan_combined
