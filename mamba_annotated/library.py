@@ -113,7 +113,8 @@ def run_on_device_of(tensor, fn, *args):
 
 def traced_or_captured() -> bool:
     """True while torch.compile traces or a CUDA graph captures: checks that read a tensor's
-    values (and so synchronise with the device) are skipped then."""
+    values are skipped then (those that would synchronise with the device cannot run; those made
+    on the device would add their kernels to every replay)."""
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

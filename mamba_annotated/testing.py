@@ -217,3 +217,30 @@ def assert_refused_in_a_child_process(function: str, message: str, *args, **kwar
         child = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=300)
     assert child.returncode != 0, f"{function}: the call must be refused"
     assert re.search(message, child.stderr), child.stderr[-2000:]
+
+
+# every way of reading a tensor's value back to the host
+READS_BACK = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def reading_back_fails():
+    """Inside, a read of a tensor's value back to the host raises: one waits for every kernel queued
+    before it, a pause at every call of an op (at every layer of a model) in which the host cannot
+    queue kernels ahead of the GPU. On a GPU PyTorch's own sync detector errors as well. Run the
+    code once before, outside: compiling and tuning Triton kernels synchronise."""
+    def read_back(*_, **__):
+        raise AssertionError("read a tensor's value back to the host")
+
+    saved = {name: getattr(torch.Tensor, name) for name in READS_BACK}
+    for name in READS_BACK:
+        setattr(torch.Tensor, name, read_back)
+    if DEVICE.type == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        if DEVICE.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")

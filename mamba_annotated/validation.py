@@ -1,7 +1,9 @@
 """Input checks shared by every topic's ``api.py``.
 
 Each check raises before any kernel launches and names the argument, what was expected and
-what arrived, so a caller never gets a silently truncated or wrong result.
+what arrived, so a caller never gets a silently truncated or wrong result. The exception are checks
+of the values inside index tensors (:func:`refuse_unless`): they run on the device, in stream order
+before the op's kernels, so that checking never makes the host wait for the GPU.
 """
 import torch
 
@@ -54,3 +56,14 @@ def check_same(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor)
     if value.dtype != ref.dtype:
         raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}); got {value.dtype}")
     check_same_device(name, value, ref_name, ref)
+
+
+def refuse_unless(valid: torch.Tensor, message: str) -> None:
+    """Refuse the call unless ``valid`` (a one-element bool tensor computed from the arguments'
+    values, on their device) is true, without reading it back: reading it would wait for every
+    kernel queued before it, so that the host could not queue the op's kernels ahead of the GPU, a
+    pause per call (per layer, in a model). ``torch._assert_async`` checks it on the device
+    instead: on a GPU a failed check is a device-side assert that stops the stream with
+    ``message`` (the CUDA context is unusable afterwards, as after any of PyTorch's own device-side
+    index checks); on the CPU it raises a RuntimeError at once."""
+    torch._assert_async(valid, message)

@@ -21,8 +21,9 @@ from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_s
 from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.ssd.reference import process_dt
 from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_close, assert_gradients_close,
-                                     assert_within_same_computation, every_other, gradients, randn,
-                                     same_computation_error, tolerance, uniform)
+                                     assert_refused_in_a_child_process, assert_within_same_computation, every_other,
+                                     gradients, randn, reading_back_fails, same_computation_error, tolerance,
+                                     uniform)
 
 REVERSE = ("dt_rev", "B_rev", "C_rev")
 TIME_ARGS = ("x", "dt", "B", "C", "z") + REVERSE  # the arguments indexed by position (dim 1)
@@ -684,10 +685,6 @@ def first_row(inputs):
     return {k: (v[:1] if k in TIME_ARGS else v) for k, v in inputs.items()}
 
 
-def bad_seq_idx(i):
-    return torch.arange(37, 0, -1, dtype=torch.int32, device=DEVICE).expand(2, -1)
-
-
 BAD_INPUTS = [
     (lambda i: dict(i, x=i["x"].double()), TypeError, "x must have dtype"),
     (lambda i: dict(i, x=i["x"][0]), ValueError, "x must have 4 dimensions"),
@@ -711,14 +708,9 @@ BAD_INPUTS = [
     (lambda i: dict(i, seq_idx=torch.zeros(2, 37, device=DEVICE)), TypeError, "seq_idx must have dtype"),
     (lambda i: dict(i, seq_idx=torch.zeros(2, 36, dtype=torch.int32, device=DEVICE)), ValueError,
      "seq_idx must have shape"),
-    (lambda i: dict(i, seq_idx=bad_seq_idx(i)), ValueError, "seq_idx must be nondecreasing"),
     (lambda i: dict(i, cu_seqlens=torch.tensor([0, 37], device=DEVICE)), ValueError, "cu_seqlens needs batch 1"),
     (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0.0, 37.0], device=DEVICE)), TypeError,
      "cu_seqlens must have dtype"),
-    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0, 20, 38], device=DEVICE)), ValueError,
-     "cu_seqlens must be nondecreasing offsets"),
-    (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([3, 20, 37], device=DEVICE)), ValueError,
-     "cu_seqlens must be nondecreasing offsets"),
     (lambda i: dict(first_row(i), cu_seqlens=torch.tensor([0, 37], device=DEVICE),
                     seq_idx=torch.zeros(1, 37, dtype=torch.int32, device=DEVICE)), ValueError,
      "seq_idx or cu_seqlens, not both"),
@@ -730,6 +722,52 @@ def test_fused_bad_inputs_raise_clear_errors(build, error, message):
     inputs = dict(make_inputs(), chunk_size=16)
     with pytest.raises(error, match=message):
         bidirectional_chunk_scan(**build(inputs))
+
+
+def packed_call(i, cu_seqlens):
+    return dict(first_row(i), cu_seqlens=torch.tensor(cu_seqlens, device=DEVICE))
+
+
+# the values inside seq_idx and cu_seqlens, checked on the device (validation.refuse_unless)
+BAD_INDEX_VALUES = [
+    (lambda i: dict(i, seq_idx=torch.arange(37, 0, -1, dtype=torch.int32, device=DEVICE).expand(2, -1)),
+     "seq_idx must be nondecreasing"),
+    (lambda i: packed_call(i, [0, 20, 38]), "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: packed_call(i, [3, 20, 37]), "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: packed_call(i, [0, 30, 20, 37]), "cu_seqlens must be nondecreasing offsets"),
+]
+
+
+@pytest.mark.parametrize("build, message", BAD_INDEX_VALUES)
+def test_bad_index_values_are_refused_on_the_device(build, message):
+    """On a GPU a refused call is a device-side assert, which ends the CUDA context: it runs in a
+    child process there. On the CPU the check raises at once."""
+    kwargs = build(dict(make_inputs(), chunk_size=16))
+    if DEVICE.type == "cuda":
+        assert_refused_in_a_child_process("bidirectional_chunk_scan", message, **kwargs)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        bidirectional_chunk_scan(**kwargs)
+
+
+@pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])
+def test_checking_index_values_never_waits_for_the_device(packing):
+    """A call with packed sequences reads no tensor's value back on the host, forward or backward
+    (as tests/test_ssd.py's test of the same name, which says why)."""
+    inputs = make_inputs()
+    if packing == "seq_idx":
+        kwargs = dict(inputs, seq_idx=(torch.arange(37, device=DEVICE) // 10).int().expand(2, -1).contiguous())
+    else:
+        kwargs = packed_call(inputs, [0, 10, 25, 37])
+    leaves = [kwargs[k].requires_grad_() for k in ("x", "dt", "B", "C")]
+
+    def call():
+        bidirectional_chunk_scan(**kwargs, chunk_size=16, dt_softplus=True).sum().backward()
+
+    call()  # compiles and, on a GPU, tunes the kernels first
+    with reading_back_fails():
+        call()
+    assert all(leaf.grad is not None and leaf.grad.isfinite().all() for leaf in leaves)
 
 
 # ---------------------------------------------------------------- GPU: real sizes, the tuned configurations

@@ -25,8 +25,8 @@ from mamba_annotated.triton_ops import LN2
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref,
                                            ssd_varlen_states_ref)
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close,
-                                     assert_within_same_computation, every_other, gradients, randn, tolerance,
-                                     uniform)
+                                     assert_refused_in_a_child_process, assert_within_same_computation, every_other,
+                                     gradients, randn, reading_back_fails, tolerance, uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
 ALL_GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -660,15 +660,11 @@ BAD_INPUTS = [
     (lambda i: dict(i, initial_states=i["initial_states"][..., :-1]), ValueError, "initial_states must have shape"),
     (lambda i: dict(i, seq_idx=torch.zeros(2, 37, device=i["x"].device)), TypeError, "seq_idx must have dtype"),
     (lambda i: dict(i, seq_idx=torch.zeros(2, 36, dtype=torch.int32, device=i["x"].device)), ValueError, "seq_idx must have shape"),
-    (lambda i: dict(i, seq_idx=torch.arange(37, 0, -1, dtype=torch.int32, device=i["x"].device).expand(2, -1)),
-     ValueError, "seq_idx must be nondecreasing"),
     (lambda i: dict(i, return_varlen_states=True), ValueError, "cu_seqlens must be given"),
     (lambda i: dict(i, return_varlen_states=True, cu_seqlens=torch.tensor([0, 37], device=i["x"].device)),
      ValueError, "return_varlen_states needs batch 1"),
     (lambda i: dict(batch_one(i), return_varlen_states=True, cu_seqlens=torch.tensor([0.0, 37.0], device=DEVICE)),
      TypeError, "cu_seqlens must have dtype"),
-    (lambda i: dict(batch_one(i), return_varlen_states=True, cu_seqlens=torch.tensor([0, 20, 38], device=DEVICE)),
-     ValueError, "cu_seqlens must be nondecreasing offsets"),
     (lambda i: dict(i, dt_limit=(1.0, 0.5)), ValueError, "dt_limit must be a pair"),
     (lambda i: dict(i, state_dtype=torch.float64), TypeError, "state_dtype must be None or one of"),
     (lambda i: dict(i, x=torch.zeros(2, 37, 4, 256, device=i["x"].device)), NotImplementedError, "headdim 256"),
@@ -681,6 +677,57 @@ def test_bad_inputs_raise_clear_errors(build, error, message):
     inputs = dict(make_inputs(), chunk_size=16)
     with pytest.raises(error, match=message):
         ssd_chunk_scan(**build(inputs))
+
+
+def varlen_call(i, cu_seqlens):
+    return dict(batch_one(i), return_varlen_states=True, cu_seqlens=torch.tensor(cu_seqlens, device=DEVICE))
+
+
+# the values inside seq_idx and cu_seqlens, checked on the device (validation.refuse_unless)
+BAD_INDEX_VALUES = [
+    (lambda i: dict(i, seq_idx=torch.arange(37, 0, -1, dtype=torch.int32, device=DEVICE).expand(2, -1)),
+     "seq_idx must be nondecreasing"),
+    (lambda i: varlen_call(i, [0, 20, 38]), "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: varlen_call(i, [0, 30, 20, 37]), "cu_seqlens must be nondecreasing offsets"),
+    (lambda i: varlen_call(i, [-1, 37]), "cu_seqlens must be nondecreasing offsets"),
+]
+
+
+@pytest.mark.parametrize("build, message", BAD_INDEX_VALUES)
+def test_bad_index_values_are_refused_on_the_device(build, message):
+    """On a GPU a refused call is a device-side assert, which ends the CUDA context: it runs in a
+    child process there. On the CPU the check raises at once."""
+    kwargs = build(dict(make_inputs(), chunk_size=16))
+    if DEVICE.type == "cuda":
+        assert_refused_in_a_child_process("ssd_chunk_scan", message, **kwargs)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        ssd_chunk_scan(**kwargs)
+
+
+@pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])
+def test_checking_index_values_never_waits_for_the_device(packing):
+    """A call with packed sequences reads no tensor's value back on the host, forward or (with
+    seq_idx; the varlen states have no backward) backward: a read waits for every kernel queued
+    before it, a pause at every call (at every layer of a model) in which the host cannot queue
+    kernels ahead of the GPU. Every way of reading a value back fails here; on a GPU, PyTorch's own
+    sync detector is on as well."""
+    inputs = make_inputs()
+    if packing == "seq_idx":
+        kwargs = dict(inputs, seq_idx=(torch.arange(37, device=DEVICE) // 10).int().expand(2, -1).contiguous())
+        leaves = [kwargs[k].requires_grad_() for k in ("x", "dt", "B", "C")]
+    else:
+        kwargs, leaves = varlen_call(inputs, [0, 10, 25, 37]), []
+
+    def call():
+        out = ssd_chunk_scan(**kwargs, chunk_size=16, dt_softplus=True)
+        if leaves:
+            out.sum().backward()
+
+    call()  # compiles and, on a GPU, tunes the kernels first
+    with reading_back_fails():
+        call()
+    assert all(leaf.grad is not None and leaf.grad.isfinite().all() for leaf in leaves)
 
 
 @pytest.mark.parametrize("argument, value", [("dt", math.nan), ("B", math.nan), ("C", math.nan), ("x", math.nan),

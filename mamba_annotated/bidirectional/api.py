@@ -8,7 +8,7 @@ from ..library import absent, contiguous, define_op, last_dim_contiguous, traced
 from ..ssd.api import INDEX_DTYPES, check_ssd_inputs
 from ..ssd.gate import gate_backward
 from ..triton_ops import cdiv
-from ..validation import check_same, check_same_device, check_tensor
+from ..validation import check_same, check_same_device, check_tensor, refuse_unless
 from .backward import bidirectional_backward
 from .forward import Saved, bidirectional_forward
 from .reference import packed_seq_idx
@@ -36,12 +36,9 @@ def check_bidirectional_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_lim
             raise ValueError("cu_seqlens must hold at least one offset (sequences + 1 of them); got none")
         if batch != 1:
             raise ValueError(f"cu_seqlens needs batch 1 (the packed sequences in one row); got batch {batch}")
-        # reading the values synchronises with the device: not while torch.compile traces or a
-        # CUDA graph captures
-        if not traced_or_captured() and bool(
-                (cu_seqlens[0] != 0) | (cu_seqlens[-1] > length) | (cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be nondecreasing offsets in [0, L = {length}] starting at 0; "
-                             f"got {cu_seqlens.tolist()}")
+        if not traced_or_captured():
+            refuse_unless((cu_seqlens[0] == 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+                          f"cu_seqlens must be nondecreasing offsets in [0, L = {length}] starting at 0")
     return chunk_size
 
 
@@ -174,7 +171,9 @@ def bidirectional_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     (batch, L) int32/int64, nondecreasing (ids compared for equality only: a negative id is a
     sequence like any other), or cu_seqlens (sequences + 1,) offsets from 0 with batch 1 (not
     both): no state crosses a boundary in either direction, and each sequence is reversed within
-    itself. Any tensor may be a view (split, transposed, expanded); all on x's device.
+    itself. Any tensor may be a view (split, transposed, expanded); all on x's device. The values
+    inside seq_idx and cu_seqlens are checked on the device without synchronising, as in
+    ``ssd_chunk_scan``.
 
     Returns out like x. Differentiable in x, dt, A, B, C, D, z, dt_bias, dt_rev, B_rev and C_rev;
     the gradients are the same bits on every run (no atomic adds); once only.

@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 
 from ..library import absent, contiguous, define_op, last_dim_contiguous, traced_or_captured
-from ..validation import check_same, check_same_device, check_tensor
+from ..validation import check_same, check_same_device, check_tensor, refuse_unless
 from ..triton_ops import cdiv
 from .backward import ssd_backward
 from .forward import Saved, ssd_forward
@@ -68,10 +68,9 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
     if seq_idx is not None:
         check_tensor("seq_idx", seq_idx, dtypes=INDEX_DTYPES, shape=(batch, length))
         check_same_device("seq_idx", seq_idx, "x", x)
-        # reading the values synchronises with the device: not while torch.compile traces or a
-        # CUDA graph captures
-        if length > 1 and not traced_or_captured() and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-            raise ValueError("seq_idx must be nondecreasing along L (each packed sequence one run)")
+        if length > 1 and not traced_or_captured():
+            refuse_unless((seq_idx[:, 1:] >= seq_idx[:, :-1]).all(),
+                          "seq_idx must be nondecreasing along L (each packed sequence one run)")
     if return_varlen_states:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens must be given when return_varlen_states is True")
@@ -82,10 +81,9 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
         if batch != 1:
             raise ValueError(f"return_varlen_states needs batch 1 (the packed sequences in one row, as "
                              f"mamba_ssm); got batch {batch}")
-        if not traced_or_captured() and cu_seqlens.numel() and bool(
-                (cu_seqlens[0] < 0) | (cu_seqlens[-1] > length) | (cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be nondecreasing offsets in [0, L = {length}]; "
-                             f"got {cu_seqlens.tolist()}")
+        if not traced_or_captured():
+            refuse_unless((cu_seqlens[0] >= 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
+                          f"cu_seqlens must be nondecreasing offsets in [0, L = {length}]")
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
             or not float(dt_limit[0]) < float(dt_limit[1])):
         raise ValueError(f"dt_limit must be a pair (min, max) with min < max; got {dt_limit!r}")
@@ -228,6 +226,9 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     softplus(dt + dt_bias) is always clamped to it, so the default (0, inf) turns negative steps
     into 0; cu_seqlens (sequences + 1,) offsets of packed sequences, read only with
     return_varlen_states. Any tensor may be a view (split, transposed, expanded); all on x's device.
+    The values inside seq_idx and cu_seqlens are checked on the device without synchronising (on a
+    GPU a bad one is a device-side assert, which leaves the CUDA context unusable, as PyTorch's own
+    index checks do; :func:`..validation.refuse_unless`); every other check raises at the call.
 
     Returns out like x; with ``return_final_states`` also the state after the last position
     (batch, heads, headdim, dstate), float32; with ``return_varlen_states`` (batch 1) also the
