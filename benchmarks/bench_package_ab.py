@@ -32,6 +32,9 @@ CASES = {
     "bidirectional bwd (4, 4096, 80, 64, 128)": "bidirectional_backward_case()",
     "ssd fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.ssd_chunk_scan)",
     "bidirectional fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.bidirectional_chunk_scan)",
+    **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
+       for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
+                             ("bfloat16", 100000))},
 }
 
 WORKER = r'''
@@ -95,6 +98,13 @@ def gated_training_case(op):  # through autograd, so the gate's backward is time
             out = op(x, dt, A, B, C, 256, D=D, z=z, dt_softplus=True)
             return torch.autograd.grad(out, inputs, dy)
     return step
+
+def linear_scan_backward_case(length, dtype, rows=8 * 1536):  # the backward kernel alone
+    from mamba_annotated.scan.blocked import linear_scan_backward, linear_scan_forward
+    a = (torch.rand(rows, length, device=dev) * 0.4 + 0.6).to(getattr(torch, dtype))
+    grad_h = torch.randn_like(a)
+    h = linear_scan_forward(a, torch.randn_like(a))
+    return lambda: linear_scan_backward(a, h, None, grad_h)
 
 def bidirectional_case():
     x, dt, A, B, C = ssd_inputs()
