@@ -5,6 +5,7 @@ weights copied into ours."""
 import importlib
 import importlib.util
 import inspect
+import itertools
 import math
 import sys
 import types
@@ -20,7 +21,8 @@ from mamba_annotated.modules import MHA, BiMamba2, Hydra, InferenceParams, Mamba
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.scan.reference import selective_scan_ref
 from mamba_annotated.ssd.reference import ssd_quadratic_ref
-from mamba_annotated.testing import assert_close, assert_within_same_computation, rel_error, tolerance
+from mamba_annotated.testing import (assert_close, assert_within_same_computation, reading_back_fails, rel_error,
+                                     tolerance)
 
 TOL = tolerance(torch.float32)
 SUM_TOL = 10 * TOL  # parameter gradients are sums over every position of terms of both signs
@@ -298,6 +300,41 @@ def test_mamba2_flattened_input_and_packed_sequences():
         assert_close(m(u.flatten(0, 1), seqlen=19), mamba2_ref(m, P, u).flatten(0, 1), TOL, "flattened")
     seq_idx = torch.tensor([[0] * 5 + [1] * 9 + [2] * 5, [0] * 19], dtype=torch.int32, device=DEVICE)
     check_block(m, mamba2_ref, u, seq_idx=seq_idx)
+
+
+def test_mamba2_prefill_of_packed_sequences_leaves_each_its_own_states():
+    """A prefill of packed sequences (batch 1, seq_idx and cu_seqlens, as mamba_ssm's varlen
+    inference) leaves in the cache, for each sequence, the conv and SSM states that a prefill of
+    that sequence alone leaves: an empty sequence and ones shorter than the conv window included
+    (zero-padded on the left), and the next decoded token agrees. Nothing is read back to the host
+    (a pause at every layer of a prefill)."""
+    m = Mamba2(32, d_state=8, headdim=16, ngroups=2, chunk_size=16, layer_idx=0).to(DEVICE)
+    lengths = [5, 0, 2, 9, 1]
+    u = tokens(batch=1, length=sum(lengths)).to(DEVICE)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE), torch.tensor(lengths, device=DEVICE))
+    seq_idx = seq_idx.int()[None]
+    next_tokens = tokens(batch=len(lengths), length=1).to(DEVICE)
+    with torch.no_grad():
+        packed = InferenceParams(max_seqlen=32, max_batch_size=len(lengths))
+        m(u, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=packed)  # compiles first
+        packed = InferenceParams(max_seqlen=32, max_batch_size=len(lengths))
+        with reading_back_fails():
+            m(u, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=packed)
+        conv_states, ssm_states = packed.key_value_memory_dict[0]
+        for i, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            alone = InferenceParams(max_seqlen=32, max_batch_size=1)
+            if end > start:
+                m(u[:, start:end], inference_params=alone)
+                conv_state, ssm_state = alone.key_value_memory_dict[0]
+            else:  # nothing to prefill: the states a new sequence starts from
+                conv_state, ssm_state = m.get_states_from_cache(alone, 1, initialize_states=True)
+            assert_close(conv_states[i], conv_state[0], TOL, f"conv state of sequence {i}")
+            assert_close(ssm_states[i], ssm_state[0], TOL, f"SSM state of sequence {i}")
+            alone.seqlen_offset = packed.seqlen_offset = max(end - start, 1)
+            assert_close(m(next_tokens[i:i + 1], inference_params=alone)[0],
+                         m.step(next_tokens[i:i + 1], conv_states[i:i + 1].clone(), ssm_states[i:i + 1].clone())[0][0],
+                         TOL, f"next token of sequence {i}")
 
 
 def test_mamba_against_float64():

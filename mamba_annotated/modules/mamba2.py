@@ -163,9 +163,13 @@ class Mamba2(CachedStates, nn.Module):
         zero-padded on the left, as causal_conv1d's ``causal_conv1d_varlen_states``."""
         if xBC_t.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs batch 1 (the packed sequences in one row); got batch {xBC_t.shape[0]}")
-        bounds = cu_seqlens.tolist()
-        return torch.stack([conv_state_of(xBC_t[0, :, start:end], self.d_conv)
-                            for start, end in zip(bounds[:-1], bounds[1:])])
+        # one gather for all sequences, without reading the offsets back to the host (that would
+        # wait for the GPU at every layer of the prefill): the last d_conv positions of each
+        # sequence, and zeros at those before its start
+        starts, ends = cu_seqlens[:-1, None].long(), cu_seqlens[1:, None].long()
+        positions = ends - self.d_conv + torch.arange(self.d_conv, device=cu_seqlens.device)
+        window = xBC_t[0][:, positions.clamp(min=0)]  # (channels, sequences, d_conv)
+        return torch.where(positions >= starts, window, 0).transpose(0, 1)
 
     def step(self, hidden_states, conv_state, ssm_state):
         """One token: hidden_states (batch, 1, d_model); conv_state and ssm_state updated in place.
