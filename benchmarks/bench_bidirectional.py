@@ -178,30 +178,9 @@ def bars(rows):
     return out
 
 
-def kernel_times(fn, leaves, dy, iters=10):
-    """The CUDA time of each kernel over ``iters`` forward+backward passes of ``fn`` through
-    autograd, from the profiler: rows (stage, calls per pass, ms per pass, % of the total)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):  # warm up: compile and autotune outside the profile
-        torch.autograd.grad(fn(leaves), list(leaves.values()), dy)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            torch.autograd.grad(fn(leaves), list(leaves.values()), dy)
-        torch.cuda.synchronize()
-    stages = []
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None)
-        if us is None:
-            us = getattr(event, "self_cuda_time_total", 0)
-        if us > 0:
-            stages.append(dict(stage=event.key[:60], calls=event.count // iters, ms=us / iters / 1e3))
-    stages.sort(key=lambda r: -r["ms"])
-    total = sum(r["ms"] for r in stages)
-    for r in stages:
-        r["pct"] = 100 * r["ms"] / total
-    return stages
+def fwd_bwd_step(fn, leaves, dy):
+    """One forward+backward pass of ``fn`` through autograd, as a step for :func:`bench.kernel_times`."""
+    return lambda: torch.autograd.grad(fn(leaves), list(leaves.values()), dy)
 
 
 def kernel_breakdown(shape, impls):
@@ -218,8 +197,8 @@ def kernel_breakdown(shape, impls):
                   ms=bench.median_ms(lambda: bidirectional_forward(*args, CHUNK, **step))),
              dict(stage="whole backward (bidirectional_backward)", calls=1,
                   ms=bench.median_ms(lambda: bidirectional_backward(dy, *args, saved, **step)))]
-    ours = [dict(r, impl=OURS) for r in kernel_times(impls[OURS][0], leaves, dy)]
-    causal = [dict(r, impl=CAUSAL) for r in kernel_times(impls[CAUSAL][0], leaves, dy)]
+    ours = [dict(r, impl=OURS) for r in bench.kernel_times(fwd_bwd_step(impls[OURS][0], leaves, dy))]
+    causal = [dict(r, impl=CAUSAL) for r in bench.kernel_times(fwd_bwd_step(impls[CAUSAL][0], leaves, dy))]
     return [dict(r, impl=OURS, pct=float("nan")) for r in whole] + ours + causal
 
 

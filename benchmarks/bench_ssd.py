@@ -7,7 +7,9 @@ per-kernel breakdown of where the time goes, and the cost of a flip-based revers
 the in-kernel one. ``--json PATH`` writes everything as JSON.
 
 ``--variants`` times the bars' other cases instead, at the first shape: chunks 64 and 128 beside
-256, and 8 packed sequences (seq_idx) against none, ours and the peer on the same inputs. It is a
+256, and 8 packed sequences (seq_idx) against none, ours and the peer on the same inputs, then
+each of our kernels' time with and without the packing (where the packed call's extra time goes).
+It is a
 run of its own (scripts/gpu_benchmarks.sh's ``ssd_variants``, data/ssd_variants_bench.json)
 because each chunk size is a new specialization of every kernel to tune: on an H200 with an empty
 Triton cache, the main run and the start of the variants took the 325 s a device call had left,
@@ -95,6 +97,37 @@ def passes(fn, inp, leaves, dy, *, chunk_size, seq_idx=None):
     return fwd, fwd_bwd
 
 
+def packed_seq_idx(shape, packed):
+    """seq_idx marking ``packed`` sequences of equal length in every row of ``shape``."""
+    batch, length = shape[:2]
+    return (torch.arange(length, device=DEVICE, dtype=torch.int32) * packed // length).repeat(batch, 1)
+
+
+def packing_breakdown(shape, packed=8):
+    """Where the time that packed sequences add goes: each kernel's GPU time in one forward+backward
+    pass of ours through autograd (:func:`bench.kernel_times`), with one sequence per row and with
+    ``packed`` of them, side by side, the largest difference first; a last row sums them. What the
+    whole call adds beyond that sum is time the GPU spent waiting for the host. Rows (stage,
+    calls_one, calls_packed, ms_one, ms_packed, extra_ms)."""
+    inp = make_inputs(*shape)
+    leaves, dy = differentiable(inp)
+    times = {}
+    for label, seq_idx in (("one", None), ("packed", packed_seq_idx(shape, packed))):
+        _, fwd_bwd = passes(ssd_chunk_scan, inp, leaves, dy, chunk_size=CHUNK, seq_idx=seq_idx)
+        for r in bench.kernel_times(fwd_bwd):
+            times.setdefault(r["stage"], {})[label] = r
+    rows = []
+    for stage, by_label in times.items():
+        one, packed_run = by_label.get("one", {}), by_label.get("packed", {})
+        rows.append(dict(stage=stage, calls_one=one.get("calls", 0), calls_packed=packed_run.get("calls", 0),
+                         ms_one=one.get("ms", 0.0), ms_packed=packed_run.get("ms", 0.0)))
+    for r in rows:
+        r["extra_ms"] = r["ms_packed"] - r["ms_one"]
+    rows.sort(key=lambda r: -abs(r["extra_ms"]))
+    rows.append({key: "all kernels" if key == "stage" else sum(r[key] for r in rows) for key in rows[0]})
+    return rows
+
+
 def run_variants(shape, peer_fn, packed=8):
     """The SSD bars' other cases at ``shape``: chunks 64 and 128 beside chunk 256, ours and the peer
     (same inputs), and ``packed`` sequences of equal length marked by seq_idx against none. Rows of
@@ -102,8 +135,7 @@ def run_variants(shape, peer_fn, packed=8):
     same chunk and packing, and for ours with seq_idx also its time over ours without (packing_cost)."""
     inp = make_inputs(*shape)
     leaves, dy = differentiable(inp)
-    length = shape[1]
-    seq_idx = (torch.arange(length, device=DEVICE, dtype=torch.int32) * packed // length).repeat(shape[0], 1)
+    seq_idx = packed_seq_idx(shape, packed)
     impls = {"ours": ssd_chunk_scan, **({"mamba_ssm": peer_fn} if peer_fn is not None else {})}
     rows = []
     for chunk, marks in ((64, None), (128, None), (CHUNK, None), (CHUNK, seq_idx)):
@@ -197,8 +229,11 @@ def main():
     if args.variants:
         variants = run_variants(SHAPES[0], peer_fn)
         bench.print_table(variants)
+        packing = packing_breakdown(SHAPES[0])
+        print(f"where the packed sequences' extra time goes, forward+backward, {SHAPES[0]}:")
+        bench.print_table(packing)
         if args.json:
-            args.json.write_text(json.dumps(dict(rates, variants=variants), indent=1))
+            args.json.write_text(json.dumps(dict(rates, variants=variants, packing_stages=packing), indent=1))
         return
     all_rows, all_stages = [], {}
     for shape in SHAPES[: 1 if args.quick else None]:

@@ -194,7 +194,29 @@ def ssd(data):
                             f"{variants[0]['shape']}", VARIANTS_FILE, run["device"],
                             ["chunk", "sequences", "pass", "ours ms", "mamba_ssm ms", "speed",
                              "time over one sequence's"], rows, verdict.sentences("ssd_chunk_scan")))
+        if run.get("packing_stages"):
+            tables.append(packing_table(run, variants))
     return tables
+
+
+def packing_table(run, variants):
+    """Where the packed call's extra forward+backward time goes, kernel by kernel (bench_ssd.py's
+    packing breakdown), against the extra time of the whole call in the same run."""
+    stages = run["packing_stages"]
+    rows = [[r["stage"], f"{r['calls_one']} / {r['calls_packed']}", number(r["ms_one"]), number(r["ms_packed"]),
+             f"{r['extra_ms']:+.3f}"] for r in stages]
+    whole = {r["packed"]: r["ms"] for r in variants if r["chunk"] == CHUNK and r["pass_"] == "fwd+bwd"}
+    kernels = stages[-1]["extra_ms"]  # the last row sums the kernels
+    sentences = [f"Summed over its kernels, the packed pass takes {kernels:+.3f} ms per forward and backward."]
+    if len(whole) == 2:
+        extra = whole[max(whole)] - whole[1]
+        sentences.append(f"The whole call took {extra:+.3f} ms more (the table above). The difference, "
+                         f"{extra - kernels:+.3f} ms, is mostly time between the kernels, where the GPU waits for "
+                         f"the host; the two are measured differently (medians of whole calls with the L2 cache "
+                         f"flushed before each, and kernel times from the profiler), so it is an estimate.")
+    return Table("where the packed sequences' extra time goes: each kernel of ssd_chunk_scan's forward and "
+                 "backward pass, one sequence per row and packed", VARIANTS_FILE, run["device"],
+                 ["kernel", "launches (one / packed)", "ms, one sequence", "ms, packed", "extra ms"], rows, sentences)
 
 
 def bidirectional(data):

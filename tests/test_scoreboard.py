@@ -281,3 +281,24 @@ def test_the_ssd_variants_measure_their_bars_and_get_a_table(tmp_path):
     tables = scoreboard.ssd(tmp_path)
     assert len(tables) == 2 and len(tables[1].rows) == 4 and tables[1].rows[3][-1] == "1.05×"
     assert tables[1].source == scoreboard.VARIANTS_FILE and tables[1].device == "a GPU"
+
+
+def test_the_packing_breakdown_gets_a_table_against_the_whole_call(tmp_path):
+    """bench_ssd.py's packing breakdown (packing_stages, in the variants' file) becomes a third SSD
+    table, whose verdict sets the kernels' extra time against the whole call's."""
+    for name in DATA_FILES:
+        (tmp_path / name).write_text((ROOT / "book" / "data" / name).read_text())
+
+    def row(packed, pass_, ms):
+        return dict(shape="(4, 4096, 80, 64, 128)", chunk=256, packed=packed, impl="ours", pass_=pass_, ms=ms,
+                    speedup=float("nan"), packing_cost=float("nan"))
+    stages = [dict(stage="chunk_scan_kernel", calls_one=1, calls_packed=1, ms_one=1.0, ms_packed=1.25, extra_ms=0.25),
+              dict(stage="all kernels", calls_one=1, calls_packed=1, ms_one=1.0, ms_packed=1.25, extra_ms=0.25)]
+    run = dict(device="a GPU", variants=[row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.5), row(8, "fwd", 1.2)])
+    (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(run))
+    assert len(scoreboard.ssd(tmp_path)) == 2  # no breakdown stored: no table
+    (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(dict(run, packing_stages=stages)))
+    table = scoreboard.ssd(tmp_path)[2]
+    assert table.rows[0] == ["chunk_scan_kernel", "1 / 1", "1", "1.25", "+0.250"]
+    assert "+0.250 ms per forward and backward" in table.verdict[0]
+    assert "+0.500 ms more" in table.verdict[1] and "+0.250 ms, is mostly time between the kernels" in table.verdict[1]
