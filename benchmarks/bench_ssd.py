@@ -9,8 +9,7 @@ the in-kernel one. ``--json PATH`` writes everything as JSON.
 ``--variants`` times the bars' other cases instead, at the first shape: chunks 64 and 128 beside
 256, and 8 packed sequences (seq_idx) against none, ours and the peer on the same inputs, then
 each of our kernels' time with and without the packing (where the packed call's extra time goes).
-It is a
-run of its own (scripts/gpu_benchmarks.sh's ``ssd_variants``, data/ssd_variants_bench.json)
+It is a run of its own (scripts/gpu_benchmarks.sh's ``ssd_variants``, data/ssd_variants_bench.json)
 because each chunk size is a new specialization of every kernel to tune: on an H200 with an empty
 Triton cache, the main run and the start of the variants took the 325 s a device call had left,
 and the variants did not finish. Usage:
@@ -107,7 +106,7 @@ def packing_breakdown(shape, packed=8):
     """Where the time that packed sequences add goes: each kernel's GPU time in one forward+backward
     pass of ours through autograd (:func:`bench.kernel_times`), with one sequence per row and with
     ``packed`` of them, side by side, the largest difference first; a last row sums them. What the
-    whole call adds beyond that sum is time the GPU spent waiting for the host. Rows (stage,
+    whole call adds beyond that sum is mostly time the GPU spent waiting for the host. Rows (stage,
     calls_one, calls_packed, ms_one, ms_packed, extra_ms)."""
     inp = make_inputs(*shape)
     leaves, dy = differentiable(inp)

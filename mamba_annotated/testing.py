@@ -236,6 +236,7 @@ def reading_back_fails():
     for name in READS_BACK:
         setattr(torch.Tensor, name, read_back)
     if DEVICE.type == "cuda":
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
     try:
         yield
@@ -243,4 +244,4 @@ def reading_back_fails():
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
         if DEVICE.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(mode)

@@ -1,8 +1,8 @@
 """Input checks shared by every topic's ``api.py``.
 
 Each check raises before any kernel launches and names the argument, what was expected and
-what arrived, so a caller never gets a silently truncated or wrong result. The exception are checks
-of the values inside index tensors (:func:`refuse_unless`): they run on the device, in stream order
+what arrived, so a caller never gets a silently truncated or wrong result. The exceptions are the
+checks of the values inside index tensors (:func:`refuse_unless`): they run on the device, in stream order
 before the op's kernels, so that checking never makes the host wait for the GPU.
 """
 import torch

@@ -37,8 +37,8 @@ def check_bidirectional_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_lim
         if batch != 1:
             raise ValueError(f"cu_seqlens needs batch 1 (the packed sequences in one row); got batch {batch}")
         if not traced_or_captured():
-            refuse_unless((cu_seqlens[0] == 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
-                          f"cu_seqlens must be nondecreasing offsets in [0, L = {length}] starting at 0")
+            valid = (cu_seqlens[0] == 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+            refuse_unless(valid, f"cu_seqlens must be nondecreasing offsets in [0, L = {length}] starting at 0")
     return chunk_size
 
 

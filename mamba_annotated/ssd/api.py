@@ -82,8 +82,8 @@ def check_ssd_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, 
             raise ValueError(f"return_varlen_states needs batch 1 (the packed sequences in one row, as "
                              f"mamba_ssm); got batch {batch}")
         if not traced_or_captured():
-            refuse_unless((cu_seqlens[0] >= 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all(),
-                          f"cu_seqlens must be nondecreasing offsets in [0, L = {length}]")
+            valid = (cu_seqlens[0] >= 0) & (cu_seqlens[-1] <= length) & (cu_seqlens[1:] >= cu_seqlens[:-1]).all()
+            refuse_unless(valid, f"cu_seqlens must be nondecreasing offsets in [0, L = {length}]")
     if (not isinstance(dt_limit, (tuple, list)) or len(dt_limit) != 2
             or not float(dt_limit[0]) < float(dt_limit[1])):
         raise ValueError(f"dt_limit must be a pair (min, max) with min < max; got {dt_limit!r}")
