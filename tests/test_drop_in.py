@@ -18,14 +18,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mamba_annotated import (attention, attention_varlen, bidirectional_chunk_scan, linear_scan, rmsnorm_fn,
-                             selective_scan, ssd_chunk_scan)
+from mamba_annotated import (attention, attention_varlen, attention_with_kvcache, bidirectional_chunk_scan,
+                             linear_scan, rmsnorm_fn, selective_scan, selective_state_update, sequential_scan,
+                             ssd_chunk_scan, ssd_state_update)
 from mamba_annotated.attention.reference import attention_ref
 from mamba_annotated.runtime import DEVICE
 from mamba_annotated.scan.api import linear_scan_op, selective_scan_op, sequential_scan_op
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
 from mamba_annotated.ssd.reference import ssd_quadratic_ref
-from mamba_annotated.testing import assert_close, assert_gradients_close, randn, rel_error, tolerance, uniform
+from mamba_annotated.testing import (assert_close, assert_gradients_close, randn, reading_back_fails, rel_error,
+                                     tolerance, uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
 TOL = tolerance(torch.float32)
@@ -370,6 +372,66 @@ def test_backward_fills_no_zeros_for_outputs_no_loss_reached(name, call, inputs)
         torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
     filled = [op for op in recorder.names() if op.split(".")[0] in ("zeros", "zeros_like", "zero_")]
     assert not filled, f"{name}: the backward filled {filled}"
+
+
+def decoding_step(q, k_cache, v_cache, k, v):
+    """attention_with_kvcache appending one token to a paged cache of unequal lengths."""
+    cache_seqlens = torch.tensor([5, 9], dtype=torch.int32, device=q.device)
+    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=q.device)
+    return attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                                  causal=True)
+
+
+def packed_ids(x):
+    """seq_idx for two sequences packed in each row of x (batch, L, ...): L // 3 positions, then the rest."""
+    return (torch.arange(x.shape[1], device=x.device) >= x.shape[1] // 3).int().expand(x.shape[0], -1).contiguous()
+
+
+# every public op, called as in a model (the chunk scans with packed sequences, whose index values
+# they check); differentiable ones through forward and backward
+NO_READ_BACK_CALLS = [
+    ("attention", lambda q, k, v: attention(q, k, v, causal=True), dict(q=(1, 11, 2, 16), k=(1, 11, 2, 16),
+                                                                        v=(1, 11, 2, 16)), True),
+    ("attention_varlen", packed_lengths_attention, dict(q=(1, 11, 2, 16), k=(1, 11, 2, 16), v=(1, 11, 2, 16)), True),
+    ("attention_with_kvcache", decoding_step, dict(q=(2, 1, 4, 16), k_cache=(4, 16, 2, 16), v_cache=(4, 16, 2, 16),
+                                                   k=(2, 1, 2, 16), v=(2, 1, 2, 16)), False),
+    ("linear_scan", lambda a, b: linear_scan(a.sigmoid(), b), dict(a=(3, 50), b=(3, 50)), True),
+    ("sequential_scan", lambda a, b: sequential_scan(a.sigmoid(), b), dict(a=(3, 50), b=(3, 50)), True),
+    ("selective_scan", lambda u, delta, B, C: selective_scan(
+        u, delta, -torch.ones(4, 3, device=u.device), B, C, delta_softplus=True), dict(u=(1, 4, 17), delta=(1, 4, 17),
+                                                                                      B=(1, 3, 17), C=(1, 3, 17)), True),
+    ("selective_state_update", lambda state, x, dt, B, C: selective_state_update(
+        state, x, dt, -torch.ones(8, 4, device=x.device), B, C, dt_softplus=True),
+     dict(state=(2, 8, 4), x=(2, 8), dt=(2, 8), B=(2, 4), C=(2, 4)), False),
+    ("ssd_chunk_scan, packed", lambda x, dt, B, C: ssd_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, seq_idx=packed_ids(x), dt_softplus=True),
+     dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16)), True),
+    ("ssd_state_update", lambda state, x, dt, B, C: ssd_state_update(
+        state, x, dt, -torch.ones(4, device=x.device), B, C, dt_softplus=True),
+     dict(state=(2, 4, 16, 8), x=(2, 4, 16), dt=(2, 4), B=(2, 1, 8), C=(2, 1, 8)), False),
+    ("bidirectional_chunk_scan, packed", lambda x, dt, B, C: bidirectional_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True,
+        cu_seqlens=torch.tensor([0, 8, 21], dtype=torch.int32, device=x.device)),
+     dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16)), True),
+    ("rmsnorm_fn", lambda x, w, z: rmsnorm_fn(x, w, None, z=z), dict(x=(3, 16), w=(16,), z=(3, 16)), True),
+]
+
+
+@pytest.mark.parametrize("name, call, inputs, differentiable", NO_READ_BACK_CALLS, ids=[c[0] for c in NO_READ_BACK_CALLS])
+def test_no_op_reads_a_value_back_to_the_host(name, call, inputs, differentiable):
+    """No public op waits for the GPU: a read of a tensor's value back to the host would stop the
+    host from queueing kernels ahead of the GPU at every call (every layer of a model), and breaks
+    CUDA-graph capture. Checks of index values run on the device (validation.refuse_unless)."""
+    leaves = {key: randn(*shape).requires_grad_(differentiable) for key, shape in inputs.items()}
+
+    def step():
+        out = call(**leaves)
+        if differentiable:
+            torch.autograd.grad(out, list(leaves.values()), torch.ones_like(out))
+
+    step()  # compiles and, on a GPU, tunes the kernels first
+    with reading_back_fails():
+        step()
 
 
 def test_host_cost_benchmark_times_the_python_backward_on_both_threads():
