@@ -219,6 +219,24 @@ def assert_refused_in_a_child_process(function: str, message: str, *args, **kwar
     assert re.search(message, child.stderr), child.stderr[-2000:]
 
 
+def assert_refused_on_the_device(function: str, message: str, *args, **kwargs) -> None:
+    """``mamba_annotated.<function>(*args, **kwargs)`` must be refused, with ``message`` (a regular
+    expression), by a check made on the device (``validation.refuse_unless``): on a GPU in a child
+    process (:func:`assert_refused_in_a_child_process`); on the CPU, where ``torch._assert_async``
+    raises a RuntimeError at once, here."""
+    if DEVICE.type == "cuda":
+        assert_refused_in_a_child_process(function, message, *args, **kwargs)
+        return
+    import mamba_annotated
+
+    try:
+        getattr(mamba_annotated, function)(*args, **kwargs)
+    except RuntimeError as error:
+        assert re.search(message, str(error)), str(error)
+    else:
+        raise AssertionError(f"{function}: the call must be refused")
+
+
 # every way of reading a tensor's value back to the host
 READS_BACK = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy")
 

@@ -24,7 +24,7 @@ from mamba_annotated.attention.reference import (attention_logits, geometric_ali
                                                  varlen_reference)
 from mamba_annotated.attention.varlen import attention_varlen_op, attention_varlen_probabilities
 from mamba_annotated.runtime import DEVICE
-from mamba_annotated.testing import (FLOAT_DTYPES, assert_refused_in_a_child_process, assert_within_same_computation,
+from mamba_annotated.testing import (FLOAT_DTYPES, assert_refused_on_the_device, assert_within_same_computation,
                                      gradients, randn)
 
 ON_GPU = DEVICE.type == "cuda"
@@ -389,12 +389,8 @@ def test_offsets_are_checked_on_the_device(cu_seqlens_q, cu_seqlens_k, max_seqle
     without waiting for the device: in a process of its own, since the assert leaves the CUDA
     context unusable)."""
     q, k, v = (randn(9, heads, 16) for heads in (2, 1, 1))
-    args = (q, k, v, offsets_of(cu_seqlens_q), offsets_of(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
-    if ON_GPU:
-        assert_refused_in_a_child_process("attention_varlen", message, *args)
-        return
-    with pytest.raises(RuntimeError, match=message):
-        attention_varlen(*args)
+    assert_refused_on_the_device("attention_varlen", message, q, k, v, offsets_of(cu_seqlens_q),
+                                 offsets_of(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
 
 
 def offsets_of(values):

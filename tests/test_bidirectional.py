@@ -21,7 +21,7 @@ from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_s
 from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.ssd.reference import process_dt
 from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_close, assert_gradients_close,
-                                     assert_refused_in_a_child_process, assert_within_same_computation, every_other,
+                                     assert_refused_on_the_device, assert_within_same_computation, every_other,
                                      gradients, randn, reading_back_fails, same_computation_error, tolerance,
                                      uniform)
 
@@ -740,14 +740,7 @@ BAD_INDEX_VALUES = [
 
 @pytest.mark.parametrize("build, message", BAD_INDEX_VALUES)
 def test_bad_index_values_are_refused_on_the_device(build, message):
-    """On a GPU a refused call is a device-side assert, which ends the CUDA context: it runs in a
-    child process there. On the CPU the check raises at once."""
-    kwargs = build(dict(make_inputs(), chunk_size=16))
-    if DEVICE.type == "cuda":
-        assert_refused_in_a_child_process("bidirectional_chunk_scan", message, **kwargs)
-        return
-    with pytest.raises(RuntimeError, match=message):
-        bidirectional_chunk_scan(**kwargs)
+    assert_refused_on_the_device("bidirectional_chunk_scan", message, **build(dict(make_inputs(), chunk_size=16)))
 
 
 @pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])

@@ -398,8 +398,8 @@ NO_READ_BACK_CALLS = [
     ("linear_scan", lambda a, b: linear_scan(a.sigmoid(), b), dict(a=(3, 50), b=(3, 50)), True),
     ("sequential_scan", lambda a, b: sequential_scan(a.sigmoid(), b), dict(a=(3, 50), b=(3, 50)), True),
     ("selective_scan", lambda u, delta, B, C: selective_scan(
-        u, delta, -torch.ones(4, 3, device=u.device), B, C, delta_softplus=True), dict(u=(1, 4, 17), delta=(1, 4, 17),
-                                                                                      B=(1, 3, 17), C=(1, 3, 17)), True),
+        u, delta, -torch.ones(4, 3, device=u.device), B, C, delta_softplus=True),
+     dict(u=(1, 4, 17), delta=(1, 4, 17), B=(1, 3, 17), C=(1, 3, 17)), True),
     ("selective_state_update", lambda state, x, dt, B, C: selective_state_update(
         state, x, dt, -torch.ones(8, 4, device=x.device), B, C, dt_softplus=True),
      dict(state=(2, 8, 4), x=(2, 8), dt=(2, 8), B=(2, 4), C=(2, 4)), False),
@@ -417,7 +417,8 @@ NO_READ_BACK_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("name, call, inputs, differentiable", NO_READ_BACK_CALLS, ids=[c[0] for c in NO_READ_BACK_CALLS])
+@pytest.mark.parametrize("name, call, inputs, differentiable", NO_READ_BACK_CALLS,
+                         ids=[case[0] for case in NO_READ_BACK_CALLS])
 def test_no_op_reads_a_value_back_to_the_host(name, call, inputs, differentiable):
     """No public op waits for the GPU: a read of a tensor's value back to the host would stop the
     host from queueing kernels ahead of the GPU at every call (every layer of a model), and breaks
