@@ -195,17 +195,18 @@ def ssd(data):
                             ["chunk", "sequences", "pass", "ours ms", "mamba_ssm ms", "speed",
                              "time over one sequence's"], rows, verdict.sentences("ssd_chunk_scan")))
         if run.get("packing_stages"):
-            tables.append(packing_table(run, variants))
+            tables.append(packing_table(run))
     return tables
 
 
-def packing_table(run, variants):
+def packing_table(run):
     """Where the packed call's extra forward+backward time goes, kernel by kernel (bench_ssd.py's
     packing breakdown), against the extra time of the whole call in the same run."""
     stages = run["packing_stages"]
     rows = [[r["stage"], f"{r['calls_one']} / {r['calls_packed']}", number(r["ms_one"]), number(r["ms_packed"]),
              f"{r['extra_ms']:+.3f}"] for r in stages]
-    whole = {r["packed"]: r["ms"] for r in variants if r["chunk"] == CHUNK and r["pass_"] == "fwd+bwd"}
+    whole = {r["packed"]: r["ms"] for r in run["variants"]
+             if r["impl"] == "ours" and r["chunk"] == CHUNK and r["pass_"] == "fwd+bwd"}
     kernels = stages[-1]["extra_ms"]  # the last row sums the kernels
     sentences = [f"Summed over its kernels, the packed pass takes {kernels:+.3f} ms per forward and backward."]
     if len(whole) == 2:

@@ -50,8 +50,9 @@ def capture_graph(step, warmup: int = 3):
 def kernel_times(step, iters: int = 10) -> list[dict]:
     """The GPU time of each kernel that ``step()`` launches, per step, from PyTorch's profiler over
     ``iters`` steps after three untimed ones (compilation and autotuning happen there): rows
-    (stage: the kernel's name, cut to 60 characters; calls per step; ms per step; pct of all the
-    kernels' time in the step), longest first. GPU only: the interpreter launches no kernel."""
+    (stage: the kernel's name, cut to 60 characters, kernels whose names agree that far counted as
+    one, as PyTorch's reductions of different templates are; calls per step; ms per step; pct of all
+    the kernels' time in the step), longest first. GPU only: the interpreter launches no kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -61,14 +62,16 @@ def kernel_times(step, iters: int = 10) -> list[dict]:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    stages = []
+    by_name = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", None)
         if us is None:  # torch before 2.4 names it after CUDA
             us = getattr(event, "self_cuda_time_total", 0)
         if us > 0:
-            stages.append(dict(stage=event.key[:60], calls=event.count // iters, ms=us / iters / 1e3))
-    stages.sort(key=lambda r: -r["ms"])
+            stage = by_name.setdefault(event.key[:60], dict(stage=event.key[:60], calls=0, ms=0.0))
+            stage["calls"] += event.count // iters
+            stage["ms"] += us / iters / 1e3
+    stages = sorted(by_name.values(), key=lambda r: -r["ms"])
     total = sum(r["ms"] for r in stages)
     for r in stages:
         r["pct"] = 100 * r["ms"] / total

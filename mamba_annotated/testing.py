@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import outputs
 from .runtime import DEVICE
@@ -237,16 +238,39 @@ def assert_refused_on_the_device(function: str, message: str, *args, **kwargs) -
         raise AssertionError(f"{function}: the call must be refused")
 
 
-# every way of reading a tensor's value back to the host
+# the Python ways of reading a tensor's value back to the host
 READS_BACK = ("__bool__", "__int__", "__float__", "__index__", "item", "tolist", "cpu", "numpy")
+# the operators whose result needs values on the host: a scalar read (what item() and bool() call),
+# and those whose output size depends on the values
+READ_BACK_OPS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero",
+                 "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive")
+
+
+class ReadBackDetector(TorchDispatchMode):
+    """Fails on the operators that read values back, and on those that do in some overloads:
+    repeat_interleave with repeats given as a tensor and no output_size, and indexing by a bool mask."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        reads = name in READ_BACK_OPS or (
+            name == "aten::repeat_interleave" and func._overloadname.startswith("Tensor")
+            and kwargs.get("output_size") is None) or (
+            name == "aten::index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+                                          if i is not None))
+        if reads:
+            raise AssertionError(f"{name} reads a tensor's value back to the host")
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def reading_back_fails():
     """Inside, a read of a tensor's value back to the host raises: one waits for every kernel queued
     before it, a pause at every call of an op (at every layer of a model) in which the host cannot
-    queue kernels ahead of the GPU. On a GPU PyTorch's own sync detector errors as well. Run the
-    code once before, outside: compiling and tuning Triton kernels synchronise."""
+    queue kernels ahead of the GPU. Caught: the Python reads (:data:`READS_BACK`) and the operators
+    that read (:class:`ReadBackDetector`), on any device; on a GPU also every synchronisation
+    PyTorch's own sync detector sees, copies from the host included. Run the code once before,
+    outside: compiling and tuning Triton kernels synchronise."""
     def read_back(*_, **__):
         raise AssertionError("read a tensor's value back to the host")
 
@@ -257,7 +281,8 @@ def reading_back_fails():
         mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("error")
     try:
-        yield
+        with ReadBackDetector():
+            yield
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)

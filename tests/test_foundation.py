@@ -11,8 +11,9 @@ import torch
 from mamba_annotated import outputs
 from mamba_annotated.bench import format_table, gbps, median_ms, tflops
 from mamba_annotated.scan.combine import first_order_combine_torch
+from mamba_annotated.runtime import DEVICE
 from mamba_annotated.testing import (assert_associative, assert_close, check, check_within_same_computation,
-                                     poisoned_outputs, rel_error, uniform)
+                                     poisoned_outputs, reading_back_fails, rel_error, uniform)
 
 
 def test_import_without_cuda_turns_on_the_interpreter_and_says_so_once():
@@ -95,6 +96,28 @@ def test_first_order_combine_is_associative_and_the_checker_can_fail():
     assert_associative(first_order_combine_torch, sample)
     with pytest.raises(AssertionError):
         assert_associative(damped_sum, sample)
+
+
+@pytest.mark.parametrize("read", [
+    lambda x: bool(x[0] > 0), lambda x: x.sum().item(), lambda x: x.tolist(), lambda x: x.cpu(),
+    lambda x: torch.nonzero(x), lambda x: x[x > 0], lambda x: torch.masked_select(x, x > 0),
+    lambda x: torch.equal(x, x), lambda x: torch.is_nonzero(x[:1]), lambda x: torch.unique(x),
+    lambda x: torch.repeat_interleave(x, torch.ones(x.shape[0], dtype=torch.long, device=x.device)),
+], ids=["bool", "item", "tolist", "cpu", "nonzero", "mask index", "masked_select", "equal", "is_nonzero",
+        "unique", "repeat_interleave"])
+def test_reading_back_fails_catches_every_read(read):
+    x = torch.randn(5, device=DEVICE)
+    read(x)  # allowed outside
+    with pytest.raises(AssertionError, match="back to the host"), reading_back_fails():
+        read(x)
+
+
+def test_reading_back_fails_lets_device_work_through_and_restores_everything():
+    x, rows = torch.randn(5, device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    with reading_back_fails():
+        y = x[rows] * 2 + torch.where(x > 0, x, 0).sum()
+        torch.repeat_interleave(x, torch.ones(5, dtype=torch.long, device=DEVICE), output_size=5)
+    assert bool(y[0] == y[0]) and y.tolist() and torch.equal(x, x)
 
 
 def test_rates_and_table():

@@ -331,10 +331,23 @@ def test_mamba2_prefill_of_packed_sequences_leaves_each_its_own_states():
                 conv_state, ssm_state = m.get_states_from_cache(alone, 1, initialize_states=True)
             assert_close(conv_states[i], conv_state[0], TOL, f"conv state of sequence {i}")
             assert_close(ssm_states[i], ssm_state[0], TOL, f"SSM state of sequence {i}")
-            alone.seqlen_offset = packed.seqlen_offset = max(end - start, 1)
+            alone.seqlen_offset = max(end - start, 1)
             assert_close(m(next_tokens[i:i + 1], inference_params=alone)[0],
                          m.step(next_tokens[i:i + 1], conv_states[i:i + 1].clone(), ssm_states[i:i + 1].clone())[0][0],
                          TOL, f"next token of sequence {i}")
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the refusal is a device-side assert, which would end this "
+                    "process's CUDA context; tests/test_ssd.py checks it there in a child process")
+def test_mamba2_prefill_refuses_offsets_past_the_row_with_the_scans_message():
+    """cu_seqlens past L reach ssd_chunk_scan's check of the offsets, not an index error of the conv
+    states' gather before it."""
+    m = Mamba2(32, d_state=8, headdim=16, ngroups=2, chunk_size=16, layer_idx=0).to(DEVICE)
+    u = tokens(batch=1, length=12).to(DEVICE)
+    cu_seqlens = torch.tensor([0, 5, 20], dtype=torch.int32, device=DEVICE)
+    seq_idx = (torch.arange(12, device=DEVICE) >= 5).int()[None]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cu_seqlens must be nondecreasing offsets"):
+        m(u, seq_idx=seq_idx, cu_seqlens=cu_seqlens, inference_params=InferenceParams(max_seqlen=32, max_batch_size=2))
 
 
 def test_mamba_against_float64():

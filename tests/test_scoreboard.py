@@ -289,12 +289,13 @@ def test_the_packing_breakdown_gets_a_table_against_the_whole_call(tmp_path):
     for name in DATA_FILES:
         (tmp_path / name).write_text((ROOT / "book" / "data" / name).read_text())
 
-    def row(packed, pass_, ms):
-        return dict(shape="(4, 4096, 80, 64, 128)", chunk=256, packed=packed, impl="ours", pass_=pass_, ms=ms,
+    def row(packed, pass_, ms, impl="ours"):
+        return dict(shape="(4, 4096, 80, 64, 128)", chunk=256, packed=packed, impl=impl, pass_=pass_, ms=ms,
                     speedup=float("nan"), packing_cost=float("nan"))
     stages = [dict(stage="chunk_scan_kernel", calls_one=1, calls_packed=1, ms_one=1.0, ms_packed=1.25, extra_ms=0.25),
               dict(stage="all kernels", calls_one=1, calls_packed=1, ms_one=1.0, ms_packed=1.25, extra_ms=0.25)]
-    run = dict(device="a GPU", variants=[row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.5), row(8, "fwd", 1.2)])
+    run = dict(device="a GPU", variants=[row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.5), row(8, "fwd", 1.2),
+                                         row(1, "fwd+bwd", 3.0, "mamba_ssm"), row(8, "fwd+bwd", 3.1, "mamba_ssm")])
     (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(run))
     assert len(scoreboard.ssd(tmp_path)) == 2  # no breakdown stored: no table
     (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(dict(run, packing_stages=stages)))

@@ -168,7 +168,9 @@ class Mamba2(CachedStates, nn.Module):
         # sequence, and zeros at those before its start
         starts, ends = cu_seqlens[:-1, None].long(), cu_seqlens[1:, None].long()
         positions = ends - self.d_conv + torch.arange(self.d_conv, device=cu_seqlens.device)
-        window = xBC_t[0][:, positions.clamp(min=0)]  # (channels, sequences, d_conv)
+        # clamped into the row, so that offsets past L reach ssd_chunk_scan's check of cu_seqlens, which
+        # refuses them with its message, rather than failing here as an index out of range
+        window = xBC_t[0][:, positions.clamp(0, xBC_t.shape[-1] - 1)]  # (channels, sequences, d_conv)
         return torch.where(positions >= starts, window, 0).transpose(0, 1)
 
     def step(self, hidden_states, conv_state, ssm_state):
