@@ -22,7 +22,7 @@ from mamba_annotated.runtime import DEVICE, INTERPRETED, size
 from mamba_annotated.ssd.reference import process_dt
 from mamba_annotated.testing import (SAME_COMPUTATION_FLOOR, assert_close, assert_gradients_close,
                                      assert_refused_on_the_device, assert_within_same_computation, every_other,
-                                     gradients, randn, reading_back_fails, same_computation_error, tolerance,
+                                     gradients, randn, same_computation_error, tolerance,
                                      uniform)
 
 REVERSE = ("dt_rev", "B_rev", "C_rev")
@@ -741,26 +741,6 @@ BAD_INDEX_VALUES = [
 @pytest.mark.parametrize("build, message", BAD_INDEX_VALUES)
 def test_bad_index_values_are_refused_on_the_device(build, message):
     assert_refused_on_the_device("bidirectional_chunk_scan", message, **build(dict(make_inputs(), chunk_size=16)))
-
-
-@pytest.mark.parametrize("packing", ["seq_idx", "cu_seqlens"])
-def test_checking_index_values_never_waits_for_the_device(packing):
-    """A call with packed sequences reads no tensor's value back on the host, forward or backward
-    (as tests/test_ssd.py's test of the same name, which says why)."""
-    inputs = make_inputs()
-    if packing == "seq_idx":
-        kwargs = dict(inputs, seq_idx=(torch.arange(37, device=DEVICE) // 10).int().expand(2, -1).contiguous())
-    else:
-        kwargs = packed_call(inputs, [0, 10, 25, 37])
-    leaves = [kwargs[k].requires_grad_() for k in ("x", "dt", "B", "C")]
-
-    def call():
-        bidirectional_chunk_scan(**kwargs, chunk_size=16, dt_softplus=True).sum().backward()
-
-    call()  # compiles and, on a GPU, tunes the kernels first
-    with reading_back_fails():
-        call()
-    assert all(leaf.grad is not None and leaf.grad.isfinite().all() for leaf in leaves)
 
 
 # ---------------------------------------------------------------- GPU: real sizes, the tuned configurations

@@ -403,12 +403,19 @@ NO_READ_BACK_CALLS = [
     ("ssd_chunk_scan, packed", lambda x, dt, B, C: ssd_chunk_scan(
         x, dt, -torch.ones(2, device=x.device), B, C, 16, seq_idx=packed_ids(x), dt_softplus=True),
      dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16)), True, {}),
+    ("ssd_chunk_scan, varlen states", lambda x, dt, B, C, cu_seqlens: ssd_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, cu_seqlens=cu_seqlens, dt_softplus=True,
+        return_varlen_states=True)[1],
+     dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16)), False, dict(cu_seqlens=[0, 8, 21])),
     ("ssd_state_update", lambda state, x, dt, B, C: ssd_state_update(
         state, x, dt, -torch.ones(4, device=x.device), B, C, dt_softplus=True),
      dict(state=(2, 4, 16, 8), x=(2, 4, 16), dt=(2, 4), B=(2, 1, 8), C=(2, 1, 8)), False, {}),
     ("bidirectional_chunk_scan, packed", lambda x, dt, B, C, cu_seqlens: bidirectional_chunk_scan(
         x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True, cu_seqlens=cu_seqlens),
      dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16)), True, dict(cu_seqlens=[0, 8, 21])),
+    ("bidirectional_chunk_scan, seq_idx", lambda x, dt, B, C: bidirectional_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, seq_idx=packed_ids(x), dt_softplus=True),
+     dict(x=(2, 21, 2, 16), dt=(2, 21, 2), B=(2, 21, 1, 16), C=(2, 21, 1, 16)), True, {}),
     ("rmsnorm_fn", lambda x, w, z: rmsnorm_fn(x, w, None, z=z), dict(x=(3, 16), w=(16,), z=(3, 16)), True, {}),
 ]
 
