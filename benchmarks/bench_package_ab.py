@@ -27,10 +27,12 @@ CASES = {
     "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(True)",
     "ssd chunk_scan kernel": "chunk_scan_case(False)",
     "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
-    "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case()",
+    "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case(False)",
+    "bidirectional fwd packed (4, 4096, 80, 64, 128)": "bidirectional_case(True)",
     "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
     "bidirectional bwd (4, 4096, 80, 64, 128)": "bidirectional_backward_case()",
     "ssd fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.ssd_chunk_scan)",
+    "ssd fwd+bwd packed (4, 4096, 80, 64, 128)": "packed_training_case()",
     "bidirectional fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.bidirectional_chunk_scan)",
     **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
        for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
@@ -99,6 +101,17 @@ def gated_training_case(op):  # through autograd, so the gate's backward is time
             return torch.autograd.grad(out, inputs, dy)
     return step
 
+def packed_training_case():  # seq_idx, through autograd
+    x, dt, A, B, C = ssd_inputs()
+    seq_idx, dy = packed_ids(x, True), torch.randn_like(x)
+    inputs = [t.requires_grad_() for t in (x, dt, B, C)]
+
+    def step():
+        with torch.enable_grad():
+            return torch.autograd.grad(ma.ssd_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx),
+                                       inputs, dy)
+    return step
+
 def linear_scan_backward_case(length, dtype, rows=8 * 1536):  # the backward kernel alone
     from mamba_annotated.scan.blocked import linear_scan_backward, linear_scan_forward
     a = (torch.rand(rows, length, device=dev) * 0.4 + 0.6).to(getattr(torch, dtype))
@@ -106,9 +119,10 @@ def linear_scan_backward_case(length, dtype, rows=8 * 1536):  # the backward ker
     h = linear_scan_forward(a, torch.randn_like(a))
     return lambda: linear_scan_backward(a, h, None, grad_h)
 
-def bidirectional_case():
+def bidirectional_case(packed):
     x, dt, A, B, C = ssd_inputs()
-    return lambda: ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True)
+    seq_idx = packed_ids(x, packed)
+    return lambda: ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
 
 times = {}
 for name, make in json.loads(sys.argv[2]).items():
