@@ -89,32 +89,35 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
         else:
             w = tl.exp(a_last - a) * dt
             w_r = tl.exp(bb - A * dtr) * dtr
-        uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
-                     mask=in_chunk[None, :] & (p[:, None] < headdim), other=0.0)
-        row = t - OFFSET
-        v = tl.load(v_base + row[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
-                    mask=(in_chunk & (row >= 0))[:, None] & (n[None, :] < dstate), other=0.0)
-        if SHARED_V:
-            v_r = v
-        else:
-            row_r = t + OFFSET
-            v_r = tl.load(vr_base + row_r[:, None].to(tl.int64) * stride_vr_l + n[None, :] * stride_vr_n,
-                          mask=(in_chunk & (row_r < length))[:, None] & (n[None, :] < dstate), other=0.0)
-        # the weights scale u, the dots' first operand, read from registers (as chapter 5's chunk_state)
-        uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
-        uw_r = (uT.to(tl.float32) * w_r[None, :]).to(uT.dtype)
+        row_v, row_r = t - OFFSET, t + OFFSET  # the rows of v and v_r each position reads
+        v_rows = in_chunk & (row_v >= 0)
+        v_r_rows = in_chunk & (row_r < length)
         if HAS_SEQ_IDX:
-            # selects on both operands of each dot, not w = 0: 0 x NaN would let a NaN or inf of
-            # another sequence (in u, v or a step) into the state
+            # each dot's v of another sequence loads as zeros (a weight of 0 alone would let a NaN
+            # or inf there in, 0 x NaN): masked loads rather than selects after them, so that the
+            # tiles go straight to shared memory for the dots (as chapter 5's chunk_state)
             seq = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_chunk, other=-1)
             if GRAD:
                 keep, keep_r = seq == seq_before, seq == seq_last
             else:
                 keep, keep_r = seq == seq_last, seq == seq_before
+            v_rows = v_rows & keep
+            v_r_rows = v_r_rows & keep_r
+        uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
+                     mask=in_chunk[None, :] & (p[:, None] < headdim), other=0.0)
+        v = tl.load(v_base + row_v[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
+                    mask=v_rows[:, None] & (n[None, :] < dstate), other=0.0)
+        if SHARED_V and not HAS_SEQ_IDX:
+            v_r = v
+        else:  # with seq_idx the dots keep different positions of a shared v (then OFFSET = 0): two loads
+            v_r = tl.load(vr_base + row_r[:, None].to(tl.int64) * stride_vr_l + n[None, :] * stride_vr_n,
+                          mask=v_r_rows[:, None] & (n[None, :] < dstate), other=0.0)
+        # the weights scale u, the dots' first operand, read from registers (as chapter 5's chunk_state)
+        uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
+        uw_r = (uT.to(tl.float32) * w_r[None, :]).to(uT.dtype)
+        if HAS_SEQ_IDX:  # selects, since a weight may be inf across a boundary (0 x inf); uw is in registers
             uw = tl.where(keep[None, :], uw, 0.0)
             uw_r = tl.where(keep_r[None, :], uw_r, 0.0)
-            v_r = tl.where(keep_r[:, None], v_r, 0.0)
-            v = tl.where(keep[:, None], v, 0.0)
         acc += mm(uw, v, PRECISION)
         acc_r += mm(uw_r, v_r, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate + p[:, None] * dstate + n[None, :]

@@ -123,22 +123,28 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
             w = decay_between(hi_last, lo_last, hi, lo) * tl.load(dt_ptr + chunk_base + k)
         else:
             w = decay(hi, lo)
+        v_rows = in_seq
         if HAS_SEQ_IDX:
             seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
                           mask=in_seq, other=-1)
             keep = seq == seq_owner
             if TO_END:
-                keep &= seq_owner >= 0  # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm
+                # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm (where seq is
+                # seq_owner, the same test as seq_owner >= 0)
+                keep &= seq >= 0
+            # v of another sequence loads as zeros: w = 0 alone would let a NaN there in (0 x NaN).
+            # A mask on the load, not a select after it, so that the tile still goes straight to
+            # shared memory for the dot (book/data/packed_state_load_ab.json)
+            v_rows = in_seq & keep
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
                      mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
         vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
-                     mask=in_seq[:, None] & (n[None, :] < dstate), other=0.0)
+                     mask=v_rows[:, None] & (n[None, :] < dstate), other=0.0)
         # the weight scales u, the dot's first operand, which it reads from registers; scaled v
         # would go back to shared memory first
         uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
-        if HAS_SEQ_IDX:  # selects on both operands: w = 0 alone lets a NaN of another sequence in (0 x NaN)
+        if HAS_SEQ_IDX:  # a select, since w may be inf across a boundary (0 x inf); uw is in registers anyway
             uw = tl.where(keep[None, :], uw, 0.0)
-            vt = tl.where(keep[:, None], vt, 0.0)
         acc += mm(uw, vt, PRECISION)
     out = ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
     tl.store(out_ptr + out + p[:, None] * dstate + n[None, :], acc,
