@@ -19,11 +19,21 @@ arguments specialized by Triton's own binder: an integer equal to 1 becomes a co
 and integers divisible by 16 are marked so) for the configurations the H100 runs of issue 14 found
 right or wrong with a time-major B' (README, "Using the kernels"), and prints each cubin's hash:
 which of them are one binary.
+
+The ``states`` family compiles the two chunk-state kernels (chapter 5's ``chunk_state``, chapter 6's
+``chunk_states``) as launched at the SSD benchmark's first shape, with and without ``seq_idx``, at
+their first tuned configuration, and counts in each kernel's TTGIR where its tiles go (``--first``
+does not apply): ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
+num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
+the loop and once in it; one that waits on a load of its own step, fewer times), and
+``shared_from_registers``, tiles stored to shared memory from registers (what a dot operand that
+was selected or scaled after its load costs).
 """
 import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -65,6 +75,15 @@ def usage(compiled) -> dict:
     cubin = compiled.asm["cubin"]
     return dict(resource_usage(cubin), triton_shared=compiled.metadata.shared,
                 cubin_md5=hashlib.md5(cubin).hexdigest()[:8])
+
+
+def tile_counts(compiled) -> dict:
+    """Where a compiled kernel's tiles go, from its TTGIR (module docstring)."""
+    ttgir = compiled.asm["ttgir"]
+    return dict(tile_async_copies=len(re.findall(r"ttg\.async_copy_global_to_local .*tensor<\d+x\d+x", ttgir)),
+                shared_from_registers=len(re.findall(r"ttg\.local_alloc %", ttgir)),
+                shared_allocations=len(re.findall(r"ttg\.local_alloc", ttgir)),
+                dots=len(re.findall(r"ttng\.warp_group_dot ", ttgir)))
 
 
 def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -180,7 +199,39 @@ def scores_cases():
                    module.chunk_scores_kernel, args, dict(kwargs, num_warps=warps)))
 
 
-FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases}
+def states_cases():
+    """(name, compile) of the two chunk-state kernels at (4, 4096, 80 heads, 64, 128) bfloat16, chunk
+    256, one group, as their launchers launch them, at each kernel's first tuned configuration."""
+    from mamba_annotated.bidirectional import chunk_states as bidirectional
+    from mamba_annotated.ssd import chunk_state as ssd
+
+    batch, length, heads, headdim, dstate, chunk = 4, 4096, 80, 64, 128, 256
+    n_chunks = length // chunk
+    x = torch.empty(batch, length, heads, headdim, dtype=torch.bfloat16)
+    B = torch.empty(batch, length, 1, dstate, dtype=torch.bfloat16)
+    sums, steps = torch.empty(batch, heads, n_chunks, 2, chunk), torch.empty(batch, heads, n_chunks, chunk)
+    A = torch.empty(heads)
+    for packed in (False, True):
+        seq_idx = torch.zeros(batch, length, dtype=torch.int32) if packed else None
+        tag = "seq_idx" if packed else "plain"
+        for name, module, launcher, inputs, options in (
+                ("chunk_state_kernel", ssd, ssd.chunk_state, (x, B, sums, steps), dict(to_end=True)),
+                ("chunk_states_kernel", bidirectional, bidirectional.chunk_states,
+                 (x, B, B, steps, steps, steps, steps, A), {})):
+            args, kwargs = launched_arguments(module, name, launcher, *inputs, seq_idx=seq_idx, **options)
+            config = first_config(getattr(module, name))
+            yield (f"{name} {tag}", lambda module=module, name=name, args=args, kwargs=kwargs, config=config:
+                   compile_as_launched(getattr(module, name), args, dict(kwargs, **config.all_kwargs())))
+
+
+def first_config(kernel):
+    """The first of a kernel's tuned configurations (the tuner's pick on an H200 for these kernels)."""
+    while not hasattr(kernel, "configs"):
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return kernel.configs[0]
+
+
+FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases}
 
 
 def main(argv=None):
@@ -198,9 +249,11 @@ def main(argv=None):
         for i, (name, compile_case) in enumerate(FAMILIES[family]()):
             if args.first and i:
                 break
-            report[name] = found = usage(compile_case())
+            compiled = compile_case()
+            report[name] = found = dict(usage(compiled), **tile_counts(compiled))
             print(f"{name:<80} REG {found['REG']:>3}  STACK {found['STACK']:>5}  shared {found['triton_shared']:>6}  "
-                  f"cubin {found['cubin_md5']}", flush=True)
+                  f"cubin {found['cubin_md5']}  tile copies {found['tile_async_copies']:>2}  "
+                  f"stored from registers {found['shared_from_registers']}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(triton=triton.__version__, kernels=report), indent=1))
     return 0

@@ -10,7 +10,8 @@ states that reach it:
     dH_c  = sum_t exp(r_t) dy_t q_t^T                (q_t = C_t, or C_{t-1} with the shift)
     dH'_c = sum_t exp(b_last - rho_t) dy_t q'_t^T    (q'_t = C'_t, or C'_{t+1})
 (:mod:`.decays` defines a, b, e, r, rho.) One program computes both, reading u = x (or dy) once,
-and B once where the reverse direction shares it.
+and B once where the reverse direction shares it (twice with seq_idx: the two states keep
+different positions, each load masked to its own).
 
 Packed sequences: a state belongs to the sequence of the last position of the chunk it enters
 (chapter 5's convention; for the reverse direction, the chunk to the left). So S_c keeps the
@@ -21,9 +22,9 @@ Ids are compared for equality only: a negative id is a sequence like any other.
 Parallelism: one program per (batch, chunk, head) x (BLOCK_P of headdim, BLOCK_N of dstate).
 Shapes: u (batch, L, heads, headdim), v, v' (batch, L, groups, dstate), any strides; the cumsums
 and steps (batch, heads, chunks, Q) float32; out (2, batch, chunks, heads, headdim, dstate)
-float32, the forward direction first. Bytes moved: u and v once per (head, p-block); writes two
-float32 states per chunk and head (with Q = 256 and headdim = 64, dstate = 128, as much as x in
-bfloat16).
+float32, the forward direction first. Bytes moved: u and v once per (head, p-block) (v twice with
+seq_idx); writes two float32 states per chunk and head (with Q = 256 and headdim = 64, dstate =
+128, as much as x in bfloat16).
 """
 import torch
 import triton
