@@ -589,6 +589,18 @@ def test_fused_packed_after_a_strongly_decaying_sequence(shift, separate):
     check_fused(inputs, chunk_size=16, dt_softplus=True, seq_idx=packed_ids(2, 37), shift=shift)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["shared", "separate"])
+@pytest.mark.parametrize("shift", [False, True])
+def test_fused_leading_negative_ids_into_a_short_last_chunk(shift, separate):
+    """Ids -1 up to t = 36 of 45, then 0, chunk 16: the last chunk is cut short by L, and the state
+    carried into it belongs to id -1. Positions past L must never count as that sequence's (a
+    chunk-state kernel that read their ids as -1 would take sequence 0's rows into it). Forward and
+    every gradient against float64."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=separate)
+    seq_idx = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None] - 1
+    check_fused(inputs, chunk_size=16, dt_softplus=True, seq_idx=seq_idx, shift=shift)
+
+
 @pytest.mark.parametrize("shift", [False, True])
 def test_fused_agrees_with_two_calls(shift):
     """The fused pipeline and the naive composition of two causal SSD calls compute the same function."""

@@ -773,6 +773,24 @@ def test_negative_ids_before_the_sequence_of_the_initial_state(cuts, first_id):
                         inputs, torch.float32)
 
 
+def test_leading_negative_ids_into_a_short_last_chunk():
+    """Ids -1 up to t = 36 of 45, then 0, chunk 16: the last chunk is cut short by L, and the state
+    carried into it belongs to id -1. Positions past L must never count as that sequence's (a
+    chunk-state kernel that read their ids as -1 would send the gradient of sequence 0's rows into
+    sequence -1's state, and from there into dx of every earlier chunk). So a NaN in dy at t = 38
+    leaves dx finite in the earlier chunks. (A float64 reference does not apply: a negative id
+    ending a chunk is mamba_ssm's padding, whose state is dropped.)"""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1)
+    del inputs["initial_states"]
+    inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None] - 1
+    x = inputs.pop("x").clone().requires_grad_()
+    y = ssd_chunk_scan(x, **inputs, chunk_size=16, dt_softplus=True)
+    dy = torch.randn_like(y)
+    dy[0, 38] = math.nan
+    dx, = torch.autograd.grad(y, x, dy)
+    assert dx[0, :32].isfinite().all()
+
+
 def test_without_initial_states_sequence_labels_do_not_matter():
     """Without initial states no sequence is special, so ids -1, 0, 1 and 0, 1, 2 for the same
     packing give the same bits, with a NaN step in the first sequence too: it stays there."""
