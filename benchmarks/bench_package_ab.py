@@ -12,6 +12,7 @@ the first round also compiles and tunes. Times are ``triton.testing.do_bench`` m
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,8 +165,8 @@ def main():
     for name in cases:
         cells = []
         for d in dirs:
-            runs = sorted(results[d][name])
-            cells.append(f"{runs[len(runs) // 2]:8.4f} ({runs[0]:.4f}-{runs[-1]:.4f})")
+            runs = results[d][name]
+            cells.append(f"{statistics.median(runs):8.4f} ({min(runs):.4f}-{max(runs):.4f})")
         print(f"{name:<{width}}  " + "  ".join(f"{c:>22}" for c in cells))
     if args.json:
         with open(args.json, "w") as f:
