@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.runtime.interpreter
 
-from mamba_annotated import bidirectional_chunk_scan
+from mamba_annotated import bidirectional_chunk_scan, ssd_chunk_scan
 from mamba_annotated.bidirectional.api import bidirectional_chunk_scan_op
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import (bidirectional_ref, packed_seq_idx, quasiseparable_matrix,
@@ -604,20 +604,21 @@ def test_fused_leading_negative_ids_into_a_short_last_chunk(shift, separate):
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="known leak: the backward kernels multiply a zeroed weight by the dy tile "
                           "(0 x NaN) where the forward has its flags and checked launch")
-def test_fused_a_non_finite_gradient_stays_in_its_packed_sequence():
+@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan], ids=["ssd", "bidirectional"])
+def test_a_non_finite_gradient_stays_in_its_packed_sequence(op):
     """A NaN in dy at t = 38, in the second of two packed sequences (0 up to t = 36 of 45, then 1,
-    chunk 16), may spoil the gradients of its own sequence only. It also reaches those of the
-    first sequence's positions 32-35, in the same chunk: the backward's products take a zeroed
-    weight times the dy tile, 0 x NaN, as the forward chunk scan did before its checked launch."""
-    inputs = make_inputs(batch=1, length=45, heads=2, groups=1)
-    inputs.pop("initial_states", None)
+    chunk 16), may spoil the gradients of its own sequence only, in both chunked ops. It also
+    reaches those of the first sequence's positions 32-35, in the same chunk: the backward's
+    products take a zeroed weight times the dy tile, 0 x NaN, as chapter 5's forward chunk scan
+    did before its checked launch."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=False)
     inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None]
-    leaves = {k: inputs.pop(k).clone().requires_grad_() for k in ("x", "dt", "B", "C")}
-    y = bidirectional_chunk_scan(**leaves, **inputs, chunk_size=16, dt_softplus=True)
-    dy = torch.randn_like(y)
+    for name in ("x", "dt", "B", "C"):
+        inputs[name].requires_grad_()
+    dy = randn(*inputs["x"].shape)
     dy[0, 38] = math.nan
-    for name, grad in zip(leaves, torch.autograd.grad(y, list(leaves.values()), dy)):
-        assert grad[0, :36].isfinite().all(), name
+    grads = gradients(lambda **a: op(**a, chunk_size=16, dt_softplus=True), inputs, dy)
+    assert all(grads[name][0, :36].isfinite().all() for name in ("x", "dt", "B", "C")), grads
 
 
 @pytest.mark.parametrize("shift", [False, True])
