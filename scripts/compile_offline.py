@@ -22,8 +22,8 @@ which of them are one binary.
 
 The ``states`` family compiles the two chunk-state kernels (chapter 5's ``chunk_state``, chapter 6's
 ``chunk_states``) as launched at the SSD benchmark's first shape, with and without ``seq_idx``, at
-their first tuned configuration, and counts in each kernel's TTGIR where its tiles go (``--first``
-does not apply): ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
+their first tuned configuration. For every kernel compiled, the report also counts in its TTGIR
+where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
 the loop and once in it; one that waits on a load of its own step, fewer times), and
 ``shared_from_registers``, tiles stored to shared memory from registers (what a dot operand that
@@ -51,11 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def jit_function(kernel):
-    """The JITFunction under a LeanLaunch and/or an Autotuner."""
-    while not isinstance(kernel, triton.JITFunction):
+def unwrapped(kernel, kind):
+    """The first object of type ``kind`` in ``kernel`` and its wrappers (a LeanLaunch, an Autotuner)."""
+    while not isinstance(kernel, kind):
         kernel = getattr(kernel, "kernel", None) or kernel.fn
     return kernel
+
+
+def jit_function(kernel):
+    """The JITFunction under a LeanLaunch and/or an Autotuner."""
+    return unwrapped(kernel, triton.JITFunction)
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -219,16 +224,10 @@ def states_cases():
                 ("chunk_states_kernel", bidirectional, bidirectional.chunk_states,
                  (x, B, B, steps, steps, steps, steps, A), {})):
             args, kwargs = launched_arguments(module, name, launcher, *inputs, seq_idx=seq_idx, **options)
-            config = first_config(getattr(module, name))
+            # the first tuned configuration (for chunk_state the tuner's pick on an H200, its comment says)
+            config = unwrapped(getattr(module, name), triton.runtime.Autotuner).configs[0]
             yield (f"{name} {tag}", lambda module=module, name=name, args=args, kwargs=kwargs, config=config:
                    compile_as_launched(getattr(module, name), args, dict(kwargs, **config.all_kwargs())))
-
-
-def first_config(kernel):
-    """The first of a kernel's tuned configurations (the tuner's pick on an H200 for these kernels)."""
-    while not hasattr(kernel, "configs"):
-        kernel = getattr(kernel, "kernel", None) or kernel.fn
-    return kernel.configs[0]
 
 
 FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases}

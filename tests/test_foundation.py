@@ -129,19 +129,24 @@ def test_rates_and_table():
     assert median_ms(lambda: torch.ones(10).sum()) > 0
 
 
-def test_compile_offline_reports_the_gpu_build_of_a_kernel(tmp_path):
-    """scripts/compile_offline.py compiles a kernel for sm_90 without a GPU (Triton's front end and
-    ptxas) and reads its registers and spill stack from the cubin."""
+def compile_offline(tmp_path, *arguments) -> dict:
+    """The kernels' report of ``scripts/compile_offline.py *arguments`` (skipped where this Triton
+    ships no NVIDIA tools)."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("this Triton ships no NVIDIA tools")
     report = tmp_path / "report.json"
     script = Path(__file__).resolve().parent.parent / "scripts" / "compile_offline.py"
-    subprocess.run([sys.executable, str(script), "ssd", "--first", "--json", str(report)], capture_output=True,
+    subprocess.run([sys.executable, str(script), *arguments, "--json", str(report)], capture_output=True,
                    text=True, check=True, timeout=600)
-    kernels = json.loads(report.read_text())["kernels"]
-    (name, usage), = kernels.items()
+    return json.loads(report.read_text())["kernels"]
+
+
+def test_compile_offline_reports_the_gpu_build_of_a_kernel(tmp_path):
+    """scripts/compile_offline.py compiles a kernel for sm_90 without a GPU (Triton's front end and
+    ptxas) and reads its registers and spill stack from the cubin."""
+    (name, usage), = compile_offline(tmp_path, "ssd", "--first").items()
     assert name.startswith("chunk_scan_kernel plain")
     assert 0 < usage["REG"] <= 255 and usage["STACK"] >= 0 and usage["triton_shared"] > 0
 
@@ -152,15 +157,22 @@ def test_compile_offline_compiles_the_scores_kernel_as_launched(tmp_path):
     specialized by the installed Triton's binder), the six are one binary and each neighbour a
     binary of its own. It checks the script's specialization, with this machine's Triton: the README
     quotes the same split with Triton 3.6.0, the GPU's."""
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
-        pytest.skip("this Triton ships no NVIDIA tools")
-    report = tmp_path / "report.json"
-    script = Path(__file__).resolve().parent.parent / "scripts" / "compile_offline.py"
-    subprocess.run([sys.executable, str(script), "scores", "--json", str(report)], capture_output=True,
-                   text=True, check=True, timeout=600)
-    kernels = json.loads(report.read_text())["kernels"]
+    kernels = compile_offline(tmp_path, "scores")
     wrong = {usage["cubin_md5"] for name, usage in kernels.items() if name.endswith("(H100: wrong)")}
     right = {usage["cubin_md5"] for name, usage in kernels.items() if name.endswith("(H100: right)")}
     assert len(kernels) == 17 and len(wrong) == 1 and not wrong & right
+
+
+def test_no_dot_operand_of_the_chunk_state_kernels_is_stored_again_from_registers(tmp_path):
+    """compile_offline's ``states`` family: the chunk-state kernels (chapter 5's chunk_state, chapter
+    6's chunk_states) compiled for sm_90 as launched. With and without seq_idx, no operand of a dot
+    may be stored to shared memory from registers: the B tile must reach the dot as the asynchronous
+    copy left it, and the weighted x from registers. A select on either after its load (the code
+    before the masked loads) stored it again from registers."""
+    kernels = compile_offline(tmp_path, "states")
+    assert sorted(kernels) == sorted(f"{kernel} {tag}" for kernel in ("chunk_state_kernel", "chunk_states_kernel")
+                                     for tag in ("plain", "seq_idx"))
+    for name, found in kernels.items():
+        # shared memory is used, tiles are copied into it and the dots run: the counts see the IR
+        assert found["shared_allocations"] > 0 and found["tile_async_copies"] > 0 and found["dots"] > 0, name
+        assert found["shared_from_registers"] == 0, (name, found)
