@@ -130,6 +130,20 @@ def drop_hidden_nonfinite(values, seen, hits):
     return values, hits
 
 
+@triton.jit
+def sequence_run(seq_row, stride_seq_l, chunk_start, chunk_end, owner, CHUNK: tl.constexpr):
+    """[first, stop) of a chunk's positions (numbered from 0) whose id in ``seq_row`` is ``owner``:
+    one run, since seq_idx never decreases (a packed sequence's positions in the chunk); an empty
+    range (first = CHUNK, stop = 0) where there is none. Positions at or past ``chunk_end`` (the end
+    of L) are never in it, whatever the owner. A chunk-state kernel finds its run once, before its
+    loop, so that the loop's masks are arithmetic on the step, with no load of ids to wait for."""
+    k = tl.arange(0, CHUNK)
+    inside = chunk_start + k < chunk_end
+    ids = tl.load(seq_row + (chunk_start + k).to(tl.int64) * stride_seq_l, mask=inside, other=0)
+    owned = inside & (ids == owner)
+    return tl.min(tl.where(owned, k, CHUNK), 0), tl.max(tl.where(owned, k, -1), 0) + 1
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for the host's launch arithmetic. (``triton.cdiv`` and ``triton.next_power_of_2``
     are constexpr functions in Triton 3.6, whose wrapper costs the host about a microsecond per call;

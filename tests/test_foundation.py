@@ -176,3 +176,14 @@ def test_no_dot_operand_of_the_chunk_state_kernels_is_stored_again_from_register
         # shared memory is used, tiles are copied into it and the dots run: the counts see the IR
         assert found["shared_allocations"] > 0 and found["tile_async_copies"] > 0 and found["dots"] > 0, name
         assert found["shared_from_registers"] == 0, (name, found)
+
+
+@pytest.mark.parametrize("kernel, tiles", [("chunk_state_kernel", (2, 2)), ("chunk_states_kernel", (2, 3))])
+def test_packed_chunk_state_tiles_are_fetched_as_far_ahead(tmp_path, kernel, tiles):
+    """With seq_idx as many copies per tile as without (chunk_states loads a shared B twice with
+    seq_idx, once per direction: three tiles a step against two). Masks made from ids loaded in the
+    same step (the code before the runs were found first) fetched the tiles one step ahead instead
+    of three."""
+    kernels = compile_offline(tmp_path, "states")
+    plain, packed = kernels[f"{kernel} plain"]["tile_async_copies"], kernels[f"{kernel} seq_idx"]["tile_async_copies"]
+    assert packed * tiles[0] == plain * tiles[1], (plain, packed)

@@ -33,7 +33,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..ssd.tuning import autotune, config
-from ..triton_ops import cdiv, dot_precision, mm
+from ..triton_ops import cdiv, dot_precision, mm, sequence_run
 from .decays import row_decays
 
 
@@ -69,10 +69,20 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
     a_last = tl.load(a_ptr + chunk_base + CHUNK - 1)
     b_last = tl.load(b_ptr + chunk_base + CHUNK - 1)
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    # each state's positions: with seq_idx those of its sequence, the chunk's last one's or the one
+    # carried in (0 before the first chunk), each one run [first, stop) (seq_idx never decreases;
+    # triton_ops.sequence_run), found before the loop so that the loop's loads wait on no load of ids
+    first, stop, first_r, stop_r = 0, CHUNK, 0, CHUNK
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        last_run = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, seq_last, CHUNK)
+        carried_run = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, seq_before, CHUNK)
+        if GRAD:
+            (first, stop), (first_r, stop_r) = carried_run, last_run
+        else:
+            (first, stop), (first_r, stop_r) = last_run, carried_run
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     acc_r = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, CHUNK, BLOCK_K):
@@ -97,11 +107,7 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
             # each dot's v of another sequence loads as zeros (a weight of 0 alone would let a NaN
             # or inf there in, 0 x NaN): masked loads rather than selects after them, so that the
             # tiles go straight to shared memory for the dots (as chapter 5's chunk_state)
-            seq = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=in_chunk, other=-1)
-            if GRAD:
-                keep, keep_r = seq == seq_before, seq == seq_last
-            else:
-                keep, keep_r = seq == seq_last, seq == seq_before
+            keep, keep_r = (k >= first) & (k < stop), (k >= first_r) & (k < stop_r)
             v_rows = v_rows & keep
             v_r_rows = v_r_rows & keep_r
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,

@@ -35,7 +35,7 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import block_size, cdiv, dot_precision, mm
+from ..triton_ops import block_size, cdiv, dot_precision, mm, sequence_run
 from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
@@ -105,16 +105,26 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
     chunk_base = ((b * heads + h) * n_chunks + c).to(tl.int64) * CHUNK
     hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk_base // CHUNK, CHUNK - 1, CHUNK)
     chunk_end = tl.minimum((c + 1) * CHUNK, length)
+    # the chunk positions [first, stop) whose terms the state keeps: all of them, or with seq_idx
+    # those of the sequence the state belongs to: for TO_END the chunk's last sequence; otherwise
+    # the sequence carried in from the position before the chunk (0 for the first chunk:
+    # mamba_ssm's convention, initial_states belong to sequence 0). seq_idx never decreases along
+    # L (the public op refuses one that does, except while torch.compile traces or a CUDA graph
+    # captures), so those positions are one run. Found once per
+    # program, the run leaves nothing in the loop that waits on a load of ids, so the tile loads
+    # are pipelined as without seq_idx, and the steps outside it are skipped.
+    first, stop = 0, CHUNK
     if HAS_SEQ_IDX:
+        seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         if TO_END:
-            seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + (chunk_end - 1) * stride_seq_l)
+            seq_owner = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         else:
-            # the carried state's sequence: that of the previous chunk's last position, 0 for the
-            # first chunk (mamba_ssm's convention: initial_states belong to sequence 0)
-            seq_owner = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + (c * CHUNK - 1) * stride_seq_l,
-                                mask=c > 0, other=0)
+            seq_owner = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        first, stop = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, seq_owner, CHUNK)
+        if TO_END:  # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm
+            first = tl.where(seq_owner >= 0, first, CHUNK)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, CHUNK, BLOCK_K):
+    for k0 in range(first // BLOCK_K * BLOCK_K, stop, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
         in_seq = t < chunk_end
@@ -123,23 +133,14 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
             w = decay_between(hi_last, lo_last, hi, lo) * tl.load(dt_ptr + chunk_base + k)
         else:
             w = decay(hi, lo)
-        v_rows = in_seq
+        keep = in_seq
         if HAS_SEQ_IDX:
-            seq = tl.load(seq_idx_ptr + b.to(tl.int64) * stride_seq_b + t.to(tl.int64) * stride_seq_l,
-                          mask=in_seq, other=-1)
-            keep = seq == seq_owner
-            if TO_END:
-                # a chunk ending in a negative id (padding) adds nothing, as mamba_ssm (where seq is
-                # seq_owner, the same test as seq_owner >= 0)
-                keep &= seq >= 0
-            # v of another sequence loads as zeros: w = 0 alone would let a NaN there in (0 x NaN).
-            # A mask on the load, not a select after it, so that the tile still goes straight to
-            # shared memory for the dot (book/data/packed_state_load_ab.json)
-            v_rows = in_seq & keep
+            keep &= (k >= first) & (k < stop)
+        # v outside the run loads as zeros: a weight of 0 alone would let a NaN there in (0 x NaN)
         uT = tl.load(u_base + t[None, :].to(tl.int64) * stride_u_l + p[:, None] * stride_u_p,
                      mask=in_seq[None, :] & (p[:, None] < headdim), other=0.0)
         vt = tl.load(v_base + t[:, None].to(tl.int64) * stride_v_l + n[None, :] * stride_v_n,
-                     mask=v_rows[:, None] & (n[None, :] < dstate), other=0.0)
+                     mask=keep[:, None] & (n[None, :] < dstate), other=0.0)
         # the weight scales u, the dot's first operand, which it reads from registers; scaled v
         # would go back to shared memory first
         uw = (uT.to(tl.float32) * w[None, :]).to(uT.dtype)
