@@ -77,12 +77,10 @@ def chunk_states_kernel(u_ptr, v_ptr, vr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_p
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-        last_run = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, seq_last, CHUNK)
-        carried_run = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, seq_before, CHUNK)
-        if GRAD:
-            (first, stop), (first_r, stop_r) = carried_run, last_run
-        else:
-            (first, stop), (first_r, stop_r) = last_run, carried_run
+        # GRAD: dH_c keeps the rows that read the carried state, dH'_c those of the chunk's last sequence
+        owner, owner_r = (seq_before, seq_last) if GRAD else (seq_last, seq_before)
+        first, stop = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, owner, CHUNK)
+        first_r, stop_r = sequence_run(seq_row, stride_seq_l, c * CHUNK, chunk_end, owner_r, CHUNK)
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     acc_r = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, CHUNK, BLOCK_K):
