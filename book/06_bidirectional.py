@@ -476,7 +476,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H200 that ran this page, the fused call took 1.02 ms: about 1.6 times one causal call (0.633 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the same fused-to-causal ratio is 1.62.
+# On the H200 that ran this page, the fused call took 1.03 ms: about 1.6 times one causal call (0.633 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the same fused-to-causal ratio is 1.62.
 #
 # Do not take the 3.2 ms for the benchmark's "naive two calls (mamba_ssm)" row below: that row (1.92 ms forward, also on an H200) does less work outside the kernels (the shape is the same, bfloat16 (4, 4096, 80, 64, 128) at chunk 256 with $D$, `dt_bias` and softplus). The cell above times `bidirectional_two_calls` with shared parameters and no shift: our `ssd_chunk_scan` twice, the second time on flipped copies of $x$, $\Delta$, $B$ and $C$; then it adds the two outputs and $D x$ in float32 and rounds to bfloat16 once at the end, as the fused kernel does. Each of those float32 steps is a full pass over an output-sized tensor at twice the bytes of $x$. The benchmark's naive row also calls mamba_ssm's kernel twice on flipped copies, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass. On the same kind of GPU our composition is indeed the slower of the two, 3.2 against 1.92 ms (two different runs), although our causal kernel is faster than mamba_ssm's (chapter 5).
 #

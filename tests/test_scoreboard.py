@@ -303,3 +303,8 @@ def test_the_packing_breakdown_gets_a_table_against_the_whole_call(tmp_path):
     assert table.rows[0] == ["chunk_scan_kernel", "1 / 1", "1", "1.25", "+0.250"]
     assert "+0.250 ms per forward and backward" in table.verdict[0]
     assert "+0.500 ms more" in table.verdict[1] and "+0.250 ms, is mostly time between the kernels" in table.verdict[1]
+    # a whole call's extra time within a tenth of the kernels' is read as the kernels' own
+    (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(dict(run, packing_stages=stages, variants=[
+        row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.24), row(8, "fwd", 1.2)])))
+    verdict = scoreboard.ssd(tmp_path)[2].verdict[1]
+    assert "-0.010 ms, is within a tenth of it, so the extra time is spent in the kernels" in verdict
