@@ -425,6 +425,8 @@ for shift in (False, True):
 # 6. the gradients of $\Delta$, $\Delta'$, $A$ and `dt_bias` from the decay gradients of both directions, each step's gradient summed over the pairs and positions whose decay holds that step, as in chapter 5.
 #
 # A reverse pair $(t, s)$, $s > t$, decays by $A \sum_{t \le k < s} \Delta'_k$ (without the shift), so its share of the decay gradient goes to the steps $k$ with $t \le k < s$, the steps it *straddles* in chapter 5's word: the mirror image of a forward pair, which straddles $s < k \le t$. As in chapter 5, the kernels add each step's gradient from the pairs that straddle it (the pair sums of step 4), instead of forming $\partial\mathcal J/\partial \ell_j$ at every position $j$ and summing it over $j \ge k$, where most terms cancel in float32. That took the relative error of $dA$ on a float32 case at chunk 256 from $1.3 \cdot 10^{-4}$ to $5.9 \cdot 10^{-6}$ and that of $d\,\mathrm{dt\_bias}$ from $2.7 \cdot 10^{-5}$ to $7.5 \cdot 10^{-7}$ (in the interpreter). Every contribution lands in a slot of its own, so the gradients are the same bits on every run. With the shift, row $t$ read $C_{t-1}$ and $C'_{t+1}$: the gradient formed at row $t$ goes to $C_{t-1}$, one row back, and to $C'_{t+1}$, one row on (`queries_to_rows`).
+#
+# A NaN in $dy$ (or $x$) of one packed sequence reaches only that sequence's gradients, as in chapter 5: the $dG$ kernel and the state terms select after their products, and the $dx$ kernel runs a checked second launch over the row blocks whose rows came out non-finite.
 
 # %%
 show_source(bidirectional_backward)
@@ -476,7 +478,7 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H200 that ran this page, the fused call took 1.03 ms: about 1.6 times one causal call (0.633 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the same fused-to-causal ratio is 1.62.
+# On the H200 that ran this page, the fused call took 1.02 ms: about 1.6 times one causal call (0.630 ms), and under a third of the two-call composition (3.2 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the same fused-to-causal ratio is 1.62.
 #
 # Do not take the 3.2 ms for the benchmark's "naive two calls (mamba_ssm)" row below: that row (1.92 ms forward, also on an H200) does less work outside the kernels (the shape is the same, bfloat16 (4, 4096, 80, 64, 128) at chunk 256 with $D$, `dt_bias` and softplus). The cell above times `bidirectional_two_calls` with shared parameters and no shift: our `ssd_chunk_scan` twice, the second time on flipped copies of $x$, $\Delta$, $B$ and $C$; then it adds the two outputs and $D x$ in float32 and rounds to bfloat16 once at the end, as the fused kernel does. Each of those float32 steps is a full pass over an output-sized tensor at twice the bytes of $x$. The benchmark's naive row also calls mamba_ssm's kernel twice on flipped copies, but passes $D$ to the first call and adds the two bfloat16 outputs in one bfloat16 pass. On the same kind of GPU our composition is indeed the slower of the two, 3.2 against 1.92 ms (two different runs), although our causal kernel is faster than mamba_ssm's (chapter 5).
 #

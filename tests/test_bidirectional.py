@@ -5,6 +5,7 @@ the reference, forward and every gradient; then the fused ``bidirectional_chunk_
 reference: both forms, shared and separate reverse parameters, every gradient, packed sequences
 (seq_idx and cu_seqlens), dtypes, odd lengths and sizes, views, empty and bad inputs, reproducible
 gradients, agreement with the two-call foil, and torch.library's opcheck."""
+import functools
 import math
 
 import pytest
@@ -601,24 +602,46 @@ def test_fused_leading_negative_ids_into_a_short_last_chunk(shift, separate):
     check_fused(inputs, chunk_size=16, dt_softplus=True, seq_idx=seq_idx, shift=shift)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known leak: the backward kernels multiply a zeroed weight by the dy tile "
-                          "(0 x NaN) where the forward has its flags and checked launch")
-@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan], ids=["ssd", "bidirectional"])
-def test_a_non_finite_gradient_stays_in_its_packed_sequence(op):
-    """A NaN in dy at t = 38, in the second of two packed sequences (0 up to t = 36 of 45, then 1,
-    chunk 16), may spoil the gradients of its own sequence only, in both chunked ops. It also
-    reaches those of the first sequence's positions 32-35, in the same chunk: the backward's
-    products take a zeroed weight times the dy tile, 0 x NaN, as chapter 5's forward chunk scan
-    did before its checked launch."""
-    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=False)
-    inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None]
+@pytest.mark.parametrize("length, chunk, boundary, nan_at", [(45, 16, 36, 38), (300, 128, 150, 170)])
+@pytest.mark.parametrize("nan_in", ["dy", "x"])
+@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan,
+                                functools.partial(bidirectional_chunk_scan, shift=True)],
+                         ids=["ssd", "bidirectional", "bidirectional-shift"])
+def test_a_non_finite_value_stays_in_its_packed_sequence(op, nan_in, length, chunk, boundary, nan_at):
+    """A NaN in dy (or in x) in the second of two packed sequences, a few steps after the boundary
+    inside a chunk, spoils the gradients of its own sequence only, in both chunked ops. The first
+    sequence's last positions share its chunk: the backward's products there take a zeroed weight
+    times the NaN's row, 0 x NaN, unless selects after the products (dCB, dG, the state terms)
+    and the dx kernels' checked launch keep it out. And the NaN does reach the rows that see it:
+    x's gradient at the boundary, which sees dy there only through the diagonal block."""
+    inputs = make_inputs(batch=1, length=length, heads=2, groups=1, separate=False)
+    inputs["seq_idx"] = (torch.arange(length, device=DEVICE) >= boundary).to(torch.int32)[None]
+    dy = randn(*inputs["x"].shape)
+    (dy if nan_in == "dy" else inputs["x"])[0, nan_at] = math.nan
     for name in ("x", "dt", "B", "C"):
         inputs[name].requires_grad_()
-    dy = randn(*inputs["x"].shape)
-    dy[0, 38] = math.nan
-    grads = gradients(lambda **a: op(**a, chunk_size=16, dt_softplus=True), inputs, dy)
-    assert all(grads[name][0, :36].isfinite().all() for name in ("x", "dt", "B", "C")), grads
+    grads = gradients(lambda **a: op(**a, chunk_size=chunk, dt_softplus=True), inputs, dy)
+    assert all(grads[name][0, :boundary].isfinite().all() for name in ("x", "dt", "B", "C")), grads
+    if nan_in == "dy":
+        assert not grads["x"][0, boundary].isfinite().any()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known leak: the dB/dC kernels' diagonal products multiply a zeroed dCB (dG) "
+                          "entry by another sequence's B row (0 x NaN); no checked pass there yet")
+@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan], ids=["ssd", "bidirectional"])
+def test_a_non_finite_B_stays_in_its_packed_sequence(op):
+    """A NaN in B at t = 33, in the first of two packed sequences (0 up to t = 36 of 45, then 1,
+    chunk 16), should leave the second sequence's gradients finite. It reaches dC of the second
+    sequence's rows in the same chunk: dC_r sums dCB[r, s] B_s over the chunk's columns, and a
+    select on dCB cannot keep out a NaN of B that enters through the product."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=False)
+    inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None]
+    inputs["B"][0, 33] = math.nan
+    for name in ("x", "dt", "B", "C"):
+        inputs[name].requires_grad_()
+    grads = gradients(lambda **a: op(**a, chunk_size=16, dt_softplus=True), inputs, randn(*inputs["x"].shape))
+    assert all(grads[name][0, 36:].isfinite().all() for name in ("x", "dt", "B", "C")), grads
 
 
 @pytest.mark.parametrize("shift", [False, True])

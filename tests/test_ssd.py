@@ -720,6 +720,25 @@ def test_a_non_finite_value_never_reaches_earlier_outputs(argument, value):
         assert torch.isfinite(y[:, t + 1:]).all()
 
 
+@pytest.mark.parametrize("length, chunk", [(40, 16), (300, 128)])
+@pytest.mark.parametrize("argument", ["dy", "x"])
+def test_a_non_finite_value_keeps_to_the_gradients_that_see_it(argument, length, chunk):
+    """The backward's causality, one sequence: a NaN at position t (mid-chunk) in dy leaves the
+    gradients of x, dt, B and C finite at every later position (they never reach y_t), and in x at
+    every earlier one (they never read x_t). Zeroed weights times the NaN's row, 0 x NaN, spread
+    it across its chunk both ways, until the selects after the backward's products and the dx
+    kernel's checked launch."""
+    t = chunk + 9
+    inputs = make_inputs(batch=1, length=length, heads=2, groups=1)
+    dy = randn(*inputs["x"].shape)
+    (dy if argument == "dy" else inputs["x"])[0, t] = math.nan
+    for name in ("x", "dt", "B", "C"):
+        inputs[name].requires_grad_()
+    grads = gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=chunk, dt_softplus=True), inputs, dy)
+    clear = slice(t + 1, None) if argument == "dy" else slice(0, t)
+    assert all(grads[name][0, clear].isfinite().all() for name in ("x", "dt", "B", "C")), grads
+
+
 @pytest.mark.parametrize("argument, t", [("x", 2), ("B", 2), ("x", 20), ("C", 20), ("dt", 2), ("dt", 7)])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_value_stays_in_its_packed_sequence(argument, t, value):
@@ -778,8 +797,9 @@ def test_leading_negative_ids_into_a_short_last_chunk():
     carried into it belongs to id -1. Positions past L must never count as that sequence's (a
     chunk-state kernel that read their ids as -1 would send the gradient of sequence 0's rows into
     sequence -1's state, and from there into dx of every earlier chunk). So a NaN in dy at t = 38
-    leaves dx finite in the earlier chunks. (A float64 reference does not apply: a negative id
-    ending a chunk is mamba_ssm's padding, whose state is dropped.)"""
+    leaves dx finite at every position of id -1, the earlier chunks' and those of its own chunk.
+    (A float64 reference does not apply: a negative id ending a chunk is mamba_ssm's padding,
+    whose state is dropped.)"""
     inputs = make_inputs(batch=1, length=45, heads=2, groups=1)
     del inputs["initial_states"]
     inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None] - 1
@@ -788,7 +808,7 @@ def test_leading_negative_ids_into_a_short_last_chunk():
     dy = torch.randn_like(y)
     dy[0, 38] = math.nan
     dx, = torch.autograd.grad(y, x, dy)
-    assert dx[0, :32].isfinite().all()
+    assert dx[0, :36].isfinite().all()
 
 
 def test_without_initial_states_sequence_labels_do_not_matter():

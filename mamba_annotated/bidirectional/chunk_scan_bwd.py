@@ -56,7 +56,10 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..ssd.tuning import autotune, config
-from ..triton_ops import LOG2E, block_size, cdiv, dot_precision, mm, rounded_product
+from ..ssd.chunk_scan import flagged_row_blocks, is_flagged
+from ..ssd.chunk_scan_bwd import dx_checked_config
+from ..triton_ops import (LOG2E, block_size, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm,
+                          rounded_product)
 from .decays import pair_weight, row_decays
 
 # the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
@@ -79,20 +82,25 @@ class DecaySlots:
 
 @triton.jit
 def transposed_tiles(G_base, dy_base, w, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
-                     stride_seq_l, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr):
+                     stride_seq_l, hidden_nonfinite, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr,
+                     CHECKED: tl.constexpr):
     """The tiles of one step over the rows t (chunk positions k), for the columns m: G[t, s] w as
     an (s, t) tile, zeroed past the chunk's end and, with seq_idx, across sequences; and dy_t. The
     zeroing is a select after the product: the cumulative sums restart at each sequence boundary,
-    so a factored weight across one can overflow, and 0 x inf is NaN."""
+    so a factored weight across one can overflow, and 0 x inf is NaN. dy enters the caller's
+    product, where a select cannot reach: CHECKED drops the NaN and inf of dy that a column does
+    not see (another sequence's) and counts in ``hidden_nonfinite`` those it does."""
     t_ok = t < chunk_end
-    keep = t_ok[None, :]
+    keep = t_ok[None, :] & (m[:, None] >= 0)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-2)
         keep = keep & (seq_s[:, None] == seq_t[None, :])
     GT = tl.load(G_base + k[None, :] * CHUNK + m[:, None])      # G[t, s] as an (s, t) tile
     dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                   mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-    return tl.where(keep, GT * w, 0.0), dyt
+    if CHECKED:
+        dyt, hidden_nonfinite = drop_hidden_nonfinite(dyt, keep, hidden_nonfinite)
+    return tl.where(keep, GT * w, 0.0), dyt, hidden_nonfinite
 
 
 DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
@@ -102,30 +110,30 @@ DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in DX_CONFIGS + [DX_CPU_CONFIG]), "BLOCK_K | BLOCK_M"
 
 
-@lean_launch
-@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "SHIFT"])
 @triton.jit
-def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
-                             dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
-                             state_column_ptr, state_column_rev_ptr, dD_part_ptr,
-                             length, heads, groups, n_chunks, headdim, dstate,
-                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
-                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-                             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
-                             stride_seq_b, stride_seq_l,
-                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-                             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr,
-                             CHUNK: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
+def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
+            dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
+            state_column_ptr, state_column_rev_ptr, dD_part_ptr, flags_ptr,
+            length, heads, groups, n_chunks, headdim, dstate,
+            stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+            stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+            stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+            stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+            stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+            stride_seq_b, stride_seq_l,
+            HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+            HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr,
+            CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+            pid, pid_m, CHECKED: tl.constexpr):
+    """dx, the per-position planes and dD's partial sums of row block ``pid_m`` of (batch, chunk,
+    head) ``pid``. Unchecked, as if dy were finite, it marks in ``flags`` (batch, heads, L) the
+    rows that come out non-finite; checked, it keeps each NaN or inf of dy to the rows that see it
+    (chapter 5's dx kernel does the same)."""
     h = pid % heads
     c = (pid // heads) % n_chunks
     b = pid // (heads * n_chunks)
     g = h // (heads // groups)
-    pid_m = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.arange(0, BLOCK_P)
     s = c * CHUNK + m
@@ -147,8 +155,6 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-        to_end = tl.where(seq_s == seq_last, to_end, 0.0)
-        from_start = tl.where(seq_s == seq_before, from_start, 0.0)
 
     # through the chunk states: dS B_s decayed from s to the chunk's end, dS' B'_s to its start
     F = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -165,19 +171,27 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         state_mask = p_ok[None, :] & n_ok[:, None]
         F += mm(Bs, tl.load(dS_ptr + state, mask=state_mask, other=0.0).to(Bs.dtype), PRECISION)
         R += mm(Brs, tl.load(dSr_ptr + state, mask=state_mask, other=0.0).to(Brs.dtype), PRECISION)
-    F *= to_end[:, None]
-    R *= from_start[:, None]
+    if HAS_SEQ_IDX:  # selects, not a multiply by 0: dS and dS' may hold another sequence's NaN
+        F = tl.where((seq_s == seq_last)[:, None], F * to_end[:, None], 0.0)
+        R = tl.where((seq_s == seq_before)[:, None], R * from_start[:, None], 0.0)
+    else:
+        F *= to_end[:, None]
+        R *= from_start[:, None]
     mask = row_ok[:, None] & p_ok[None, :]
     rows = s[:, None].to(tl.int64)
     xs = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + rows * stride_x_l + p[None, :] * stride_x_p,
                  mask=mask, other=0.0).to(tl.float32)
     state_column = -dt_s * tl.sum(rounded_product(F, xs), axis=1)
     state_column_rev = dtr_s * tl.sum(rounded_product(R, xs), axis=1)
+    if HAS_SEQ_IDX:  # a row of another sequence has no state term, whatever its x (0 x NaN is NaN)
+        state_column = tl.where(seq_s == seq_last, state_column, 0.0)
+        state_column_rev = tl.where(seq_s == seq_before, state_column_rev, 0.0)
 
     # through the diagonal block: the rows t of column s in three runs, those before the row block
     # all reverse, those after it all forward, the band of the row block itself both (as
     # chunk_outputs' loop, whose factored weights these are, transposed)
     m_first = pid_m * BLOCK_M
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     G_base = G_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     e_ref = tl.load(b_ptr + chunk_base + m_first) - A * tl.load(dtr_ptr + chunk_base + m_first)
     to_columns = tl.exp2((e_s - e_ref) * LOG2E)
@@ -186,8 +200,9 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         _, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                               tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((e_ref - rho_t) * LOG2E)[None, :]
-        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
+                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
+                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
         R += mm(W.to(dyt.dtype), dyt, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -195,8 +210,9 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
                                 tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w, forward = pair_weight(k[None, :], m[:, None], r_t[None, :], rho_t[None, :], a_s[:, None], e_s[:, None],
                                  1.0, 1.0, True, SHIFT)
-        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
+                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
+                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
         F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
         R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
     a_ref = tl.load(a_ptr + chunk_base + m_first + BLOCK_M - 1)
@@ -206,10 +222,17 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
         r_t, _ = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                             tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((r_t - a_ref) * LOG2E)[None, :]
-        W, dyt = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok, seq_row, seq_s,
-                                  stride_dy_l, stride_dy_p, stride_seq_l, HAS_SEQ_IDX, CHUNK)
+        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
+                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
+                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
         F += mm(W.to(dyt.dtype), dyt, PRECISION)
 
+    if CHECKED:
+        F = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), F)
+        R = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), R)
+    else:  # a reduction along the row; one program owns each row, so every flag is written, 0 or 1
+        row_nonfinite = tl.max(is_nonfinite(F + R).to(tl.int32), 1) > 0
+        tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + s, row_nonfinite.to(tl.int8), mask=row_ok)
     dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
     if not SHIFT:
         Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
@@ -235,6 +258,69 @@ def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr
             tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
              dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@lean_launch
+@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK", "SHIFT"])
+@triton.jit
+def chunk_scan_bwd_dx_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
+                             dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
+                             state_column_ptr, state_column_rev_ptr, dD_part_ptr, flags_ptr,
+                             length, heads, groups, n_chunks, headdim, dstate,
+                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+                             stride_seq_b, stride_seq_l,
+                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, D_ptr,
+            seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr, state_column_ptr, state_column_rev_ptr, dD_part_ptr,
+            flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+            stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+            stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p, stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+            stride_br_b, stride_br_l, stride_br_g, stride_br_n, stride_seq_b, stride_seq_l,
+            HAS_D, SUM_D, D_PER_CHANNEL, HAS_SEQ_IDX, SHIFT, SHARED_STEP, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N,
+            PRECISION, tl.program_id(0), tl.program_id(1), CHECKED=False)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dx_checked_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr,
+                                     dtr_ptr, A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr,
+                                     state_column_ptr, state_column_rev_ptr, dD_part_ptr, flags_ptr,
+                                     length, heads, groups, n_chunks, headdim, dstate,
+                                     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                                     stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                                     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                                     stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                                     stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+                                     stride_seq_b, stride_seq_l,
+                                     HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                                     HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_STEP: tl.constexpr,
+                                     CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                                     n_tiles, TILES: tl.constexpr):
+    """chunk_scan_bwd_dx_kernel's row blocks again, checked, where some row came out non-finite
+    (chapter 5's :func:`~..ssd.chunk_scan_bwd.chunk_scan_bwd_dx_checked_kernel`)."""
+    n_m = CHUNK // BLOCK_M
+    first = tl.program_id(0) * TILES
+    tile_flagged = flagged_row_blocks(flags_ptr, first, n_tiles, length, heads, n_chunks, CHUNK, BLOCK_M, TILES)
+    if tl.max(tile_flagged, 0) > 0:
+        for i in range(TILES):
+            if is_flagged(tile_flagged, i, TILES):
+                dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr,
+                        A_ptr, D_ptr, seq_idx_ptr, dx_ptr, direct_ptr, direct_rev_ptr, state_column_ptr,
+                        state_column_rev_ptr, dD_part_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                        stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h,
+                        stride_dy_p, stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                        stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_br_b, stride_br_l, stride_br_g,
+                        stride_br_n, stride_seq_b, stride_seq_l, HAS_D, SUM_D, D_PER_CHANNEL, HAS_SEQ_IDX, SHIFT,
+                        SHARED_STEP, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, PRECISION,
+                        (first + i) // n_m, (first + i) % n_m, CHECKED=True)
 
 
 @lean_launch
@@ -342,7 +428,12 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
         else:
             w, forward = pair_weight(i[:, None], j[None, :], r_t[:, None], rho_t[:, None], a_s[None, :],
                                      e_s[None, :], dt_s[None, :], dtr_s[None, :], keep, SHIFT)
-            term = dyx * w
+            # a select after the product, as off the diagonal: w is 0 across a sequence boundary,
+            # and a NaN or inf of dy_t (or x_s) fills row t (column s) of dyx
+            if HAS_SEQ_IDX:
+                term = tl.where(keep, dyx * w, 0.0)
+            else:
+                term = dyx * w
             dG += term
             W = term * G
             W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
@@ -435,11 +526,6 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         from_right = tl.exp(b_last - rho_r)
         to_end = tl.exp(a_last - a) * dt
         to_start = tl.exp(bb - A * dtr) * dtr
-        if HAS_SEQ_IDX:
-            from_left = tl.where(seq_r == seq_before, from_left, 0.0)
-            from_right = tl.where(seq_r == seq_last, from_right, 0.0)
-            to_end = tl.where(seq_r == seq_last, to_end, 0.0)
-            to_start = tl.where(seq_r == seq_before, to_start, 0.0)
         dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
                       + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
         xr = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + h * stride_x_h + r[:, None].to(tl.int64) * stride_x_l
@@ -451,13 +537,24 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         dSr = tl.load(dSr_ptr + state, mask=state_mask, other=0.0)
         dq_h = mm(dyr, H.to(dyr.dtype), PRECISION) * from_left[:, None]
         dqr_h = mm(dyr, Hr.to(dyr.dtype), PRECISION) * from_right[:, None]
+        dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
+        dBr_h = mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
+        if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
+            before, last = (seq_r == seq_before)[:, None], (seq_r == seq_last)[:, None]
+            dq_h, dBr_h = tl.where(before, dq_h, 0.0), tl.where(before, dBr_h, 0.0)
+            dqr_h, dB_h = tl.where(last, dqr_h, 0.0), tl.where(last, dB_h, 0.0)
         dq += dq_h
         dq_r += dqr_h
-        dB += mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
-        dB_r += mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
+        dB += dB_h
+        dB_r += dBr_h
         slot = chunk.to(tl.int64) * n_slots + pid_n
-        tl.store(state_ptr + slot * CHUNK + m, tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1))
-        tl.store(state_rev_ptr + slot * CHUNK + m, -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1))
+        state_term = tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1)
+        state_term_rev = -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1)
+        if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in C
+            state_term = tl.where(seq_r == seq_before, state_term, 0.0)
+            state_term_rev = tl.where(seq_r == seq_last, state_term_rev, 0.0)
+        tl.store(state_ptr + slot * CHUNK + m, state_term)
+        tl.store(state_rev_ptr + slot * CHUNK + m, state_term_rev)
 
     # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'
     dG_base = dG_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
@@ -519,18 +616,23 @@ def chunk_scan_bwd_dx(G, Gd, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_o
     rows = outputs.empty((4,) + tuple(a.shape), torch.float32, x.device)
     dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
                             x.device) if sum_D else None
+    flags = outputs.empty((batch, heads, length), torch.int8, x.device)  # the first launch writes every row's
+    args = (G, Gd if Gd is not None else G, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A,
+            D if D is not None else a, seq_idx if seq_idx is not None else a, dx, rows[DIRECT], rows[DIRECT_REV],
+            rows[STATE_COLUMN], rows[STATE_COLUMN_REV], dD_part if sum_D else rows, flags,
+            length, heads, groups, n_chunks, headdim, dstate,
+            *x.stride(), *dy.stride(), *dx.stride(), *B.stride(), *B_rev.stride(),
+            *(seq_idx.stride() if seq_idx is not None else (0, 0)))
+    options = dict(HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
+                   HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_STEP=shared_step, CHUNK=chunk_size,
+                   BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype))
     grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
-    chunk_scan_bwd_dx_kernel[grid](
-        G, Gd if Gd is not None else G, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A,
-        D if D is not None else a, seq_idx if seq_idx is not None else a, dx, rows[DIRECT], rows[DIRECT_REV],
-        rows[STATE_COLUMN], rows[STATE_COLUMN_REV], dD_part if sum_D else rows,
-        length, heads, groups, n_chunks, headdim, dstate,
-        *x.stride(), *dy.stride(), *dx.stride(), *B.stride(), *B_rev.stride(),
-        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
-        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_STEP=shared_step, CHUNK=chunk_size,
-        BLOCK_P=block_size(headdim, largest=128), PRECISION=dot_precision(x.dtype),
-    )
+    chunk_scan_bwd_dx_kernel[grid](*args, **options)
+    # the rows that came out non-finite again, checked (chapter 5's two launches)
+    checked = dx_checked_config(chunk_size, DX_CONFIGS[0], DX_CPU_CONFIG)
+    n_tiles = batch * n_chunks * heads * (chunk_size // checked["BLOCK_M"])
+    chunk_scan_bwd_dx_checked_kernel[(cdiv(n_tiles, checked["TILES"]),)](*args, **options, n_tiles=n_tiles,
+                                                                          **checked)
     dD = None
     if sum_D:
         dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))

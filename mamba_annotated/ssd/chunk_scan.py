@@ -134,6 +134,26 @@ def tile_coordinates(tile, heads, n_chunks, CHUNK: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
+def flagged_row_blocks(flags_ptr, first, n_tiles, length, heads, n_chunks, CHUNK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """For the TILES row tiles from ``first`` on (numbered as :func:`tile_coordinates`), whether each
+    holds a row flagged in ``flags`` (batch, heads, L): one load for all of them, so that a checked
+    pass with no flag set reads and leaves."""
+    tiles = first + tl.arange(0, TILES)
+    pid_m, b, c, h = tile_coordinates(tiles, heads, n_chunks, CHUNK, BLOCK_M)
+    t = (c * CHUNK + pid_m * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    flagged = tl.load(flags_ptr + (b * heads + h).to(tl.int64)[:, None] * length + t,
+                      mask=(tiles < n_tiles)[:, None] & (t < length), other=0)
+    return tl.max(flagged, 1)
+
+
+@triton.jit
+def is_flagged(tile_flagged, i, TILES: tl.constexpr):
+    """Entry i of flagged_row_blocks' answer, as a scalar."""
+    return tl.max(tl.where(tl.arange(0, TILES) == i, tile_flagged, 0), 0) > 0
+
+
+@triton.jit
 def write_tile(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr, y_ptr,
                flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
                stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_z_b, stride_z_l, stride_z_h, stride_z_p,
@@ -221,15 +241,10 @@ def chunk_scan_checked_kernel(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr,
     looks after TILES row tiles (all of headdim each) and reads their flags in one load, so that
     the usual launch, with no flag set, is a few hundred programs that read and leave."""
     first = tl.program_id(0) * TILES
-    tiles = first + tl.arange(0, TILES)
-    pid_m, b, c, h = tile_coordinates(tiles, heads, n_chunks, CHUNK, BLOCK_M)
-    t = (c * CHUNK + pid_m * BLOCK_M)[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    flagged = tl.load(flags_ptr + (b * heads + h).to(tl.int64)[:, None] * length + t,
-                      mask=(tiles < n_tiles)[:, None] & (t < length), other=0)
-    tile_flagged = tl.max(flagged, 1)
+    tile_flagged = flagged_row_blocks(flags_ptr, first, n_tiles, length, heads, n_chunks, CHUNK, BLOCK_M, TILES)
     if tl.max(tile_flagged, 0) > 0:
         for i in range(TILES):
-            if tl.max(tl.where(tl.arange(0, TILES) == i, tile_flagged, 0), 0) > 0:
+            if is_flagged(tile_flagged, i, TILES):
                 for p_block in range(0, tl.cdiv(headdim, BLOCK_P)):
                     write_tile(CB_ptr, x_ptr, z_ptr, C_ptr, H_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, out_ptr,
                                y_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,

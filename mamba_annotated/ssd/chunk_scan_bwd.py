@@ -70,7 +70,8 @@ import triton.language as tl
 from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
-from ..triton_ops import block_size, cdiv, dot_precision, mm, rounded_product
+from ..triton_ops import block_size, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, rounded_product
+from .chunk_scan import flagged_row_blocks, is_flagged
 from .chunk_state import check_row_blocks
 from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
@@ -99,27 +100,26 @@ DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 check_row_blocks(DX_CONFIGS + [DX_CPU_CONFIG], "chunk_scan_bwd_dx")
 
 
-@lean_launch
-@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
-def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
-                             dx_ptr, ddt_ptr, dD_part_ptr,
-                             length, heads, groups, n_chunks, headdim, dstate,
-                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
-                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-                             stride_seq_b, stride_seq_l,
-                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-                             HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                             PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
+def dx_tile(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, dx_ptr, ddt_ptr,
+            dD_part_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+            stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+            stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+            stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+            stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+            stride_seq_b, stride_seq_l,
+            HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+            HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+            PRECISION: tl.constexpr, pid, pid_m, CHECKED: tl.constexpr):
+    """dx, d dt direct and dD's partial sums of row block ``pid_m`` of (batch, chunk, head) ``pid``.
+    Unchecked, as if dy were finite, it marks in ``flags`` (batch, heads, L) the rows that come out
+    non-finite; checked, it keeps each NaN or inf of dy to the rows that see it (as the forward
+    chunk scan does for x)."""
     h = pid % heads
     c = (pid // heads) % n_chunks
     b = pid // (heads * n_chunks)
     g = h // (heads // groups)
-    pid_m = tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.arange(0, BLOCK_P)
     s = c * CHUNK + m
@@ -132,12 +132,11 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
     chunk = chunk_base // CHUNK
     hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
     hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk, CHUNK - 1, CHUNK)
-    to_end = decay_between(hi_last, lo_last, hi_s, lo_s)
+    to_end = decay_between(hi_last, lo_last, hi_s, lo_s) * tl.exp2(lo_s)  # exp2(-lo_s) below is for the diagonal block
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
-        to_end = tl.where((seq_s == seq_last) & (seq_last >= 0), to_end, 0.0)
 
     # through the chunk state: dS B_s, decayed from s to the chunk end
     acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -148,13 +147,19 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
                      mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
         dST = tl.load(dS_base + p[None, :] * dstate + n[:, None], mask=p_ok[None, :] & (n[:, None] < dstate), other=0.0)
         acc += mm(Bs, dST.to(Bs.dtype), PRECISION)
-    acc *= (to_end * tl.exp2(lo_s))[:, None]  # the row factor exp2(-lo_s) below is for the diagonal block
+    if HAS_SEQ_IDX:  # a select, not a multiply by 0: dS may hold a NaN of the chunk's last sequence
+        acc = tl.where(((seq_s == seq_last) & (seq_last >= 0))[:, None], acc * to_end[:, None], 0.0)
+    else:
+        acc *= to_end[:, None]
 
     # through the diagonal block: sum over t >= s, starting at the diagonal. The loop body is the
     # chunk scan's, transposed, and as lean: t past the chunk's end needs no test, because dy is
     # zero there and every CB, a and dt slot of the padded chunk is finite. The sums' planes as in
     # the chunk scan (.log_decays): exp2(lo_t) scales column t of the tile, exp2(-lo_s) the
-    # finished row s.
+    # finished row s. dy enters through the product, so a NaN of a step that row s does not see
+    # (another sequence's, or an earlier step's) would give row s 0 x NaN: the checked pass drops
+    # them (drop_hidden_nonfinite) and makes NaN the rows that do see one.
+    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -165,11 +170,20 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
         if HAS_SEQ_IDX:
             seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t < chunk_end, other=-2)
             keep &= seq_s[:, None] == seq_t[None, :]
-        weights = tl.exp2(tl.where(keep, hi_t[None, :] - hi_s[:, None], float("-inf"))) * tl.exp2(lo_t)[None, :]
+        # the select comes after the products, as in the chunk scan: a NaN or inf in CB (a B or C
+        # the row does not see) or an overflowed exp2 above the diagonal stays out of row s
+        weights = tl.where(keep, CBT * tl.exp2(hi_t[None, :] - hi_s[:, None]) * tl.exp2(lo_t)[None, :], 0.0)
         dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                       mask=(t[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        acc += mm((CBT * weights).to(dyt.dtype), dyt, PRECISION)
+        if CHECKED:
+            dyt, hidden_nonfinite = drop_hidden_nonfinite(dyt, keep, hidden_nonfinite)
+        acc += mm(weights.to(dyt.dtype), dyt, PRECISION)
     acc *= tl.exp2(-lo_s)[:, None]
+    if CHECKED:
+        acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
+    else:  # a reduction along the row; one program owns each row, so every flag is written, 0 or 1
+        row_nonfinite = tl.max(is_nonfinite(acc).to(tl.int32), 1) > 0
+        tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + s, row_nonfinite.to(tl.int8), mask=row_ok)
 
     mask = row_ok[:, None] & p_ok[None, :]
     rows = s[:, None].to(tl.int64)
@@ -193,6 +207,61 @@ def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr
             tl.store(dD_part_ptr + slot[:, None] * headdim + p[None, :], sums, mask=p_ok[None, :])
     tl.store(dx_ptr + b.to(tl.int64) * stride_dx_b + h * stride_dx_h + rows * stride_dx_l + p[None, :] * stride_dx_p,
              dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@lean_launch
+@autotune(DX_CONFIGS, DX_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
+@triton.jit
+def chunk_scan_bwd_dx_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
+                             dx_ptr, ddt_ptr, dD_part_ptr, flags_ptr,
+                             length, heads, groups, n_chunks, headdim, dstate,
+                             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                             stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                             stride_seq_b, stride_seq_l,
+                             HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                             HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    dx_tile(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, dx_ptr, ddt_ptr,
+            dD_part_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+            stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+            stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p, stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+            stride_seq_b, stride_seq_l, HAS_D, SUM_D, D_PER_CHANNEL, HAS_SEQ_IDX, CHUNK, BLOCK_M, BLOCK_K,
+            BLOCK_P, BLOCK_N, PRECISION, tl.program_id(0), tl.program_id(1), CHECKED=False)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dx_checked_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr,
+                                     dx_ptr, ddt_ptr, dD_part_ptr, flags_ptr,
+                                     length, heads, groups, n_chunks, headdim, dstate,
+                                     stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+                                     stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                                     stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                                     stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+                                     stride_seq_b, stride_seq_l,
+                                     HAS_D: tl.constexpr, SUM_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                                     HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                                     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                                     PRECISION: tl.constexpr, n_tiles, TILES: tl.constexpr):
+    """chunk_scan_bwd_dx_kernel's row blocks again, checked, where some row came out non-finite;
+    TILES row blocks per program (numbered as the first launch's programs, row blocks fastest),
+    whose flags it reads in one load (the forward's scheme, :func:`.chunk_scan.chunk_scan_checked_kernel`)."""
+    n_m = CHUNK // BLOCK_M
+    first = tl.program_id(0) * TILES
+    tile_flagged = flagged_row_blocks(flags_ptr, first, n_tiles, length, heads, n_chunks, CHUNK, BLOCK_M, TILES)
+    if tl.max(tile_flagged, 0) > 0:
+        for i in range(TILES):
+            if is_flagged(tile_flagged, i, TILES):
+                dx_tile(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, seq_idx_ptr, dx_ptr,
+                        ddt_ptr, dD_part_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                        stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h,
+                        stride_dy_p, stride_dx_b, stride_dx_l, stride_dx_h, stride_dx_p,
+                        stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_seq_b, stride_seq_l,
+                        HAS_D, SUM_D, D_PER_CHANNEL, HAS_SEQ_IDX, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N,
+                        PRECISION, (first + i) // n_m, (first + i) % n_m, CHECKED=True)
 
 
 DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at the chunk), fixed at launch
@@ -255,8 +324,10 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, mt, CHUNK)
         hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, ms, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + ms) * tl.exp2(-lo_s)
-        weights = tl.exp2(tl.where(keep, hi_t[:, None] - hi_s[None, :], float("-inf"))) * tl.exp2(lo_t)[:, None]
-        term = mm(dyt, xsT, PRECISION) * weights * dt_s[None, :]
+        weights = tl.exp2(hi_t[:, None] - hi_s[None, :]) * tl.exp2(lo_t)[:, None]
+        # the select comes after the product: a NaN or inf in dy_t (or x_s) fills row t (column s)
+        # of it, and must stay out of the pairs of other sequences and above the diagonal
+        term = tl.where(keep, mm(dyt, xsT, PRECISION) * weights * dt_s[None, :], 0.0)
         dCB += term
         # W[t, s] counts for d(dt'_k A) where t >= k > s. With u = k - 1 the column index, the
         # pairs below row u and left of column u + 1: on the diagonal tile t > u >= s, a sum over
@@ -343,9 +414,6 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         hi_last, lo_last = load_sums(dA_cumsum_ptr, chunk, CHUNK - 1, CHUNK)
         start_decay = decay(hi_r, lo_r)
         end_decay = decay_between(hi_last, lo_last, hi_r, lo_r) * tl.load(dt_ptr + chunk_base + m)
-        if HAS_SEQ_IDX:
-            start_decay = tl.where(seq_r == seq_carry, start_decay, 0.0)
-            end_decay = tl.where((seq_r == seq_last) & (seq_last >= 0), end_decay, 0.0)
         pr_mask = row_ok[:, None] & p_ok[None, :]
         dyr = tl.load(dy_ptr + b.to(tl.int64) * stride_dy_b + h * stride_dy_h + r[:, None].to(tl.int64) * stride_dy_l
                       + p[None, :] * stride_dy_p, mask=pr_mask, other=0.0)
@@ -355,10 +423,16 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         dS = tl.load(dS_ptr + state_offs, mask=state_mask, other=0.0)
         dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * start_decay[:, None]
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * end_decay[:, None]
+        if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
+            dC_h = tl.where((seq_r == seq_carry)[:, None], dC_h, 0.0)
+            dB_h = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], dB_h, 0.0)
         # the state terms' shares: exp(a_r) counts for every step k <= r, exp(a_last - a_r) for
         # the steps between r and the chunk's end (k > r): kept apart, each summed over its own range
         from_start = tl.sum(tl.reshape(rounded_product(Cr, dC_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         to_end = tl.sum(tl.reshape(rounded_product(Br, dB_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
+        if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in B or C
+            from_start = tl.where((seq_r == seq_carry)[:, None], from_start, 0.0)
+            to_end = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], to_end, 0.0)
         slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
         tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
         tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
@@ -391,7 +465,11 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=No
     """Returns dx (x's shape and dtype, contiguous), d dt direct (batch, heads, chunks, Q) float32
     and dD (like D; None without D or with ``sum_D`` False: the gate's backward sums it then, from
     the unrounded dy, :mod:`.gate`). x, dy, B and seq_idx are addressed by their own strides; D
-    contiguous."""
+    contiguous.
+
+    Two launches and a flag per row, as the forward chunk scan (:func:`.chunk_scan.chunk_scan`):
+    the first computes every row block as if dy were finite and flags the rows that come out
+    non-finite, the second computes again, checked, the row blocks with a flagged row."""
     sum_D = sum_D and D is not None
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
@@ -402,21 +480,36 @@ def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=No
     # on the tuned BLOCK_M, so each run writes all of it)
     dD_part = outputs.empty((batch * n_chunks * heads, chunk_size // 16, headdim), torch.float32,
                             x.device) if sum_D else None
+    flags = outputs.empty((batch, heads, length), torch.int8, x.device)  # the first launch writes every row's
+    args = (CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,
+            seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if sum_D else ddt, flags,
+            length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *dy.stride(), *dx.stride(), *B.stride(),
+            *(seq_idx.stride() if seq_idx is not None else (0, 0)))
+    options = dict(HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
+                   HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
+                   PRECISION=dot_precision(x.dtype))
     grid = lambda META: (batch * n_chunks * heads, chunk_size // META["BLOCK_M"])  # noqa: E731
-    chunk_scan_bwd_dx_kernel[grid](
-        CB, x, dy, B, dS, dA_cumsum, dt_out, D if D is not None else dt_out,
-        seq_idx if seq_idx is not None else dt_out, dx, ddt, dD_part if sum_D else ddt,
-        length, heads, groups, n_chunks, headdim, dstate, *x.stride(), *dy.stride(), *dx.stride(), *B.stride(),
-        *(seq_idx.stride() if seq_idx is not None else (0, 0)),
-        HAS_D=D is not None, SUM_D=sum_D, D_PER_CHANNEL=D is not None and D.dim() == 2,
-        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
-        PRECISION=dot_precision(x.dtype),
-    )
+    chunk_scan_bwd_dx_kernel[grid](*args, **options)
+    checked = dx_checked_config(chunk_size)
+    n_tiles = batch * n_chunks * heads * (chunk_size // checked["BLOCK_M"])
+    chunk_scan_bwd_dx_checked_kernel[(cdiv(n_tiles, checked["TILES"]),)](*args, **options, n_tiles=n_tiles,
+                                                                          **checked)
     dD = None
     if sum_D:
         dD = dD_part.view(batch, n_chunks, heads, -1, headdim).sum(dim=(0, 1, 3))
         dD = (dD if D.dim() == 2 else dD.sum(dim=-1)).to(D.dtype)
     return dx, ddt, dD
+
+
+def dx_checked_config(chunk_size: int, first=DX_CONFIGS[0], cpu=DX_CPU_CONFIG) -> dict:
+    """Blocks of a dx kernel's checked pass (this chapter's, or chapter 6's with its own
+    configurations): the first tuned configuration's (or the interpreter's), unpipelined, since it
+    runs only for rare inputs; TILES row blocks' flags per program."""
+    if INTERPRETED:
+        return dict(cpu.kwargs, TILES=4, num_warps=4, num_stages=1)
+    block_m = min(first.kwargs["BLOCK_M"], chunk_size)
+    return dict(BLOCK_M=block_m, BLOCK_K=min(first.kwargs["BLOCK_K"], block_m), BLOCK_N=first.kwargs["BLOCK_N"],
+                TILES=64, num_warps=4, num_stages=1)
 
 
 def dbc_slot_width():
