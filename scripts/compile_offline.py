@@ -22,7 +22,9 @@ which of them are one binary.
 
 The ``states`` family compiles the two chunk-state kernels (chapter 5's ``chunk_state``, chapter 6's
 ``chunk_states``) as launched at the SSD benchmark's first shape, with and without ``seq_idx``, at
-their first tuned configuration. For every kernel compiled, the report also counts in its TTGIR
+their first tuned configuration. The ``backward`` family compiles the dx kernels of both chapters'
+backward passes and their checked second launches, as launched, with and without ``seq_idx``.
+For every kernel compiled, the report also counts in its TTGIR
 where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
 the loop and once in it; one that waits on a load of its own step, fewer times), and
@@ -112,13 +114,22 @@ class LaunchRecorder:
 
 def launched_arguments(module, kernel_name: str, launcher, *inputs, **options):
     """The (args, kwargs) that ``launcher(*inputs, **options)`` passes to ``module.kernel_name``."""
-    recorder, kernel = LaunchRecorder(), getattr(module, kernel_name)
-    setattr(module, kernel_name, recorder)
+    return launches_of(module, (kernel_name,), launcher, *inputs, **options)[kernel_name]
+
+
+def launches_of(module, kernel_names, launcher, *inputs, **options) -> dict:
+    """{name: (args, kwargs)} of the first launch of each of ``module``'s kernels ``kernel_names`` in
+    ``launcher(*inputs, **options)``, which must launch no other kernel."""
+    recorders = {name: LaunchRecorder() for name in kernel_names}
+    kernels = {name: getattr(module, name) for name in kernel_names}
+    for name, recorder in recorders.items():
+        setattr(module, name, recorder)
     try:
         launcher(*inputs, **options)
     finally:
-        setattr(module, kernel_name, kernel)
-    return recorder.launches[0]
+        for name, kernel in kernels.items():
+            setattr(module, name, kernel)
+    return {name: recorder.launches[0] for name, recorder in recorders.items()}
 
 
 def compile_as_launched(kernel, args, kwargs):
@@ -230,7 +241,40 @@ def states_cases():
                    compile_as_launched(getattr(module, name), args, dict(kwargs, **config.all_kwargs())))
 
 
-FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases}
+def backward_cases():
+    """(name, compile) of the dx kernels of chapter 5's and chapter 6's backward passes and of their
+    checked second launches, at (2, 1024, 8 heads, 64, 128) bfloat16, chunk 256, one group, as their
+    launchers launch them (the dx kernels at their first tuned configuration), with and without seq_idx."""
+    from mamba_annotated.bidirectional import chunk_scan_bwd as bidirectional
+    from mamba_annotated.ssd import chunk_scan_bwd as ssd
+
+    batch, length, heads, headdim, dstate, chunk = 2, 1024, 8, 64, 128, 256
+    n_chunks = length // chunk
+    x = torch.empty(batch, length, heads, headdim, dtype=torch.bfloat16)
+    B = torch.empty(batch, length, 1, dstate, dtype=torch.bfloat16)
+    dS = torch.empty(batch, n_chunks, heads, headdim, dstate, dtype=torch.bfloat16)
+    scores, diagonal = torch.empty(batch, n_chunks, 1, chunk, chunk), torch.empty(batch, n_chunks, 1, chunk)
+    sums, steps = torch.empty(batch, heads, n_chunks, 2, chunk), torch.empty(batch, heads, n_chunks, chunk)
+    A, D = torch.empty(heads), torch.empty(heads)
+    kernels = ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
+    for packed in (False, True):
+        seq_idx = torch.zeros(batch, length, dtype=torch.int32) if packed else None
+        tag = "seq_idx" if packed else "plain"
+        for chapter, module, inputs in (
+                ("ssd", ssd, (scores, x, x, B, dS, sums, steps)),
+                ("bidirectional", bidirectional,
+                 (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A))):
+            launches = launches_of(module, kernels, module.chunk_scan_bwd_dx, *inputs, D=D, seq_idx=seq_idx)
+            config = unwrapped(module.chunk_scan_bwd_dx_kernel, triton.runtime.Autotuner).configs[0]
+            for name, tuned in zip(kernels, (config.all_kwargs(), {})):
+                args, kwargs = launches[name]
+                yield (f"{chapter} {name} {tag}",
+                       lambda module=module, name=name, args=args, kwargs=dict(kwargs, **tuned):
+                       compile_as_launched(getattr(module, name), args, kwargs))
+
+
+FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases,
+            "backward": backward_cases}
 
 
 def main(argv=None):

@@ -187,3 +187,20 @@ def test_packed_chunk_state_tiles_are_fetched_as_far_ahead(tmp_path, kernel, til
     kernels = compile_offline(tmp_path, "states")
     plain, packed = kernels[f"{kernel} plain"]["tile_async_copies"], kernels[f"{kernel} seq_idx"]["tile_async_copies"]
     assert packed * tiles[0] == plain * tiles[1], (plain, packed)
+
+
+def test_the_backward_dx_kernels_compile_as_launched(tmp_path):
+    """compile_offline's ``backward`` family: chapter 5's and chapter 6's dx kernels and their checked
+    second launches (which keep a NaN of dy to the rows that see it) compile for sm_90 as launched,
+    with and without seq_idx; chapter 5's, at the first tuned configuration, without spilling. (Chapter
+    6's spills at that configuration: 32 bytes a thread, 80 with seq_idx, 64 before the checked
+    launch was added, under Triton 3.6.)"""
+    kernels = compile_offline(tmp_path, "backward")
+    assert sorted(kernels) == sorted(f"{chapter} {kernel} {tag}" for chapter in ("ssd", "bidirectional")
+                                     for kernel in ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
+                                     for tag in ("plain", "seq_idx"))
+    for name, found in kernels.items():
+        assert 0 < found["REG"] <= 255, name
+        if name.startswith("ssd"):
+            assert found["STACK"] == 0, (name, found)
+
