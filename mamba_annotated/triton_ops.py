@@ -131,6 +131,22 @@ def drop_hidden_nonfinite(values, seen, hits):
 
 
 @triton.jit
+def drop_hidden_nonfinite_split(values, seen, first, hits_first, hits_rest):
+    """:func:`drop_hidden_nonfinite` for a tile of values that two accumulators of the same rows take,
+    each through its own weights: of the keys a row sees, those where ``first`` (rows, keys) holds
+    count in ``hits_first``, the others in ``hits_rest``, so that each accumulator is made NaN only
+    where its own product would have been."""
+    bad = is_nonfinite(values)
+    bad_key = tl.max(bad.to(tl.int32), 1)
+    if tl.max(bad_key, 0) > 0:
+        hit = seen & (bad_key[None, :] > 0)
+        hits_first += tl.sum((hit & first).to(tl.int32), 1)
+        hits_rest += tl.sum((hit & ~first).to(tl.int32), 1)
+        values = tl.where(bad, 0.0, values)
+    return values, hits_first, hits_rest
+
+
+@triton.jit
 def sequence_run(seq_row, stride_seq_l, chunk_start, chunk_end, owner, CHUNK: tl.constexpr):
     """[first, stop) of a chunk's positions (numbered from 0) whose id in ``seq_row`` is ``owner``:
     one run, since seq_idx never decreases (a packed sequence's positions in the chunk); an empty

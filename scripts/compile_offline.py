@@ -22,8 +22,9 @@ which of them are one binary.
 
 The ``states`` family compiles the two chunk-state kernels (chapter 5's ``chunk_state``, chapter 6's
 ``chunk_states``) as launched at the SSD benchmark's first shape, with and without ``seq_idx``, at
-their first tuned configuration. The ``backward`` family compiles the dx kernels of both chapters'
-backward passes and their checked second launches, as launched, with and without ``seq_idx``.
+their first tuned configuration. The ``backward`` family compiles the kernels of both chapters'
+backward passes that read dy with x (the dx kernels and their checked second launches, the dCB/dG
+and dB/dC kernels), as launched, with and without ``seq_idx``.
 For every kernel compiled, the report also counts in its TTGIR
 where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
@@ -103,25 +104,29 @@ def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_st
 
 
 class LaunchRecorder:
-    """Stands in for a kernel: keeps the arguments of each launch instead of launching."""
+    """Stands in for a kernel: keeps the arguments of each launch instead of launching, and answers
+    for the kernel otherwise (a launcher may read its autotuner's configurations)."""
 
-    def __init__(self):
-        self.launches = []
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
 
 def launched_arguments(module, kernel_name: str, launcher, *inputs, **options):
     """The (args, kwargs) that ``launcher(*inputs, **options)`` passes to ``module.kernel_name``."""
-    return launches_of(module, (kernel_name,), launcher, *inputs, **options)[kernel_name]
+    return launches_of(module, (kernel_name,), launcher, *inputs, **options)[kernel_name][0]
 
 
 def launches_of(module, kernel_names, launcher, *inputs, **options) -> dict:
-    """{name: (args, kwargs)} of the first launch of each of ``module``'s kernels ``kernel_names`` in
+    """{name: [(args, kwargs) of each launch]} of ``module``'s kernels ``kernel_names`` in
     ``launcher(*inputs, **options)``, which must launch no other kernel."""
-    recorders = {name: LaunchRecorder() for name in kernel_names}
     kernels = {name: getattr(module, name) for name in kernel_names}
+    recorders = {name: LaunchRecorder(kernel) for name, kernel in kernels.items()}
     for name, recorder in recorders.items():
         setattr(module, name, recorder)
     try:
@@ -129,7 +134,7 @@ def launches_of(module, kernel_names, launcher, *inputs, **options) -> dict:
     finally:
         for name, kernel in kernels.items():
             setattr(module, name, kernel)
-    return {name: recorder.launches[0] for name, recorder in recorders.items()}
+    return {name: recorder.launches for name, recorder in recorders.items()}
 
 
 def compile_as_launched(kernel, args, kwargs):
@@ -241,10 +246,20 @@ def states_cases():
                    compile_as_launched(getattr(module, name), args, dict(kwargs, **config.all_kwargs())))
 
 
+def first_tuned_kwargs(kernel) -> dict:
+    """The first autotuned configuration's keyword arguments of ``kernel`` ({} where it is not tuned)."""
+    while not isinstance(kernel, triton.JITFunction):
+        if isinstance(kernel, triton.runtime.Autotuner):
+            return kernel.configs[0].all_kwargs()
+        kernel = getattr(kernel, "kernel", None) or kernel.fn
+    return {}
+
+
 def backward_cases():
-    """(name, compile) of the dx kernels of chapter 5's and chapter 6's backward passes and of their
-    checked second launches, at (2, 1024, 8 heads, 64, 128) bfloat16, chunk 256, one group, as their
-    launchers launch them (the dx kernels at their first tuned configuration), with and without seq_idx."""
+    """(name, compile) of the kernels of chapter 5's and chapter 6's backward passes that read dy
+    with x (the dx kernels and their checked second launches, the dCB/dG kernels, the dB/dC
+    kernels), at (2, 1024, 8 heads, 64, 128) bfloat16, chunk 256, one group, as their launchers
+    launch them (tuned kernels at their first configuration), with and without seq_idx."""
     from mamba_annotated.bidirectional import chunk_scan_bwd as bidirectional
     from mamba_annotated.ssd import chunk_scan_bwd as ssd
 
@@ -256,21 +271,24 @@ def backward_cases():
     scores, diagonal = torch.empty(batch, n_chunks, 1, chunk, chunk), torch.empty(batch, n_chunks, 1, chunk)
     sums, steps = torch.empty(batch, heads, n_chunks, 2, chunk), torch.empty(batch, heads, n_chunks, chunk)
     A, D = torch.empty(heads), torch.empty(heads)
-    kernels = ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
+    dx_kernels = ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
     for packed in (False, True):
         seq_idx = torch.zeros(batch, length, dtype=torch.int32) if packed else None
         tag = "seq_idx" if packed else "plain"
-        for chapter, module, inputs in (
-                ("ssd", ssd, (scores, x, x, B, dS, sums, steps)),
-                ("bidirectional", bidirectional,
-                 (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A))):
-            launches = launches_of(module, kernels, module.chunk_scan_bwd_dx, *inputs, D=D, seq_idx=seq_idx)
-            config = unwrapped(module.chunk_scan_bwd_dx_kernel, triton.runtime.Autotuner).configs[0]
-            for name, tuned in zip(kernels, (config.all_kwargs(), {})):
-                args, kwargs = launches[name]
-                yield (f"{chapter} {name} {tag}",
-                       lambda module=module, name=name, args=args, kwargs=dict(kwargs, **tuned):
-                       compile_as_launched(getattr(module, name), args, kwargs))
+        for chapter, module, dx_inputs, dbc_inputs, dbc_kernels in (
+                ("ssd", ssd, (scores, x, x, B, dS, sums, steps), (x, x, B, B, scores, dS, dS, sums, steps),
+                 ("chunk_scan_bwd_dcb_kernel", "chunk_scan_bwd_dbc_kernel")),
+                ("bidirectional", bidirectional, (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A),
+                 (x, x, B, B, B, B, scores, dS, dS, dS, dS, steps, steps, steps, steps, A),
+                 ("chunk_scan_bwd_dscores_kernel", "chunk_scan_bwd_dbc_kernel"))):
+            launches = launches_of(module, dx_kernels, module.chunk_scan_bwd_dx, *dx_inputs, D=D, seq_idx=seq_idx)
+            launches.update(launches_of(module, dbc_kernels, module.chunk_scan_bwd_dbc, *dbc_inputs, seq_idx=seq_idx))
+            for name, calls in launches.items():
+                for i, (args, kwargs) in enumerate(calls):  # the dG kernel: its diagonal and off-diagonal launches
+                    kernel = getattr(module, name)
+                    yield (f"{chapter} {name}{' ' + str(i) if len(calls) > 1 else ''} {tag}",
+                           lambda kernel=kernel, args=args, kwargs=dict(kwargs, **first_tuned_kwargs(kernel)):
+                           compile_as_launched(kernel, args, kwargs))
 
 
 FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases,

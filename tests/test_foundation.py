@@ -189,18 +189,22 @@ def test_packed_chunk_state_tiles_are_fetched_as_far_ahead(tmp_path, kernel, til
     assert packed * tiles[0] == plain * tiles[1], (plain, packed)
 
 
-def test_the_backward_dx_kernels_compile_as_launched(tmp_path):
-    """compile_offline's ``backward`` family: chapter 5's and chapter 6's dx kernels and their checked
-    second launches (which keep a NaN of dy to the rows that see it) compile for sm_90 as launched,
-    with and without seq_idx; chapter 5's, at the first tuned configuration, without spilling. (Chapter
-    6's spills at that configuration: 32 bytes a thread, 80 with seq_idx, 64 before the checked
-    launch was added, under Triton 3.6.)"""
+def test_the_backward_kernels_compile_as_launched(tmp_path):
+    """compile_offline's ``backward`` family: the kernels of chapter 5's and chapter 6's backward
+    passes that read dy with x (the dx kernels and their checked second launches, which keep a NaN
+    of dy to the rows that see it, the dCB/dG kernels and the dB/dC kernels) compile for sm_90 as
+    launched, with and without seq_idx; chapter 5's dx kernels, at the first tuned configuration,
+    without spilling. (Some of the others spill at that configuration under Triton 3.6: chapter 6's
+    dx kernel 32 bytes a thread, 80 with seq_idx; chapter 5's dB/dC kernel 8, 32 with seq_idx.)"""
     kernels = compile_offline(tmp_path, "backward")
-    assert sorted(kernels) == sorted(f"{chapter} {kernel} {tag}" for chapter in ("ssd", "bidirectional")
-                                     for kernel in ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
-                                     for tag in ("plain", "seq_idx"))
+    names = {"ssd": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel", "chunk_scan_bwd_dcb_kernel",
+                     "chunk_scan_bwd_dbc_kernel"),
+             "bidirectional": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel",
+                               "chunk_scan_bwd_dscores_kernel 0", "chunk_scan_bwd_dscores_kernel 1",
+                               "chunk_scan_bwd_dbc_kernel")}
+    assert sorted(kernels) == sorted(f"{chapter} {kernel} {tag}" for chapter, chapter_kernels in names.items()
+                                     for kernel in chapter_kernels for tag in ("plain", "seq_idx"))
     for name, found in kernels.items():
         assert 0 < found["REG"] <= 255, name
-        if name.startswith("ssd"):
+        if name.startswith("ssd chunk_scan_bwd_dx"):
             assert found["STACK"] == 0, (name, found)
-

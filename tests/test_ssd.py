@@ -724,10 +724,10 @@ def test_a_non_finite_value_never_reaches_earlier_outputs(argument, value):
 @pytest.mark.parametrize("argument", ["dy", "x"])
 def test_a_non_finite_value_keeps_to_the_gradients_that_see_it(argument, length, chunk):
     """The backward's causality, one sequence: a NaN at position t (mid-chunk) in dy leaves the
-    gradients of x, dt, B and C finite at every later position (they never reach y_t), and in x at
-    every earlier one (they never read x_t). Zeroed weights times the NaN's row, 0 x NaN, spread
-    it across its chunk both ways, until the selects after the backward's products and the dx
-    kernel's checked launch."""
+    gradients of x, dt, B and C finite at every later position (they never reach y_t), and one in x
+    at every earlier one (they never read x_t). For dy, zeroed weights times the NaN's row, 0 x NaN,
+    spread it to the later rows of its chunk, until the dx kernel's checked launch; the x cases held
+    before and guard the selects after the dCB products."""
     t = chunk + 9
     inputs = make_inputs(batch=1, length=length, heads=2, groups=1)
     dy = randn(*inputs["x"].shape)

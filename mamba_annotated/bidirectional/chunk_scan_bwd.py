@@ -58,7 +58,7 @@ from ..runtime import INTERPRETED
 from ..ssd.tuning import autotune, config
 from ..ssd.chunk_scan import flagged_row_blocks, is_flagged
 from ..ssd.chunk_scan_bwd import dx_checked_config
-from ..triton_ops import (LOG2E, block_size, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm,
+from ..triton_ops import (LOG2E, block_size, cdiv, dot_precision, drop_hidden_nonfinite_split, is_nonfinite, mm,
                           rounded_product)
 from .decays import pair_weight, row_decays
 
@@ -81,17 +81,22 @@ class DecaySlots:
 
 
 @triton.jit
-def transposed_tiles(G_base, dy_base, w, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
-                     stride_seq_l, hidden_nonfinite, HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr,
-                     CHECKED: tl.constexpr):
+def transposed_tiles(G_base, dy_base, w, forward, m, k, t, chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l,
+                     stride_dy_p, stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr,
+                     CHUNK: tl.constexpr, CHECKED: tl.constexpr):
     """The tiles of one step over the rows t (chunk positions k), for the columns m: G[t, s] w as
     an (s, t) tile, zeroed past the chunk's end and, with seq_idx, across sequences; and dy_t. The
     zeroing is a select after the product: the cumulative sums restart at each sequence boundary,
     so a factored weight across one can overflow, and 0 x inf is NaN. dy enters the caller's
     product, where a select cannot reach: CHECKED drops the NaN and inf of dy that a column does
-    not see (another sequence's) and counts in ``hidden_nonfinite`` those it does."""
+    not see (another sequence's, and with the shift its own step's) and counts those it does, in
+    ``hidden`` where ``forward`` (the pairs the forward accumulator takes) holds, else in
+    ``hidden_rev``."""
     t_ok = t < chunk_end
-    keep = t_ok[None, :] & (m[:, None] >= 0)
+    if SHIFT:
+        keep = t_ok[None, :] & (m[:, None] != k[None, :])
+    else:
+        keep = t_ok[None, :] & (m[:, None] >= 0)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-2)
         keep = keep & (seq_s[:, None] == seq_t[None, :])
@@ -99,8 +104,8 @@ def transposed_tiles(G_base, dy_base, w, m, k, t, chunk_end, p, p_ok, seq_row, s
     dyt = tl.load(dy_base + t[:, None].to(tl.int64) * stride_dy_l + p[None, :] * stride_dy_p,
                   mask=t_ok[:, None] & p_ok[None, :], other=0.0)
     if CHECKED:
-        dyt, hidden_nonfinite = drop_hidden_nonfinite(dyt, keep, hidden_nonfinite)
-    return tl.where(keep, GT * w, 0.0), dyt, hidden_nonfinite
+        dyt, hidden, hidden_rev = drop_hidden_nonfinite_split(dyt, keep, forward, hidden, hidden_rev)
+    return tl.where(keep, GT * w, 0.0), dyt, hidden, hidden_rev
 
 
 DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
@@ -155,6 +160,9 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        # the rows with state terms: the chunk's last sequence's (to its end), the carried one's
+        # (from its start); never a row past L, whatever the id of the sequence before it
+        own_last, own_before = (seq_s == seq_last) & row_ok, (seq_s == seq_before) & row_ok
 
     # through the chunk states: dS B_s decayed from s to the chunk's end, dS' B'_s to its start
     F = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -172,8 +180,8 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
         F += mm(Bs, tl.load(dS_ptr + state, mask=state_mask, other=0.0).to(Bs.dtype), PRECISION)
         R += mm(Brs, tl.load(dSr_ptr + state, mask=state_mask, other=0.0).to(Brs.dtype), PRECISION)
     if HAS_SEQ_IDX:  # selects, not a multiply by 0: dS and dS' may hold another sequence's NaN
-        F = tl.where((seq_s == seq_last)[:, None], F * to_end[:, None], 0.0)
-        R = tl.where((seq_s == seq_before)[:, None], R * from_start[:, None], 0.0)
+        F = tl.where(own_last[:, None], F * to_end[:, None], 0.0)
+        R = tl.where(own_before[:, None], R * from_start[:, None], 0.0)
     else:
         F *= to_end[:, None]
         R *= from_start[:, None]
@@ -184,14 +192,17 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
     state_column = -dt_s * tl.sum(rounded_product(F, xs), axis=1)
     state_column_rev = dtr_s * tl.sum(rounded_product(R, xs), axis=1)
     if HAS_SEQ_IDX:  # a row of another sequence has no state term, whatever its x (0 x NaN is NaN)
-        state_column = tl.where(seq_s == seq_last, state_column, 0.0)
-        state_column_rev = tl.where(seq_s == seq_before, state_column_rev, 0.0)
+        state_column = tl.where(own_last, state_column, 0.0)
+        state_column_rev = tl.where(own_before, state_column_rev, 0.0)
 
     # through the diagonal block: the rows t of column s in three runs, those before the row block
     # all reverse, those after it all forward, the band of the row block itself both (as
     # chunk_outputs' loop, whose factored weights these are, transposed)
     m_first = pid_m * BLOCK_M
-    hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
+    # the checked pass's counts of hidden non-finite dy, per accumulator; the runs before and after
+    # the row block feed one accumulator each
+    hidden, hidden_rev = tl.zeros([BLOCK_M], dtype=tl.int32), tl.zeros([BLOCK_M], dtype=tl.int32)
+    reverse_only, forward_only = m[:, None] < 0, m[:, None] >= 0
     G_base = G_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
     e_ref = tl.load(b_ptr + chunk_base + m_first) - A * tl.load(dtr_ptr + chunk_base + m_first)
     to_columns = tl.exp2((e_s - e_ref) * LOG2E)
@@ -200,9 +211,10 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
         _, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                               tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((e_ref - rho_t) * LOG2E)[None, :]
-        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
-                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
-                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
+        W, dyt, hidden, hidden_rev = transposed_tiles(G_base, dy_base, w, reverse_only, m, k, c * CHUNK + k,
+                                                      chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
+                                                      stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX, SHIFT, CHUNK,
+                                                      CHECKED)
         R += mm(W.to(dyt.dtype), dyt, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -210,9 +222,10 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
                                 tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w, forward = pair_weight(k[None, :], m[:, None], r_t[None, :], rho_t[None, :], a_s[:, None], e_s[:, None],
                                  1.0, 1.0, True, SHIFT)
-        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
-                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
-                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
+        W, dyt, hidden, hidden_rev = transposed_tiles(G_base, dy_base, w, forward, m, k, c * CHUNK + k, chunk_end,
+                                                      p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
+                                                      stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX, SHIFT, CHUNK,
+                                                      CHECKED)
         F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
         R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
     a_ref = tl.load(a_ptr + chunk_base + m_first + BLOCK_M - 1)
@@ -222,14 +235,15 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
         r_t, _ = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
                             tl.load(b_ptr + chunk_base + k), tl.load(dtr_ptr + chunk_base + k), A, SHIFT)
         w = to_columns[:, None] * tl.exp2((r_t - a_ref) * LOG2E)[None, :]
-        W, dyt, hidden_nonfinite = transposed_tiles(G_base, dy_base, w, m, k, c * CHUNK + k, chunk_end, p, p_ok,
-                                                    seq_row, seq_s, stride_dy_l, stride_dy_p, stride_seq_l,
-                                                    hidden_nonfinite, HAS_SEQ_IDX, CHUNK, CHECKED)
+        W, dyt, hidden, hidden_rev = transposed_tiles(G_base, dy_base, w, forward_only, m, k, c * CHUNK + k,
+                                                      chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
+                                                      stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX, SHIFT, CHUNK,
+                                                      CHECKED)
         F += mm(W.to(dyt.dtype), dyt, PRECISION)
 
     if CHECKED:
-        F = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), F)
-        R = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), R)
+        F = tl.where((hidden > 0)[:, None], float("nan"), F)
+        R = tl.where((hidden_rev > 0)[:, None], float("nan"), R)
     else:  # a reduction along the row; one program owns each row, so every flag is written, 0 or 1
         row_nonfinite = tl.max(is_nonfinite(F + R).to(tl.int32), 1) > 0
         tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + s, row_nonfinite.to(tl.int8), mask=row_ok)
@@ -378,7 +392,7 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
         keep &= seq_t[:, None] == seq_s[None, :]
     block = ((b * n_chunks + c) * groups + g).to(tl.int64)
     tile = block * CHUNK * CHUNK + i[:, None] * CHUNK + j[None, :]
-    G = tl.load(G_ptr + tile)
+    G = tl.where(keep, tl.load(G_ptr + tile), 0.0)  # a NaN in B or C of another sequence stays out of W = G * term
     forward_tile = pid_i > pid_j
     ref = pid_j * BLOCK_M + tl.where(forward_tile, BLOCK_M - 1, 0)  # the tile's column nearest its rows
     dG = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
@@ -540,7 +554,7 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
         dBr_h = mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
         if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
-            before, last = (seq_r == seq_before)[:, None], (seq_r == seq_last)[:, None]
+            before, last = ((seq_r == seq_before) & row_ok)[:, None], ((seq_r == seq_last) & row_ok)[:, None]
             dq_h, dBr_h = tl.where(before, dq_h, 0.0), tl.where(before, dBr_h, 0.0)
             dqr_h, dB_h = tl.where(last, dqr_h, 0.0), tl.where(last, dB_h, 0.0)
         dq += dq_h
