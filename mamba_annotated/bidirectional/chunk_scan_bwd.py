@@ -108,6 +108,21 @@ def transposed_tiles(G_base, dy_base, w, forward, m, k, t, chunk_end, p, p_ok, s
     return tl.where(keep, GT * w, 0.0), dyt, hidden, hidden_rev
 
 
+@triton.jit
+def state_rows(seq_row, seq_r, row_ok, c, chunk_end, length, stride_seq_l, CHUNK: tl.constexpr):
+    """With seq_idx, the rows r of chunk c (ids ``seq_r``) that have state terms: (those of the chunk's
+    last sequence when it goes on into the next chunk, which the states at the chunk's end belong to;
+    those of the sequence carried in from the previous chunk, which the states at its start belong
+    to). Neither holds in chunk 0's carried-in case or the last chunk's carried-out one (this op
+    takes no initial state and returns no final one), nor for a row past L, whatever the ids: there
+    the states are zero, and a select, not the zero, keeps a NaN of the row's dy or x out."""
+    seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
+    seq_next = tl.load(seq_row + chunk_end * stride_seq_l, mask=chunk_end < length, other=0)
+    seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+    goes_on = (chunk_end < length) & (seq_next == seq_last)
+    return (seq_r == seq_last) & goes_on & row_ok, (seq_r == seq_before) & (c > 0) & row_ok
+
+
 DX_CONFIGS = [config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64), config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_warps=8),
               config(BLOCK_M=64, BLOCK_K=32, BLOCK_N=64, num_stages=4), config(BLOCK_M=32, BLOCK_K=32, BLOCK_N=64)]
 DX_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
@@ -158,11 +173,7 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
-        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
-        seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-        # the rows with state terms: the chunk's last sequence's (to its end), the carried one's
-        # (from its start); never a row past L, whatever the id of the sequence before it
-        own_last, own_before = (seq_s == seq_last) & row_ok, (seq_s == seq_before) & row_ok
+        own_last, own_before = state_rows(seq_row, seq_s, row_ok, c, chunk_end, length, stride_seq_l, CHUNK)
 
     # through the chunk states: dS B_s decayed from s to the chunk's end, dS' B'_s to its start
     F = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
@@ -516,8 +527,7 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
     if HAS_SEQ_IDX:
         seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
         seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
-        seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
-        seq_before = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        last, before = state_rows(seq_row, seq_r, row_ok, c, chunk_end, length, stride_seq_l, CHUNK)
     dq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dq_r = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     dB = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -554,9 +564,8 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * to_end[:, None]
         dBr_h = mm(xr, dSr.to(xr.dtype), PRECISION) * to_start[:, None]
         if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
-            before, last = ((seq_r == seq_before) & row_ok)[:, None], ((seq_r == seq_last) & row_ok)[:, None]
-            dq_h, dBr_h = tl.where(before, dq_h, 0.0), tl.where(before, dBr_h, 0.0)
-            dqr_h, dB_h = tl.where(last, dqr_h, 0.0), tl.where(last, dB_h, 0.0)
+            dq_h, dBr_h = tl.where(before[:, None], dq_h, 0.0), tl.where(before[:, None], dBr_h, 0.0)
+            dqr_h, dB_h = tl.where(last[:, None], dqr_h, 0.0), tl.where(last[:, None], dB_h, 0.0)
         dq += dq_h
         dq_r += dqr_h
         dB += dB_h
@@ -565,8 +574,8 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         state_term = tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1)
         state_term_rev = -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1)
         if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in C
-            state_term = tl.where(seq_r == seq_before, state_term, 0.0)
-            state_term_rev = tl.where(seq_r == seq_last, state_term_rev, 0.0)
+            state_term = tl.where(before, state_term, 0.0)
+            state_term_rev = tl.where(last, state_term_rev, 0.0)
         tl.store(state_ptr + slot * CHUNK + m, state_term)
         tl.store(state_rev_ptr + slot * CHUNK + m, state_term_rev)
 

@@ -398,10 +398,6 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-        # the rows with state terms (the carried sequence's, the chunk's last one's); never a row
-        # past L, whatever the id of the sequence before it
-        from_carry = (seq_r == seq_carry) & row_ok
-        in_last = (seq_r == seq_last) & (seq_last >= 0) & row_ok
     # this program's slots of the step gradients: dstate blocks of SLOT_N, of which BLOCK_N spans BLOCK_N // SLOT_N
     SLOTS: tl.constexpr = BLOCK_N // SLOT_N
     slot = pid_n * SLOTS + tl.arange(0, SLOTS)
@@ -428,15 +424,15 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * start_decay[:, None]
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * end_decay[:, None]
         if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
-            dC_h = tl.where(from_carry[:, None], dC_h, 0.0)
-            dB_h = tl.where(in_last[:, None], dB_h, 0.0)
+            dC_h = tl.where((seq_r == seq_carry)[:, None], dC_h, 0.0)
+            dB_h = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], dB_h, 0.0)
         # the state terms' shares: exp(a_r) counts for every step k <= r, exp(a_last - a_r) for
         # the steps between r and the chunk's end (k > r): kept apart, each summed over its own range
         from_start = tl.sum(tl.reshape(rounded_product(Cr, dC_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         to_end = tl.sum(tl.reshape(rounded_product(Br, dB_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in B or C
-            from_start = tl.where(from_carry[:, None], from_start, 0.0)
-            to_end = tl.where(in_last[:, None], to_end, 0.0)
+            from_start = tl.where((seq_r == seq_carry)[:, None], from_start, 0.0)
+            to_end = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], to_end, 0.0)
         slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
         tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
         tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
