@@ -195,7 +195,7 @@ def test_the_backward_kernels_compile_as_launched(tmp_path):
     of dy to the rows that see it, the dCB/dG kernels and the dB/dC kernels) compile for sm_90 as
     launched, with and without seq_idx; chapter 5's dx kernels, at the first tuned configuration,
     without spilling. (Some of the others spill at that configuration under Triton 3.6: chapter 6's
-    dx kernel 32 bytes a thread, 80 with seq_idx; chapter 5's dB/dC kernel 8, 32 with seq_idx.)"""
+    dx kernel 32 bytes a thread, 80 with seq_idx; chapter 5's dB/dC kernel 8, 48 with seq_idx.)"""
     kernels = compile_offline(tmp_path, "backward")
     names = {"ssd": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel", "chunk_scan_bwd_dcb_kernel",
                      "chunk_scan_bwd_dbc_kernel"),
