@@ -27,11 +27,19 @@ def source_of(obj) -> str:
     return inspect.getsource(python_function(obj))
 
 
-def show_source(obj):
-    """Display the source of a function or Triton kernel as a highlighted code block."""
+def show_source(*objs):
+    """Display the source of one or more functions or Triton kernels as one highlighted code block
+    (several in one call, because Jupyter displays only the last expression of a cell)."""
     from IPython.display import Markdown
 
-    return Markdown(f"```python\n{source_of(obj)}```")
+    return Markdown(f"```python\n{listing_of(*objs)}```")
+
+
+def listing_of(*objs) -> str:
+    """The sources of ``objs`` (:func:`source_of`), in order, a blank line between them."""
+    if not objs:
+        raise TypeError("show_source: give at least one function")
+    return "\n".join(source_of(obj) for obj in objs)
 
 
 def source_fragment(obj, start: str, end: str | None = None) -> str:

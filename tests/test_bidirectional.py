@@ -663,13 +663,7 @@ def test_each_direction_keeps_a_non_finite_dy_to_its_own_steps(shift):
     assert grads["dt_rev"][0, :20].isfinite().all() and grads["B_rev"][0, :20].isfinite().all()
 
 
-SSD_CHUNK0_LEAK = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known leak (chapter 5's dB/dC kernel): in chunk 0 the carried id defaults to 0, so rows of an id-0 "
-           "sequence after negative ids take a state term of the zero initial state, 0 x NaN")
-
-
-@pytest.mark.parametrize("op", [pytest.param(ssd_chunk_scan, marks=SSD_CHUNK0_LEAK), bidirectional_chunk_scan,
+@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan,
                                 functools.partial(bidirectional_chunk_scan, shift=True)],
                          ids=["ssd", "bidirectional", "bidirectional-shift"])
 def test_a_non_finite_dy_in_chunk_0_stays_in_its_sequence_whatever_the_ids(op):

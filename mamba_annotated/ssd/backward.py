@@ -37,7 +37,8 @@ def chunk_gradients(dy, x, B, C, saved, *, D=None, initial_states=None, seq_idx=
     del dH
     dx, d_step, dD = chunk_scan_bwd_dx(saved.CB, x, dy, B, dS, dA_cumsum, dt_out, D=D, seq_idx=seq_idx, sum_D=sum_D)
     dB, dC, (pairs, from_start, to_end) = chunk_scan_bwd_dbc(x, dy, B, C, saved.CB, saved.states_in, dS, dA_cumsum,
-                                                             dt_out, seq_idx=seq_idx)
+                                                             dt_out, seq_idx=seq_idx,
+                                                             has_initial_states=initial_states is not None)
     grads = dict(x=dx, B=dB, C=dC, D=dD,
                  initial_states=d_initial.to(initial_states.dtype) if initial_states is not None else None)
     return grads, DecayGradients(d_step, pairs, from_start, to_end, carry)

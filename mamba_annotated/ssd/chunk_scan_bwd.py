@@ -367,9 +367,9 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
                               stride_c_b, stride_c_l, stride_c_g, stride_c_n,
                               stride_d_b, stride_d_l, stride_d_g, stride_d_n,
                               stride_seq_b, stride_seq_l,
-                              HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+                              HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                              BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
     """dB and dC of rows r: the state terms per head (summed over the group's heads; their shares of
     the step gradients go to this program's slots), then the diagonal-block terms
     once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
@@ -398,6 +398,9 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         seq_r = tl.load(seq_row + r.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_last = tl.load(seq_row + (chunk_end - 1) * stride_seq_l)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
+        # the rows the state entering the chunk belongs to: in chunk 0 those of id 0 when an initial
+        # state is given (as upstream), else none, whatever the ids (the state is zero, its term 0 x dy)
+        carried = (seq_r == seq_carry) & ((c > 0) | HAS_INITIAL_STATES)
     # this program's slots of the step gradients: dstate blocks of SLOT_N, of which BLOCK_N spans BLOCK_N // SLOT_N
     SLOTS: tl.constexpr = BLOCK_N // SLOT_N
     slot = pid_n * SLOTS + tl.arange(0, SLOTS)
@@ -424,14 +427,14 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         dC_h = mm(dyr, H.to(dyr.dtype), PRECISION) * start_decay[:, None]
         dB_h = mm(xr, dS.to(xr.dtype), PRECISION) * end_decay[:, None]
         if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
-            dC_h = tl.where((seq_r == seq_carry)[:, None], dC_h, 0.0)
+            dC_h = tl.where(carried[:, None], dC_h, 0.0)
             dB_h = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], dB_h, 0.0)
         # the state terms' shares: exp(a_r) counts for every step k <= r, exp(a_last - a_r) for
         # the steps between r and the chunk's end (k > r): kept apart, each summed over its own range
         from_start = tl.sum(tl.reshape(rounded_product(Cr, dC_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         to_end = tl.sum(tl.reshape(rounded_product(Br, dB_h), (BLOCK_M, SLOTS, SLOT_N)), axis=2)
         if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in B or C
-            from_start = tl.where((seq_r == seq_carry)[:, None], from_start, 0.0)
+            from_start = tl.where(carried[:, None], from_start, 0.0)
             to_end = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], to_end, 0.0)
         slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
         tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
@@ -522,12 +525,13 @@ def dbc_slot_width():
     return narrowest
 
 
-def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq_idx=None):
+def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq_idx=None, has_initial_states=False):
     """Returns dB, dC (B's shape and dtype, contiguous) and the slots of d(dt' A): (pairs, from_start,
     to_end) of :class:`DecayGradients` (its carry comes from :func:`.state_passing.state_passing_backward`).
 
     states_in: H_c, the states entering each chunk; dS: their gradients (both contiguous, in the
-    inputs' dtype or float32). x, dy, B, C and seq_idx are addressed by their own strides."""
+    inputs' dtype or float32; states_in of chunk 0 is the initial state, or zero without one:
+    has_initial_states). x, dy, B, C and seq_idx are addressed by their own strides."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
@@ -553,7 +557,7 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
         x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end,
         length, heads, groups, n_chunks, headdim, dstate, n_slots,
         *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides,
-        HAS_SEQ_IDX=seq_idx is not None, CHUNK=chunk_size, BLOCK_P=block_size(headdim, largest=128),
-        SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
+        HAS_SEQ_IDX=seq_idx is not None, HAS_INITIAL_STATES=has_initial_states, CHUNK=chunk_size,
+        BLOCK_P=block_size(headdim, largest=128), SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
     )
     return dB, dC, (pairs, from_start, to_end)
