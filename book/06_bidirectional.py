@@ -553,6 +553,8 @@ else:
 # - **The $dG$ kernel split in two launches.** The diagonal tiles keep the full weights; the others use the factored ones, with the loop over the heads of a group software-pipelined and autotuned. $dG$ went from 1.62 ms to 0.78 ms.
 #
 # The output kernel and the $dx$ kernel gained little from the cheaper weights (0.68 → 0.66 ms, 1.51 → 1.43 ms), so their exponentials were not what bound them.
+#
+# The $dx$ kernel's tuned list now also offers 32 rows with two warps. In a probe on an H200 that appended it and other configurations to each kernel's list, the tuner's trials gave it 1.402 ms against 1.448 ms for the former pick, while the same tile with four warps took 2.04 ms (`data/kernel_config_probe.json`); the whole forward and backward pass went from 4.76 to 4.70 ms. None of the other configurations tried there beat a tuned list's pick by more than a trial's noise, for this chapter's output kernel or chapter 5's kernels.
 # :::
 
 # %% [markdown]
