@@ -139,7 +139,7 @@ def main():
     parser.add_argument("dirs", nargs="+", help="folders that each hold a mamba_annotated package")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
-    parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here")
+    parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here, after every round")
     args = parser.parse_args()
     cases = {k: v for k, v in CASES.items() if not args.cases or any(c in k for c in args.cases.split(","))}
     dirs = [os.path.abspath(d) for d in args.dirs]
@@ -158,7 +158,9 @@ def main():
                 for name, ms in times.items():
                     results[d][name].append(ms)
                 # as it goes, so that a run cut off by a time limit still leaves its rounds in the log
+                # and in the JSON file (a cold cache of two copies' backward kernels can take minutes)
                 print(f"round of {os.path.basename(d)}: " + json.dumps(times), file=sys.stderr, flush=True)
+                write_json(args.json, results)
     width = max(len(n) for n in cases)
     labels = [os.path.basename(d) for d in dirs]
     print(f"{'case (ms, median of rounds; min-max)':<{width}}  " + "  ".join(f"{lab:>22}" for lab in labels))
@@ -168,8 +170,13 @@ def main():
             runs = results[d][name]
             cells.append(f"{statistics.median(runs):8.4f} ({min(runs):.4f}-{max(runs):.4f})")
         print(f"{name:<{width}}  " + "  ".join(f"{c:>22}" for c in cells))
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(args.json, results)
+
+
+def write_json(path, results):
+    """{dir: {case: [ms per round so far]}} to ``path`` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -219,7 +219,8 @@ def packing_table(run):
         elif between > 0:
             reading = "is mostly time between the kernels, where the GPU waits for the host"
         else:
-            reading = "is more than the whole call's, so the two measurements disagree beyond their noise"
+            reading = ("is negative: the kernels' extra time is more than the whole call's, so the two "
+                       "measurements disagree beyond their noise")
         sentences.append(f"The whole call took {extra:+.3f} ms more (the table above). The difference, "
                          f"{between:+.3f} ms, {reading}; the two are measured differently (medians of whole "
                          f"calls with the L2 cache flushed before each, and kernel times from the profiler), so "

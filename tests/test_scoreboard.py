@@ -308,3 +308,8 @@ def test_the_packing_breakdown_gets_a_table_against_the_whole_call(tmp_path):
         row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.24), row(8, "fwd", 1.2)])))
     verdict = scoreboard.ssd(tmp_path)[2].verdict[1]
     assert "-0.010 ms, is within a tenth of it, so the extra time is spent in the kernels" in verdict
+    # kernels' extra time well above the whole call's: the two measurements disagree
+    (tmp_path / scoreboard.VARIANTS_FILE).write_text(json.dumps(dict(run, packing_stages=stages, variants=[
+        row(1, "fwd+bwd", 2.0), row(8, "fwd+bwd", 2.1), row(8, "fwd", 1.2)])))
+    verdict = scoreboard.ssd(tmp_path)[2].verdict[1]
+    assert "+0.100 ms more" in verdict and "-0.150 ms, is negative" in verdict and "disagree beyond their noise" in verdict
