@@ -35,6 +35,10 @@ CASES = {
     "ssd fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.ssd_chunk_scan)",
     "ssd fwd+bwd packed (4, 4096, 80, 64, 128)": "packed_training_case()",
     "bidirectional fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.bidirectional_chunk_scan)",
+    # the speed bars' forms: Bi-Mamba2's (shared parameters) and Hydra's (the shift, separate ones)
+    "bidirectional fwd+bwd bar form (4, 4096, 80, 64, 128)": "bidirectional_bar_case(False, True)",
+    "bidirectional fwd hydra form (4, 4096, 80, 64, 128)": "bidirectional_bar_case(True, False)",
+    "bidirectional fwd+bwd hydra form (4, 4096, 80, 64, 128)": "bidirectional_bar_case(True, True)",
     **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
        for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
                              ("bfloat16", 100000))},
@@ -124,6 +128,21 @@ def bidirectional_case(packed):
     x, dt, A, B, C = ssd_inputs()
     seq_idx = packed_ids(x, packed)
     return lambda: ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
+
+def bidirectional_bar_case(shift, backward):  # with D, dt_bias and softplus, as bench_bidirectional.py
+    x, dt, A, B, C = ssd_inputs()
+    heads = x.shape[2]
+    D, dt_bias, dy = torch.randn(heads, device=dev), 0.5 * torch.randn(heads, device=dev), torch.randn_like(x)
+    separate = dict(dt_rev=torch.randn_like(dt) - 1, B_rev=0.3 * torch.randn_like(B), C_rev=0.3 * torch.randn_like(C))
+    extra = separate if shift else {}
+    inputs = [t.requires_grad_(backward) for t in (x, dt, B, C, D, dt_bias, *extra.values())]
+
+    def step():
+        with torch.enable_grad():
+            out = ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                              shift=shift, **extra)
+            return torch.autograd.grad(out, inputs, dy) if backward else out
+    return step
 
 times = {}
 for name, make in json.loads(sys.argv[2]).items():
