@@ -31,6 +31,7 @@
 # | $h_t$, $h_{-1}$ | the state after step $t$, the initial state |
 # | $\Delta_t$, $A$, $B_t$, $C_t$ | step size, state matrix (diagonal), input and readout maps of the SSM |
 # | $N$ | the state size (dstate): $h_t \in \mathbb{R}^N$ per channel |
+# | $d$, $n$ | a channel (one of the layer's `dim` features, each with its own SSM) and a state ($0 \le n < N$) |
 # | $a_t$, $b_t$ | decay and input of the scalar recurrence $h_t = a_t h_{t-1} + b_t$ ($a_t = \bar A_t$, $b_t = \bar B_t x_t$) |
 # | $\mathcal J$; $g_t$, $\lambda_t$ | the loss; the gradient arriving at $h_t$ from above, and the total derivative $d\mathcal J/dh_t$ |
 # ```
@@ -65,7 +66,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# On a sequence we sample it with a step size $\Delta$. Hold $x$ (and $B$) constant over one step (zero-order hold); the linear ODE is then solved exactly over that step, $h(t+\Delta) = e^{\Delta A} h(t) + \int_0^{\Delta} e^{uA}\,du\; B\,x$, and with $A$ invertible $\int_0^{\Delta} e^{uA}\,du = A^{-1}(e^{\Delta A} - I) = (\Delta A)^{-1}(e^{\Delta A} - I)\,\Delta$. Writing $h_t$ for the state at the end of step $t$, this gives
+# On a sequence we sample it with a step size $\Delta$. Hold $x$ (and $B$) constant over one step (zero-order hold); the linear ODE is then solved exactly over that step, $h(t+\Delta) = e^{\Delta A} h(t) + \int_0^{\Delta} e^{uA}\,du\; B\,x$ (for the diagonal $A$ Mamba uses, each state obeys a scalar equation $h' = \alpha h + \beta x$, and with $x$ held fixed $h(t + \Delta) = e^{\alpha\Delta} h(t) + \frac{e^{\alpha\Delta} - 1}{\alpha} \beta x$, which you can check by differentiating in $\Delta$), and with $A$ invertible $\int_0^{\Delta} e^{uA}\,du = A^{-1}(e^{\Delta A} - I) = (\Delta A)^{-1}(e^{\Delta A} - I)\,\Delta$. Writing $h_t$ for the state at the end of step $t$, this gives
 #
 # $$
 # \begin{aligned}
@@ -77,7 +78,7 @@ runtime.describe()
 #
 # When $\Delta_t A$ is small, $(\Delta_t A)^{-1}(\exp(\Delta_t A) - I) \approx I$ and $\bar B_t \approx \Delta_t B_t$; for large steps the two part ways (with $A = -1$, $B = 1$ and $\Delta = 3$, the exact $\bar B$ is $1 - e^{-3} \approx 0.95$, the approximation 3).
 #
-# Mamba {cite}`gu2023mamba` makes the model *selective*: $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba keeps the exact decay $\bar A_t = \exp(\Delta_t A)$ but replaces $\bar B_t$ by its first-order term, $\bar B_t = \Delta_t B_t$ (the factor $(\Delta_t A)^{-1}(e^{\Delta_t A} - I) = I + \Delta_t A/2 + \dots$ set to $I$, as a forward-Euler step would), at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
+# Mamba {cite}`gu2023mamba` makes the model *selective*: each token carries `dim` channels, channel $d$ runs its own SSM, and $\Delta_t$, $B_t$ and $C_t$ are computed from the input at every step, so the model can decide per token how much to remember. $A$ is diagonal (one decay per channel $d$ and state $n$), so every pair $(d, n)$ is an independent scalar recurrence, and Mamba keeps the exact decay $\bar A_t = \exp(\Delta_t A)$ but replaces $\bar B_t$ by its first-order term, $\bar B_t = \Delta_t B_t$ (the factor $(\Delta_t A)^{-1}(e^{\Delta_t A} - I) = I + \Delta_t A/2 + \dots$ set to $I$, as a forward-Euler step would), at every step size. Writing $a_t = \bar A_t$ and $b_t = \bar B_t x_t$ for one pair, everything reduces to
 #
 # $$
 # \begin{gathered}
@@ -174,7 +175,7 @@ plt.show()
 # Parallel across channels, sequential along time: each program's chain of arrows is as long as the sequence.
 
 # %% [markdown]
-# The kernel (`mamba_annotated/scan/sequential.py`). Three lines to look for in it: `row_start = rows.to(tl.int64) * length` makes the offsets 64-bit, because `channels × L` can pass $2^{31}$; the `if REVERSE:` branch picks the step $t$ of iteration $i$, from the front or from the back; and `.to(tl.float32)` on every load carries the state in float32 whatever the input dtype, rounded once to the output dtype at the store. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain.
+# The kernel (`mamba_annotated/scan/sequential.py`). Three lines to look for in it: `row_start = rows.to(tl.int64) * length` makes the offsets 64-bit, because `channels × L` can pass $2^{31}$; the `if REVERSE:` branch picks the step $t$ of iteration $i$, from the front or from the back; and `.to(tl.float32)` on every load carries the state in float32 whatever the input dtype, rounded once to the output dtype at the store. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain. (The `@lean_launch` line above `@triton.jit`, here and on every kernel of the book, is the package's wrapper that cuts the Python time of a launch; it does not change what the kernel computes.)
 
 # %%
 show_source(sequential_scan_fwd_kernel)
@@ -224,7 +225,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # \end{gathered}
 # $$
 #
-# So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop:
+# So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop. In the listing, `a_next` starts at 0, which makes $\lambda_{L-1} = g_{L-1}$; it is loaded *after* its use, so at step $t$ it holds $a_{t+1}$, and after the loop it holds $a_0$, which gives $dh_{-1}$. `prev` is only clamped to keep the load in bounds, and `tl.where` (the elementwise select of `torch.where`) puts $h_{-1}$ in its place at the first step:
 
 # %%
 show_source(sequential_scan_bwd_kernel)
@@ -243,11 +244,13 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 #
 # The kernel moves the fewest bytes possible: it reads $a$ and $b$ once and writes $h$ once, $3 \cdot \text{channels} \cdot L \cdot 4$ bytes in float32 (the backward pass reads $a$, $h$, $g$ and writes two gradients: 5 arrays of that size in all). Dividing by the measured device-to-device copy bandwidth gives the **{term}`memory floor`**: the time it takes to stream that many bytes at the speed `torch`'s own copy kernel reaches.
 #
-# The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (4.8 TB/s on the H200 these cells ran on; 3.35 TB/s on an H100 SXM) lies about 13% above the measured copy bandwidth of 4.25 TB/s: the copy reaches 88.5% of it.
+# The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (4.8 TB/s on the H200 these cells ran on; 3.35 TB/s on an H100 SXM) lies 13–14% above the measured copy bandwidth (4.24 TB/s in the stored benchmark, 4.22 TB/s in this page's run): the copy reaches about 88% of it.
 #
 # We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) on `8 × 1536` rows: batch 8 and 1536 channels, one state each. (A Mamba layer of that width with $N = 16$ states would have 16 times as many rows, and 16 times as many programs.)
 #
-# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.53 ms, about 215 ns per step, several hundred cycles: the time scale of a trip to memory. In each step the whole launch moves 384 programs × 3 arrays × 32 channels × 4 bytes = 147 KB, and 147 KB per 215 ns is the 0.68 TB/s in the table; to reach the copy bandwidth in the same time per step, about six times as many bytes would have to be in flight at once. Two things keep that number small. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, and memory is read in 32-byte *sectors* (eight float32 numbers), so every load instruction touches 32 separate sectors to use 4 bytes of each (the rest of each sector serves the following seven steps, from cache). The PyTorch loop is far slower still, since each step costs several kernel launches.
+# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.53 ms, about 215 ns per step, several hundred cycles: the time scale of a trip to memory.
+#
+# In each step the whole launch moves 384 programs × 3 arrays × 32 channels × 4 bytes = 147 KB, and 147 KB per 215 ns is the 0.68 TB/s in the table; to reach the copy bandwidth in the same time per step, about six times as many bytes would have to be in flight at once. Two things keep that number small. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, and memory is read in 32-byte *sectors* (eight float32 numbers), so every load instruction touches 32 separate sectors to use 4 bytes of each (the rest of each sector serves the following seven steps, from cache). The PyTorch loop is far slower still, since each step costs several kernel launches.
 
 # %% tags=["nbval-ignore-output"]
 channels = runtime.size(gpu=8 * 1536, cpu=16)
@@ -276,7 +279,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (664–684 of 4219 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 94 to 99 times slower than the kernel (580 to 610 times the floor). Walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (664–684 of 4219 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 94 to 99 times slower than the kernel (580 to 615 times the floor). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next

@@ -17,7 +17,7 @@
 #
 # In this chapter you will learn:
 #
-# - why early Triton kernels bit-packed the pair $(a, b)$ into a single integer to scan it, and how: bitcast, shift, or;
+# - why early Triton kernels bit-packed the pair $(a, b)$ into a single integer to scan it, and how: bitcast, shift, bitwise OR (`|`);
 # - how to write a {term}`combine` that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
 # - whether packing still pays on today's Triton: what it does to the number of {term}`shuffles <shuffle>`, and its speed measured on the GPU against the tuple scan.
 #
@@ -87,7 +87,7 @@ plt.show()
 # %% [markdown]
 # ## Pack, unpack, and the combine between them
 #
-# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` (the unsigned integer type of one field), `WORD` types and the field width `BITS` are compile-time constants, so one pair of helpers serves both layouts.
+# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` and `WORD` types and the field width `BITS` are compile-time constants (`HALF` is not float16: it is the unsigned integer type of one field, `uint32` for a float32 pair and `uint16` for a 16-bit one; `WORD` is `uint64` or `uint32`, `BITS` 32 or 16), so one pair of helpers serves both layouts.
 #
 # Two kinds of cast do the work, and they differ. `x.to(HALF, bitcast=True)` is a *bitcast*: it relabels the bits of a float as an integer of the same width, changing none of them. `.to(WORD)` from an unsigned `HALF` widens with zeros on top, and `.to(HALF)` from a `WORD` is a *narrowing cast*: it keeps the low `BITS` bits and drops the rest, again without arithmetic. Only `a.to(FLOAT)` and `b.to(FLOAT)` at the start of `pack_pair` convert a value (rounding float32 to 16 bits in the 16-bit layout; nothing in the float32 one).
 #
@@ -132,7 +132,9 @@ print("packed float32 == tuple scan, bit for bit: True")
 #
 # For bfloat16 the pair fits in 32 bits, but the packed element has room for 16-bit values only: every combine must *round* its float32 result back to bfloat16 before repacking. The tuple scan of chapter 2 loads 16-bit inputs too, but its running values stay float32 and are rounded once, on output. The packed scan rounds at every combine, so its state carries the rounding errors of all the combines that built it.
 #
-# A yardstick for the packed scan is the same kind of arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. It is not the same arithmetic, so the bits differ: the loop rounds $h$ once per step, in time order, where the packed scan rounds both halves of every combine in its tree, including the running product of the decays, which the loop never forms. The check below therefore asks for an error of the same size, not the same error: at most twice the loop's, plus $10^{-3}$. (One {term}`interpreter` fact: Triton's CPU interpreter keeps bfloat16 as raw bits and, left alone, *truncates* float32 to bfloat16, where a GPU rounds to nearest even. `mamba_annotated` makes the interpreter round as the GPU does (`mamba_annotated/interpreter_rounding.py`), so one yardstick serves both.)
+# A yardstick for the packed scan is the same kind of arithmetic done in plain PyTorch: compose in float32, round the state to 16 bits after every step. It is not the same arithmetic, so the bits differ: the loop rounds $h$ once per step, in time order, where the packed scan rounds both halves of every combine in its tree, including the running product of the decays, which the loop never forms. The check below therefore asks for an error of the same size, not the same error: at most twice the loop's, plus $10^{-3}$.
+#
+# (One {term}`interpreter` fact: Triton's CPU interpreter keeps bfloat16 as raw bits and, left alone, *truncates* float32 to bfloat16, where a GPU rounds to nearest even. `mamba_annotated` makes the interpreter round as the GPU does (`mamba_annotated/interpreter_rounding.py`), so one yardstick serves both.)
 
 # %% tags=["nbval-ignore-output"]
 def sixteen_bit_loop(a, b):
@@ -219,7 +221,7 @@ plt.show()
 #
 # Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan, and the same two shuffles per exchange — so it gains nothing. For 16-bit inputs, packing a pair into one 32-bit word halves the shuffles but keeps the scan's state in 16 bits, less accurate than the tuple scan's float32 state, and it is slower anyway; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, but then needs two shuffles, like the tuple scan. The tuple scan stays our building block.
 #
-# Both one-block kernels stop at `MAX_LENGTH` = 65536 steps: one program holds the whole row, and 65536 pairs are 131072 32-bit values, twice the register file of an H100 {term}`SM`. Chapter 4 chains blocks with {term}`carries <carry>` to scan any length.
+# Both one-block kernels stop at `MAX_LENGTH` = 65536 steps, the package's cap: one program holds the whole row, and 65536 pairs are already 131072 32-bit values, twice the register file of an H100's or H200's {term}`SM`, so such a block {term}`spills <spill>` to local memory. Chapter 4 chains blocks with {term}`carries <carry>` to scan any length.
 #
 # **Exercises** (answers to 1 and 2 in the dropdown below them; 3 and 4 have checkers):
 #
