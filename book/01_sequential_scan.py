@@ -175,7 +175,7 @@ plt.show()
 # Parallel across channels, sequential along time: each program's chain of arrows is as long as the sequence.
 
 # %% [markdown]
-# The kernel (`mamba_annotated/scan/sequential.py`). Three lines to look for in it: `row_start = rows.to(tl.int64) * length` makes the offsets 64-bit, because `channels × L` can pass $2^{31}$; the `if REVERSE:` branch picks the step $t$ of iteration $i$, from the front or from the back; and `.to(tl.float32)` on every load carries the state in float32 whatever the input dtype, rounded once to the output dtype at the store. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain. (The `@lean_launch` line above `@triton.jit`, here and on every kernel of the book, is the package's wrapper that cuts the Python time of a launch; it does not change what the kernel computes.)
+# The kernel (`mamba_annotated/scan/sequential.py`). Three lines to look for in it: `row_start = rows.to(tl.int64) * length` makes the offsets 64-bit, because `channels × L` can pass $2^{31}$; the `if REVERSE:` branch picks the step $t$ of iteration $i$, from the front or from the back; and `.to(tl.float32)` on every load carries the state in float32 whatever the input dtype, rounded once to the output dtype at the store. Loads do not depend on the carried state, so the compiler is free to issue them ahead of the multiply-add chain. (The `@lean_launch` line above `@triton.jit`, here and on the package's other production kernels, is the package's wrapper that cuts the Python time of a launch; it does not change what the kernel computes.)
 
 # %%
 show_source(sequential_scan_fwd_kernel)
