@@ -209,6 +209,10 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
     if HAS_SEQ_IDX:  # a row of another sequence has no state term, whatever its x (0 x NaN is NaN)
         state_column = tl.where(own_last, state_column, 0.0)
         state_column_rev = tl.where(own_before, state_column_rev, 0.0)
+    if SHARED_STEP:
+        # one step for both directions: dx and the direct step gradient take F + R only, so from here
+        # on one accumulator takes both directions' products (and the band one product, not two)
+        F += R
 
     # through the diagonal block: the rows t of column s in three runs, those before the row block
     # all reverse, those after it all forward, the band of the row block itself both (as
@@ -230,7 +234,10 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
                                                       chunk_end, p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
                                                       stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX, SHIFT, CHUNK,
                                                       CHECKED)
-        R += mm(W.to(dyt.dtype), dyt, PRECISION)
+        if SHARED_STEP:
+            F += mm(W.to(dyt.dtype), dyt, PRECISION)
+        else:
+            R += mm(W.to(dyt.dtype), dyt, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         r_t, rho_t = row_decays(tl.load(a_ptr + chunk_base + k), tl.load(dt_ptr + chunk_base + k),
@@ -241,8 +248,11 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
                                                       p, p_ok, seq_row, seq_s, stride_dy_l, stride_dy_p,
                                                       stride_seq_l, hidden, hidden_rev, HAS_SEQ_IDX, SHIFT, CHUNK,
                                                       CHECKED)
-        F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
-        R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
+        if SHARED_STEP:
+            F += mm(W.to(dyt.dtype), dyt, PRECISION)
+        else:
+            F += mm(tl.where(forward, W, 0.0).to(dyt.dtype), dyt, PRECISION)
+            R += mm(tl.where(forward, 0.0, W).to(dyt.dtype), dyt, PRECISION)
     a_ref = tl.load(a_ptr + chunk_base + m_first + BLOCK_M - 1)
     to_columns = tl.exp2((a_ref - a_s) * LOG2E)
     for k0 in range(m_first + BLOCK_M, CHUNK, BLOCK_K):
@@ -256,26 +266,35 @@ def dx_tile(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr, dS_ptr, dSr_ptr, a_ptr,
                                                       CHECKED)
         F += mm(W.to(dyt.dtype), dyt, PRECISION)
 
-    if CHECKED:
+    if SHARED_STEP:
+        if CHECKED:
+            F = tl.where((hidden + hidden_rev > 0)[:, None], float("nan"), F)
+        else:  # a reduction along the row; one program owns each row, so every flag is written, 0 or 1
+            row_nonfinite = tl.max(is_nonfinite(F).to(tl.int32), 1) > 0
+            tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + s, row_nonfinite.to(tl.int8), mask=row_ok)
+    elif CHECKED:
         F = tl.where((hidden > 0)[:, None], float("nan"), F)
         R = tl.where((hidden_rev > 0)[:, None], float("nan"), R)
-    else:  # a reduction along the row; one program owns each row, so every flag is written, 0 or 1
+    else:
         row_nonfinite = tl.max(is_nonfinite(F + R).to(tl.int32), 1) > 0
         tl.store(flags_ptr + (b * heads + h).to(tl.int64) * length + s, row_nonfinite.to(tl.int8), mask=row_ok)
     dys = tl.load(dy_base + rows * stride_dy_l + p[None, :] * stride_dy_p, mask=mask, other=0.0).to(tl.float32)
-    if not SHIFT:
-        Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
-        R += Gd_s[:, None] * dys
-    direct = tl.sum(rounded_product(F, xs), axis=1)
-    direct_rev = tl.sum(rounded_product(R, xs), axis=1)
-    if SHARED_STEP:  # one step for both directions: its direct gradient is the sum
-        direct += direct_rev
     out = chunk_base + m
-    tl.store(direct_ptr + out, direct)
-    tl.store(direct_rev_ptr + out, direct_rev)
+    if SHARED_STEP:  # the step's direct gradient takes both directions (DIRECT_REV is not read then)
+        if not SHIFT:
+            Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
+            F += Gd_s[:, None] * dys
+        tl.store(direct_ptr + out, tl.sum(rounded_product(F, xs), axis=1))
+        dx = F * dt_s[:, None]
+    else:
+        if not SHIFT:
+            Gd_s = tl.load(Gd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
+            R += Gd_s[:, None] * dys
+        tl.store(direct_ptr + out, tl.sum(rounded_product(F, xs), axis=1))
+        tl.store(direct_rev_ptr + out, tl.sum(rounded_product(R, xs), axis=1))
+        dx = F * dt_s[:, None] + R * dtr_s[:, None]
     tl.store(state_column_ptr + out, state_column)
     tl.store(state_column_rev_ptr + out, state_column_rev)
-    dx = F * dt_s[:, None] + R * dtr_s[:, None]
     if HAS_D:
         if D_PER_CHANNEL:
             dx += dys * tl.load(D_ptr + h * headdim + p, mask=p_ok, other=0.0).to(tl.float32)[None, :]
