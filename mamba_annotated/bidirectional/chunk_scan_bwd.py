@@ -518,12 +518,15 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
                               stride_d_b, stride_d_l, stride_d_g, stride_d_n,
                               stride_seq_b, stride_seq_l,
                               HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
-                              SHARED_C: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                              SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PRECISION: tl.constexpr):
     """dB, dC (and dB', dC') of rows r for one block of dstate: the state terms per head, then the
     diagonal-block terms once per group from dG. The four gradient outputs are allocated alike
     (one set of strides, stride_d_*); with the shift, dC and dC' receive the query gradients dq, dq'
-    (float32), which :mod:`.backward` moves one row over."""
+    (float32), which :mod:`.backward` moves one row over. ONE_PAIR (B and C shared by both
+    directions, no shift): both directions' terms go to one pair of accumulators, dq and dB, and
+    the diagonal block's two triangles are one product each, where the other forms keep four."""
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
@@ -589,10 +592,14 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         if HAS_SEQ_IDX:  # selects, not a multiply by 0: a row's dy or x, or a state, may hold another sequence's NaN
             dq_h, dBr_h = tl.where(before[:, None], dq_h, 0.0), tl.where(before[:, None], dBr_h, 0.0)
             dqr_h, dB_h = tl.where(last[:, None], dqr_h, 0.0), tl.where(last[:, None], dB_h, 0.0)
-        dq += dq_h
-        dq_r += dqr_h
-        dB += dB_h
-        dB_r += dBr_h
+        if ONE_PAIR:
+            dq += dq_h + dqr_h
+            dB += dB_h + dBr_h
+        else:
+            dq += dq_h
+            dq_r += dqr_h
+            dB += dB_h
+            dB_r += dBr_h
         slot = chunk.to(tl.int64) * n_slots + pid_n
         state_term = tl.sum(rounded_product(q.to(tl.float32), dq_h), axis=1)
         state_term_rev = -tl.sum(rounded_product(q_r.to(tl.float32), dqr_h), axis=1)
@@ -618,27 +625,36 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         tile = tl.load(dG_base + m[:, None] * CHUNK + k[None, :])       # dG[r, u]
         tileT = tl.load(dG_base + k[None, :] * CHUNK + m[:, None])      # dG[u, r]
         Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n, mask=un_mask, other=0.0)
-        Bru = tl.load(br_base + u[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n, mask=un_mask,
-                      other=0.0)
         qu_row, qru_row = u - SHIFT, u + SHIFT
         qu = tl.load(c_base + qu_row[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                      mask=(u_ok & (qu_row >= 0))[:, None] & n_ok[None, :], other=0.0)
-        qru = tl.load(cr_base + qru_row[:, None].to(tl.int64) * stride_cr_l + n[None, :] * stride_cr_n,
-                      mask=(u_ok & (qru_row < length))[:, None] & n_ok[None, :], other=0.0)
-        dq += mm(tl.where(forward, tile, 0.0).to(Bu.dtype), Bu, PRECISION)
-        dq_r += mm(tl.where(k[None, :] > m[:, None], tile, 0.0).to(Bru.dtype), Bru, PRECISION)
-        dB += mm(tl.where(forward_T, tileT, 0.0).to(qu.dtype), qu, PRECISION)
-        dB_r += mm(tl.where(k[None, :] < m[:, None], tileT, 0.0).to(qru.dtype), qru, PRECISION)
+        if ONE_PAIR:  # the forward triangle (u <= r) and the reverse one (u > r) read the same B and C
+            dq += mm(tile.to(Bu.dtype), Bu, PRECISION)
+            dB += mm(tileT.to(qu.dtype), qu, PRECISION)
+        else:
+            Bru = tl.load(br_base + u[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n, mask=un_mask,
+                          other=0.0)
+            qru = tl.load(cr_base + qru_row[:, None].to(tl.int64) * stride_cr_l + n[None, :] * stride_cr_n,
+                          mask=(u_ok & (qru_row < length))[:, None] & n_ok[None, :], other=0.0)
+            dq += mm(tl.where(forward, tile, 0.0).to(Bu.dtype), Bu, PRECISION)
+            dq_r += mm(tl.where(k[None, :] > m[:, None], tile, 0.0).to(Bru.dtype), Bru, PRECISION)
+            dB += mm(tl.where(forward_T, tileT, 0.0).to(qu.dtype), qu, PRECISION)
+            dB_r += mm(tl.where(k[None, :] < m[:, None], tileT, 0.0).to(qru.dtype), qru, PRECISION)
     if not SHIFT:  # the reverse diagonal: Gd_r = C'_r . B'_r
         dGd = tl.load(dGd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
         Brr = tl.load(br_base + r[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n,
                       mask=row_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        dq_r += dGd[:, None] * Brr
-        dB_r += dGd[:, None] * q_r.to(tl.float32)
-    if SHARED_B:
-        dB += dB_r
-    if SHARED_C and not SHIFT:
-        dq += dq_r
+        if ONE_PAIR:
+            dq += dGd[:, None] * Brr
+            dB += dGd[:, None] * q_r.to(tl.float32)
+        else:
+            dq_r += dGd[:, None] * Brr
+            dB_r += dGd[:, None] * q_r.to(tl.float32)
+    if not ONE_PAIR:
+        if SHARED_B:
+            dB += dB_r
+        if SHARED_C and not SHIFT:
+            dq += dq_r
     rn_mask = row_ok[:, None] & n_ok[None, :]
     out = b.to(tl.int64) * stride_d_b + g * stride_d_g + r[:, None].to(tl.int64) * stride_d_l + n[None, :] * stride_d_n
     tl.store(dB_ptr + out, dB.to(dB_ptr.dtype.element_ty), mask=rn_mask)
@@ -732,8 +748,9 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
         state[0], state[1], length, heads, groups, n_chunks, headdim, dstate, n_slots,
         *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *B_rev.stride(), *C_rev.stride(), *dB.stride(),
         *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_B=shared_b, SHARED_C=shared_c,
-        CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p, BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
-        num_warps=8,  # four accumulators (dq, dq', dB, dB') and two query tiles live through the loops
+        ONE_PAIR=shared_b and shared_c and not shift, CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p,
+        BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+        num_warps=8,  # four accumulators (two with ONE_PAIR) and two query tiles live through the loops
         num_stages=1 if wide_float32 else 3,
     )
     return dB, dC, dB_rev, dC_rev, (diag, state)
