@@ -1002,3 +1002,27 @@ def test_dD_with_the_gate_is_summed_before_its_rounding(D_shape, shift):
                                      lambda **a: bidirectional_ref(**a, shift=shift), differentiable, tol=1.0,
                                      seed=seed)["D"] for seed in range(size(gpu=4, cpu=2))]
     assert max(errors) < 1e-4, errors
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("nan_in", ["B", "B_rev", "x", "C_last"])
+@pytest.mark.parametrize("separate", [False, True])
+def test_with_the_shift_a_non_finite_input_stays_out_of_the_outputs_that_skip_it(nan_in, separate, packed):
+    """With the shift (Hydra's form) and no D, y_t reads neither x_t nor B_t (nor B'_t): the
+    diagonal's weight is 0. Its score and x_t still entered the band's product, 0 x NaN, so a NaN
+    in B_t, B'_t or x_t made y_t NaN; and a NaN in a sequence's last C, which the next sequence's
+    first row takes as its forward query, reached that row through the same diagonal entry.
+    Sequences [0, 21) and [21, 45) (or one, unpacked), chunk 16; the NaN at t = 10, or in C at t = 20."""
+    if (nan_in == "B_rev" and not separate) or (nan_in == "C_last" and not packed):
+        pytest.skip("B' is B" if nan_in == "B_rev" else "one sequence: row 21 reads C_20")
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=separate, D_shape=None, z=False)
+    if packed:
+        inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 21).to(torch.int32)[None]
+    name, at = ("C", 20) if nan_in == "C_last" else (nan_in, 10)
+    inputs[name][0, at] = math.nan
+    y = bidirectional_chunk_scan(**inputs, chunk_size=16, dt_softplus=True, shift=True)
+    if nan_in == "C_last":
+        assert y[0, 21:].isfinite().all()
+    else:  # the NaN's own row stays finite, and the next row that reads it does not
+        reader = at - 1 if nan_in == "B_rev" else at + 1
+        assert y[0, at].isfinite().all() and not y[0, reader].isfinite().all()

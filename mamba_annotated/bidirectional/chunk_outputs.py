@@ -47,19 +47,24 @@ assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in CONFIGS + [CP
 @triton.jit
 def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t,
                   stride_x_l, stride_x_p, stride_seq_l,
-                  HAS_SEQ_IDX: tl.constexpr, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+                  HAS_SEQ_IDX: tl.constexpr, SKIP_DIAGONAL: tl.constexpr, CHUNK: tl.constexpr,
+                  PRECISION: tl.constexpr):
     """acc + (G * w) x over the columns s (chunk positions k) of one step: the weights w of rows m,
-    zeroed past the chunk's end and, with seq_idx, across sequences; and hidden_nonfinite
+    zeroed past the chunk's end, with seq_idx across sequences, and with SKIP_DIAGONAL (the shift,
+    in the band of the row block) where s is the row's own position, whose weight is 0 but whose
+    score (its B, or the previous sequence's last C) or x may be non-finite; and hidden_nonfinite
     (:func:`..triton_ops.drop_hidden_nonfinite`) updated."""
     s_ok = s < chunk_end
     keep = s_ok[None, :]
+    if SKIP_DIAGONAL:
+        keep = keep & (m[:, None] != k[None, :])
     if HAS_SEQ_IDX:
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
         keep = keep & (seq_t[:, None] == seq_s[None, :])
     G = tl.load(G_base + m[:, None] * CHUNK + k[None, :])
     xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                  mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-    if HAS_SEQ_IDX:  # a NaN or inf of x in another sequence would still enter through the product
+    if HAS_SEQ_IDX or SKIP_DIAGONAL:  # a NaN or inf of an x a row skips would still enter through the product
         xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
     return acc + mm(tl.where(keep, G * w, 0.0).to(xs.dtype), xs, PRECISION), hidden_nonfinite
 
@@ -157,7 +162,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w = to_rows[:, None] * from_columns[None, :]
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, False, CHUNK, PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
@@ -167,7 +172,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
                            tl.load(dt_ptr + chunk_base + k)[None, :], dtr_s[None, :], True, SHIFT)
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, SHIFT, CHUNK, PRECISION)
     after = tl.minimum(m_first + BLOCK_M, CHUNK - 1)  # (unused when the row block ends the chunk)
     e_ref = tl.load(b_ptr + chunk_base + after) - A * tl.load(dtr_ptr + chunk_base + after)
     to_rows = tl.exp2((e_ref - rho_t) * LOG2E)
@@ -178,7 +183,7 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w = to_rows[:, None] * from_columns[None, :]
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, False, CHUNK, PRECISION)
 
     acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
     mask = row_ok[:, None] & p_ok[None, :]
