@@ -280,7 +280,7 @@ def backward_cases():
                  ("chunk_scan_bwd_dcb_kernel", "chunk_scan_bwd_dbc_kernel")),
                 ("bidirectional", bidirectional, (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A),
                  (x, x, B, B, B, B, scores, dS, dS, dS, dS, steps, steps, steps, steps, A),
-                 ("chunk_scan_bwd_dscores_kernel", "chunk_scan_bwd_dbc_kernel"))):
+                 ("chunk_scan_bwd_dscores_kernel", "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel"))):
             launches = launches_of(module, dx_kernels, module.chunk_scan_bwd_dx, *dx_inputs, D=D, seq_idx=seq_idx)
             launches.update(launches_of(module, dbc_kernels, module.chunk_scan_bwd_dbc, *dbc_inputs, seq_idx=seq_idx))
             for name, calls in launches.items():

@@ -201,7 +201,7 @@ def test_the_backward_kernels_compile_as_launched(tmp_path):
                      "chunk_scan_bwd_dbc_kernel"),
              "bidirectional": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel",
                                "chunk_scan_bwd_dscores_kernel 0", "chunk_scan_bwd_dscores_kernel 1",
-                               "chunk_scan_bwd_dbc_kernel")}
+                               "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel")}
     assert sorted(kernels) == sorted(f"{chapter} {kernel} {tag}" for chapter, chapter_kernels in names.items()
                                      for kernel in chapter_kernels for tag in ("plain", "seq_idx"))
     for name, found in kernels.items():

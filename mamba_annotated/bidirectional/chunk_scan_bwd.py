@@ -58,8 +58,8 @@ from ..runtime import INTERPRETED
 from ..ssd.tuning import autotune, config
 from ..ssd.chunk_scan import flagged_row_blocks, is_flagged
 from ..ssd.chunk_scan_bwd import dx_checked_config
-from ..triton_ops import (LOG2E, block_size, cdiv, dot_precision, drop_hidden_nonfinite_split, is_nonfinite, mm,
-                          rounded_product)
+from ..triton_ops import (LOG2E, block_size, cdiv, dot_precision, drop_hidden_nonfinite, drop_hidden_nonfinite_split,
+                          is_nonfinite, mm, rounded_product)
 from .decays import pair_weight, row_decays
 
 # the dx kernel's per-position outputs, planes of one buffer: d dt' direct (of both directions when
@@ -503,36 +503,38 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
         tl.store(dGd_ptr + block * CHUNK + i, dGd)
 
 
-@lean_launch
 @triton.jit
-def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
-                              dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
-                              dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr,
-                              length, heads, groups, n_chunks, headdim, dstate, n_slots,
-                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-                              stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-                              stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-                              stride_br_b, stride_br_l, stride_br_g, stride_br_n,
-                              stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
-                              stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-                              stride_seq_b, stride_seq_l,
-                              HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
-                              SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PRECISION: tl.constexpr):
+def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+             dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+             dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+             stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+             SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+             PRECISION: tl.constexpr,
+             pid, pid_mn, CHECKED: tl.constexpr):
     """dB, dC (and dB', dC') of rows r for one block of dstate: the state terms per head, then the
     diagonal-block terms once per group from dG. The four gradient outputs are allocated alike
     (one set of strides, stride_d_*); with the shift, dC and dC' receive the query gradients dq, dq'
     (float32), which :mod:`.backward` moves one row over. ONE_PAIR (B and C shared by both
     directions, no shift): both directions' terms go to one pair of accumulators, dq and dB, and
-    the diagonal block's two triangles are one product each, where the other forms keep four."""
-    pid = tl.program_id(0)
+    the diagonal block's two triangles are one product each, where the other forms keep four.
+    Unchecked, as if B and C were finite, it marks in ``flags`` (batch, groups, L, n_slots) the rows
+    that come out non-finite in this program's slot of dstate; checked, it keeps each NaN or inf of
+    B and C (and B', C') to the rows that read it."""
     g = pid % groups
     c = (pid // groups) % n_chunks
     b = pid // (groups * n_chunks)
     n_m = CHUNK // BLOCK_M
-    pid_m, pid_n = tl.program_id(1) % n_m, tl.program_id(1) // n_m
+    pid_m, pid_n = pid_mn % n_m, pid_mn // n_m
     heads_per_group = heads // groups
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -606,11 +608,19 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in C
             state_term = tl.where(before, state_term, 0.0)
             state_term_rev = tl.where(last, state_term_rev, 0.0)
-        tl.store(state_ptr + slot * CHUNK + m, state_term)
-        tl.store(state_rev_ptr + slot * CHUNK + m, state_term_rev)
+        if not CHECKED:  # (the checked launch recomputes only the gradients of B and C)
+            tl.store(state_ptr + slot * CHUNK + m, state_term)
+            tl.store(state_rev_ptr + slot * CHUNK + m, state_term_rev)
 
-    # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'
+    # the diagonal blocks, once per group: the forward triangle with B and q, the reverse with B' and q'.
+    # B and C enter the products, so a NaN in a B_u or query that row r does not read (the other
+    # triangle's, another sequence's) would reach it as 0 x NaN: the checked launch drops those
+    # values and makes NaN the rows that do read one, per accumulator (chapter 5's does the same)
     dG_base = dG_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    hidden_q = tl.zeros([BLOCK_M], dtype=tl.int32)
+    hidden_qr = tl.zeros([BLOCK_M], dtype=tl.int32)
+    hidden_B = tl.zeros([BLOCK_M], dtype=tl.int32)
+    hidden_Br = tl.zeros([BLOCK_M], dtype=tl.int32)
     for k0 in range(0, CHUNK, BLOCK_M):
         k = k0 + tl.arange(0, BLOCK_M)
         u = c * CHUNK + k
@@ -628,7 +638,15 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         qu_row, qru_row = u - SHIFT, u + SHIFT
         qu = tl.load(c_base + qu_row[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                      mask=(u_ok & (qu_row >= 0))[:, None] & n_ok[None, :], other=0.0)
+        if CHECKED:
+            seen = u_ok[None, :] & row_ok[:, None]
+            if HAS_SEQ_IDX:
+                seq_u = tl.load(seq_row + u.to(tl.int64) * stride_seq_l, mask=u_ok, other=-2)
+                seen &= seq_r[:, None] == seq_u[None, :]
         if ONE_PAIR:  # the forward triangle (u <= r) and the reverse one (u > r) read the same B and C
+            if CHECKED:
+                Bu, hidden_q = drop_hidden_nonfinite(Bu, seen, hidden_q)
+                qu, hidden_B = drop_hidden_nonfinite(qu, seen, hidden_B)
             dq += mm(tile.to(Bu.dtype), Bu, PRECISION)
             dB += mm(tileT.to(qu.dtype), qu, PRECISION)
         else:
@@ -636,10 +654,20 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
                           other=0.0)
             qru = tl.load(cr_base + qru_row[:, None].to(tl.int64) * stride_cr_l + n[None, :] * stride_cr_n,
                           mask=(u_ok & (qru_row < length))[:, None] & n_ok[None, :], other=0.0)
+            if CHECKED:
+                Bu, hidden_q = drop_hidden_nonfinite(Bu, seen & forward, hidden_q)
+                Bru, hidden_qr = drop_hidden_nonfinite(Bru, seen & (k[None, :] > m[:, None]), hidden_qr)
+                qu, hidden_B = drop_hidden_nonfinite(qu, seen & forward_T, hidden_B)
+                qru, hidden_Br = drop_hidden_nonfinite(qru, seen & (k[None, :] < m[:, None]), hidden_Br)
             dq += mm(tl.where(forward, tile, 0.0).to(Bu.dtype), Bu, PRECISION)
             dq_r += mm(tl.where(k[None, :] > m[:, None], tile, 0.0).to(Bru.dtype), Bru, PRECISION)
             dB += mm(tl.where(forward_T, tileT, 0.0).to(qu.dtype), qu, PRECISION)
             dB_r += mm(tl.where(k[None, :] < m[:, None], tileT, 0.0).to(qru.dtype), qru, PRECISION)
+    if CHECKED:
+        dq = tl.where((hidden_q > 0)[:, None], float("nan"), dq)
+        dq_r = tl.where((hidden_qr > 0)[:, None], float("nan"), dq_r)
+        dB = tl.where((hidden_B > 0)[:, None], float("nan"), dB)
+        dB_r = tl.where((hidden_Br > 0)[:, None], float("nan"), dB_r)
     if not SHIFT:  # the reverse diagonal: Gd_r = C'_r . B'_r
         dGd = tl.load(dGd_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK + m)
         Brr = tl.load(br_base + r[:, None].to(tl.int64) * stride_br_l + n[None, :] * stride_br_n,
@@ -655,6 +683,10 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
             dB += dB_r
         if SHARED_C and not SHIFT:
             dq += dq_r
+    if not CHECKED:  # per row, for this program's slot of dstate: every flag is written, 0 or 1
+        bad = is_nonfinite(dq) | is_nonfinite(dB) | is_nonfinite(dq_r) | is_nonfinite(dB_r)
+        flag_rows = ((b * groups + g).to(tl.int64) * length + r) * n_slots + pid_n
+        tl.store(flags_ptr + flag_rows, (tl.max(bad.to(tl.int32), 1) > 0).to(tl.int8), mask=row_ok)
     rn_mask = row_ok[:, None] & n_ok[None, :]
     out = b.to(tl.int64) * stride_d_b + g * stride_d_g + r[:, None].to(tl.int64) * stride_d_l + n[None, :] * stride_d_n
     tl.store(dB_ptr + out, dB.to(dB_ptr.dtype.element_ty), mask=rn_mask)
@@ -663,6 +695,76 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
         tl.store(dBr_ptr + out, dB_r.to(dBr_ptr.dtype.element_ty), mask=rn_mask)
     if SHIFT or not SHARED_C:
         tl.store(dCr_ptr + out, dq_r.to(dCr_ptr.dtype.element_ty), mask=rn_mask)
+
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+             dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+             dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+             stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+             SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+             PRECISION: tl.constexpr):
+    dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr, dG_ptr, dGd_ptr, a_ptr,
+             dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr, dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr,
+             state_rev_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_br_b, stride_br_l, stride_br_g, stride_br_n, stride_cr_b, stride_cr_l, stride_cr_g,
+             stride_cr_n, stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX, SHIFT, SHARED_B, SHARED_C, ONE_PAIR, CHUNK, BLOCK_M, BLOCK_P, BLOCK_N, PRECISION,
+             tl.program_id(0), tl.program_id(1), False)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dbc_checked_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+             dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+             dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+             stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+             SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """The row blocks of :func:`dbc_tile` with a flagged row, again, checked; the others read their
+    flags and leave."""
+    pid, pid_mn = tl.program_id(0), tl.program_id(1)
+    g = pid % groups
+    c = (pid // groups) % n_chunks
+    b = pid // (groups * n_chunks)
+    n_m = CHUNK // BLOCK_M
+    r = c * CHUNK + (pid_mn % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    flags = tl.load(flags_ptr + ((b * groups + g).to(tl.int64) * length + r) * n_slots + pid_mn // n_m,
+                    mask=r < length, other=0)
+    if tl.max(flags, 0) > 0:
+        dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr, dG_ptr, dGd_ptr, a_ptr,
+                 dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr, dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr,
+                 state_rev_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+                 stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                 stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                 stride_br_b, stride_br_l, stride_br_g, stride_br_n, stride_cr_b, stride_cr_l, stride_cr_g,
+                 stride_cr_n, stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
+                 HAS_SEQ_IDX, SHIFT, SHARED_B, SHARED_C, ONE_PAIR, CHUNK, BLOCK_M, BLOCK_P, BLOCK_N, PRECISION,
+                 pid, pid_mn, True)
 
 
 def chunk_scan_bwd_dx(G, Gd, x, dy, B, B_rev, dS, dS_rev, a, dt_out, b, dt_rev_out, A, *, D=None, seq_idx=None,
@@ -742,15 +844,22 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     # 64 rows keep four float32 accumulators and two query tiles in registers for 16-bit inputs of
     # headdim <= 64; float32 tiles or a wider headdim spilled 17 KB per thread (ptxas, sm_90) there
     rows = tile if INTERPRETED or (x.element_size() == 2 and headdim <= 64) else min(32, chunk_size)
-    chunk_scan_bwd_dbc_kernel[(batch * n_chunks * groups, (chunk_size // rows) * n_slots)](
-        x, dy, B, C, B_rev, C_rev, H, H_rev, dS, dS_rev, dG, dGd if dGd is not None else dG, a, dt_out, b,
-        dt_rev_out, A, *seq_args, dB, dC, dB_rev if dB_rev is not None else dB, dC_rev if dC_rev is not None else dC,
-        state[0], state[1], length, heads, groups, n_chunks, headdim, dstate, n_slots,
-        *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *B_rev.stride(), *C_rev.stride(), *dB.stride(),
-        *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_B=shared_b, SHARED_C=shared_c,
-        ONE_PAIR=shared_b and shared_c and not shift, CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p,
-        BLOCK_N=block_n, PRECISION=dot_precision(x.dtype),
+    flags = outputs.empty((batch, groups, length, n_slots), torch.int8, x.device)  # the first launch writes each
+    args = (x, dy, B, C, B_rev, C_rev, H, H_rev, dS, dS_rev, dG, dGd if dGd is not None else dG, a, dt_out, b,
+            dt_rev_out, A, *seq_args, dB, dC, dB_rev if dB_rev is not None else dB,
+            dC_rev if dC_rev is not None else dC, state[0], state[1], flags,
+            length, heads, groups, n_chunks, headdim, dstate, n_slots,
+            *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *B_rev.stride(), *C_rev.stride(), *dB.stride(),
+            *seq_strides)
+    options = dict(HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), SHARED_B=shared_b, SHARED_C=shared_c,
+                   ONE_PAIR=shared_b and shared_c and not shift, CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p,
+                   BLOCK_N=block_n, PRECISION=dot_precision(x.dtype))
+    grid = (batch * n_chunks * groups, (chunk_size // rows) * n_slots)
+    chunk_scan_bwd_dbc_kernel[grid](
+        *args, **options,
         num_warps=8,  # four accumulators (two with ONE_PAIR) and two query tiles live through the loops
         num_stages=1 if wide_float32 else 3,
     )
+    # the row blocks with a row that came out non-finite again, checked (chapter 5's two launches)
+    chunk_scan_bwd_dbc_checked_kernel[grid](*args, **options, num_warps=8, num_stages=1)
     return dB, dC, dB_rev, dC_rev, (diag, state)
