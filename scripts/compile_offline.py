@@ -277,7 +277,7 @@ def backward_cases():
         tag = "seq_idx" if packed else "plain"
         for chapter, module, dx_inputs, dbc_inputs, dbc_kernels in (
                 ("ssd", ssd, (scores, x, x, B, dS, sums, steps), (x, x, B, B, scores, dS, dS, sums, steps),
-                 ("chunk_scan_bwd_dcb_kernel", "chunk_scan_bwd_dbc_kernel")),
+                 ("chunk_scan_bwd_dcb_kernel", "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel")),
                 ("bidirectional", bidirectional, (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A),
                  (x, x, B, B, B, B, scores, dS, dS, dS, dS, steps, steps, steps, steps, A),
                  ("chunk_scan_bwd_dscores_kernel", "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel"))):

@@ -744,20 +744,13 @@ def test_with_the_shift_a_non_finite_dy_skips_its_own_step():
     assert grads["dt"][0, 20].isfinite().all() and grads["dt_rev"][0, 20].isfinite().all()
 
 
-SSD_DBC_LEAK = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="known leak (chapter 5's dB/dC kernel): its diagonal products multiply a zeroed dCB entry by a B (or C) "
-           "row the output does not read (0 x NaN); chapter 6's kernel has a checked launch")
-
-
-@pytest.mark.parametrize("op", [pytest.param(ssd_chunk_scan, marks=SSD_DBC_LEAK), bidirectional_chunk_scan],
-                         ids=["ssd", "bidirectional"])
+@pytest.mark.parametrize("op", [ssd_chunk_scan, bidirectional_chunk_scan], ids=["ssd", "bidirectional"])
 def test_a_non_finite_B_stays_in_its_packed_sequence(op):
     """A NaN in B at t = 33, in the first of two packed sequences (0 up to t = 36 of 45, then 1,
-    chunk 16), should leave the second sequence's gradients finite. It reaches dC of the second
+    chunk 16), leaves the second sequence's gradients finite. It reached dC of the second
     sequence's rows in the same chunk: dC_r sums dCB[r, s] B_s over the chunk's columns, and a
-    select on dCB cannot keep out a NaN of B that enters through the product. (A NaN in C reaches
-    dB of the rows that do not see it in the same way.)"""
+    select on dCB cannot keep out a NaN of B that enters through the product; the dB/dC kernels'
+    checked launches do. (A NaN in C reached dB of the rows that do not read it in the same way.)"""
     inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=False)
     inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 36).to(torch.int32)[None]
     inputs["B"][0, 33] = math.nan

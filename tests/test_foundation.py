@@ -195,10 +195,11 @@ def test_the_backward_kernels_compile_as_launched(tmp_path):
     of dy to the rows that see it, the dCB/dG kernels and the dB/dC kernels) compile for sm_90 as
     launched, with and without seq_idx; chapter 5's dx kernels, at the first tuned configuration,
     without spilling. (Some of the others spill at that configuration under Triton 3.6: chapter 6's
-    dx kernel 32 bytes a thread, 80 with seq_idx; chapter 5's dB/dC kernel 8, 48 with seq_idx.)"""
+    dx kernel 32 bytes a thread, 80 with seq_idx; chapter 5's dB/dC kernel 8, 24 with seq_idx, and
+    its checked launch, which runs only where B or C holds a non-finite value, 192 and 296.)"""
     kernels = compile_offline(tmp_path, "backward")
     names = {"ssd": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel", "chunk_scan_bwd_dcb_kernel",
-                     "chunk_scan_bwd_dbc_kernel"),
+                     "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel"),
              "bidirectional": ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel",
                                "chunk_scan_bwd_dscores_kernel 0", "chunk_scan_bwd_dscores_kernel 1",
                                "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel")}

@@ -739,6 +739,33 @@ def test_a_non_finite_value_keeps_to_the_gradients_that_see_it(argument, length,
     assert all(grads[name][0, clear].isfinite().all() for name in ("x", "dt", "B", "C")), grads
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("argument", ["B", "C"])
+def test_a_non_finite_B_or_C_reaches_only_the_gradients_that_read_it(argument, packed):
+    """A NaN in B_s (or C_s) at s = 25, mid-chunk (chunk 16): y_t reads B_s for t >= s and C_s for
+    t = s only, so dC of the rows before s (dB of the rows after s) must stay finite, and with
+    packed sequences ([0, 28), [28, 45)) so must every gradient of the second sequence. B and C
+    enter the dB/dC kernel's diagonal products, where a zeroed dCB entry times the NaN gave 0 x NaN
+    to the rows that do not read it, until its checked launch; the NaN does reach the rows that do."""
+    s = 25
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, seq_idx=packed)
+    del inputs["initial_states"]
+    if packed:
+        inputs["seq_idx"] = (torch.arange(45, device=DEVICE) >= 28).to(torch.int32)[None]
+    inputs[argument] = inputs[argument].clone()
+    inputs[argument][0, s] = math.nan
+    for name in ("x", "dt", "B", "C"):
+        inputs[name].requires_grad_()
+    grads = gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=16, dt_softplus=True), inputs,
+                      randn(*inputs["x"].shape))
+    if argument == "B":
+        assert grads["C"][0, :s].isfinite().all() and not grads["C"][0, s + 1].isfinite().any()
+    else:
+        assert grads["B"][0, s + 1:28].isfinite().all() and not grads["B"][0, s - 1].isfinite().any()
+    if packed:
+        assert all(grads[name][0, 28:].isfinite().all() for name in ("x", "dt", "B", "C")), grads
+
+
 @pytest.mark.parametrize("argument, t", [("x", 2), ("B", 2), ("x", 20), ("C", 20), ("dt", 2), ("dt", 7)])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_value_stays_in_its_packed_sequence(argument, t, value):

@@ -355,30 +355,31 @@ DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
 DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
 
 
-@lean_launch
-@autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
-def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-                              seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr,
-                              length, heads, groups, n_chunks, headdim, dstate, n_slots,
-                              stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-                              stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-                              stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-                              stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-                              stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-                              stride_seq_b, stride_seq_l,
-                              HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                              BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+             seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr,
+             pid, pid_mn, CHECKED: tl.constexpr):
     """dB and dC of rows r: the state terms per head (summed over the group's heads; their shares of
     the step gradients go to this program's slots), then the diagonal-block terms
-    once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*)."""
-    pid = tl.program_id(0)
+    once per group from dCB. dB and dC are allocated alike: one set of strides (stride_d_*).
+    Unchecked, as if B and C were finite, it marks in ``flags`` (batch, groups, L, n_slots) the
+    rows and slots of dstate that come out non-finite; checked, it keeps each NaN or inf of B and C
+    to the rows that read it."""
     g = pid % groups
     c = (pid // groups) % n_chunks
     b = pid // (groups * n_chunks)
     n_m = CHUNK // BLOCK_M
-    pid_m, pid_n = tl.program_id(1) % n_m, tl.program_id(1) // n_m
+    pid_m, pid_n = pid_mn % n_m, pid_mn // n_m
     heads_per_group = heads // groups
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -436,32 +437,115 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
         if HAS_SEQ_IDX:  # and after those products: a row without a state term may hold a NaN in B or C
             from_start = tl.where(carried[:, None], from_start, 0.0)
             to_end = tl.where(((seq_r == seq_last) & (seq_last >= 0))[:, None], to_end, 0.0)
-        slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
-        tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
-        tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
+        if not CHECKED:  # (the checked launch recomputes only dB and dC)
+            slot_rows = (chunk.to(tl.int64) * n_slots + slot[None, :]) * CHUNK + m[:, None]
+            tl.store(from_start_ptr + slot_rows, from_start, mask=slot_ok[None, :])
+            tl.store(to_end_ptr + slot_rows, to_end, mask=slot_ok[None, :])
         dC += dC_h
         dB += dB_h
-    # diagonal blocks, once per group: dC_r += sum_{s <= r} dCB[r, s] B_s, dB_r += sum_{t >= r} dCB[t, r] C_t
+    # diagonal blocks, once per group: dC_r += sum_{s <= r} dCB[r, s] B_s, dB_r += sum_{t >= r} dCB[t, r] C_t.
+    # B and C enter through the products, so a NaN in a B_s or C_t that row r does not read (a later
+    # step, another sequence) would reach it as 0 x NaN: the checked launch drops those values and
+    # makes NaN the rows that do read one (chapter 5's forward chunk scan does the same for x)
     cb_base = dCB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    hidden_C = tl.zeros([BLOCK_M], dtype=tl.int32)
+    hidden_B = tl.zeros([BLOCK_M], dtype=tl.int32)
     for k0 in range(0, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         u = c * CHUNK + k
         u_ok = u < chunk_end
+        if CHECKED:
+            seen = u_ok[None, :] & row_ok[:, None]
+            if HAS_SEQ_IDX:
+                seq_u = tl.load(seq_row + u.to(tl.int64) * stride_seq_l, mask=u_ok, other=-2)
+                seen &= seq_r[:, None] == seq_u[None, :]
         if k0 < (pid_m + 1) * BLOCK_M:
             tile = tl.load(cb_base + m[:, None] * CHUNK + k[None, :])
             tile = tl.where((k[None, :] <= m[:, None]) & u_ok[None, :], tile, 0.0)
             Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            if CHECKED:
+                Bu, hidden_C = drop_hidden_nonfinite(Bu, seen & (k[None, :] <= m[:, None]), hidden_C)
             dC += mm(tile.to(Bu.dtype), Bu, PRECISION)
         if k0 + BLOCK_K > pid_m * BLOCK_M:
             tileT = tl.load(cb_base + k[None, :] * CHUNK + m[:, None])
             tileT = tl.where((k[None, :] >= m[:, None]) & u_ok[None, :], tileT, 0.0)
             Cu = tl.load(c_base + u[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)
+            if CHECKED:
+                Cu, hidden_B = drop_hidden_nonfinite(Cu, seen & (k[None, :] >= m[:, None]), hidden_B)
             dB += mm(tileT.to(Cu.dtype), Cu, PRECISION)
+    if CHECKED:
+        dC = tl.where((hidden_C > 0)[:, None], float("nan"), dC)
+        dB = tl.where((hidden_B > 0)[:, None], float("nan"), dB)
+    else:  # per row and slot of dstate: one program owns each, so every flag is written, 0 or 1
+        bad = tl.reshape((is_nonfinite(dB) | is_nonfinite(dC)).to(tl.int32), (BLOCK_M, SLOTS, SLOT_N))
+        flag_rows = ((b * groups + g).to(tl.int64) * length + r[:, None]) * n_slots + slot[None, :]
+        tl.store(flags_ptr + flag_rows, (tl.max(bad, 2) > 0).to(tl.int8), mask=row_ok[:, None] & slot_ok[None, :])
     out = b.to(tl.int64) * stride_d_b + g * stride_d_g + r[:, None].to(tl.int64) * stride_d_l + n[None, :] * stride_d_n
     tl.store(dB_ptr + out, dB.to(dB_ptr.dtype.element_ty), mask=rn_mask)
     tl.store(dC_ptr + out, dC.to(dC_ptr.dtype.element_ty), mask=rn_mask)
+
+
+
+
+@lean_launch
+@autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
+@triton.jit
+def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+             seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+    dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dB_ptr, dC_ptr,
+             from_start_ptr, to_end_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX, HAS_INITIAL_STATES, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, SLOT_N, PRECISION,
+             tl.program_id(0), tl.program_id(1), False)
+
+
+@lean_launch
+@triton.jit
+def chunk_scan_bwd_dbc_checked_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+             seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
+             length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+             stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+             BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The tiles of :func:`dbc_tile` with a flagged row and slot, again, checked; the others read
+    their flags and leave."""
+    pid, pid_mn = tl.program_id(0), tl.program_id(1)
+    g = pid % groups
+    b = pid // (groups * n_chunks)
+    c = (pid // groups) % n_chunks
+    n_m = CHUNK // BLOCK_M
+    r = c * CHUNK + (pid_mn % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = (pid_mn // n_m) * (BLOCK_N // SLOT_N) + tl.arange(0, BLOCK_N // SLOT_N)
+    flags = tl.load(flags_ptr + ((b * groups + g).to(tl.int64) * length + r[:, None]) * n_slots + slot[None, :],
+                    mask=(r < length)[:, None] & (slot < n_slots)[None, :], other=0)
+    if tl.max(tl.max(flags, 1), 0) > 0:
+        dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dB_ptr, dC_ptr,
+             from_start_ptr, to_end_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
+             stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+             stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+             stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
+             HAS_SEQ_IDX, HAS_INITIAL_STATES, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, SLOT_N, PRECISION,
+                 pid, pid_mn, True)
 
 
 def chunk_scan_bwd_dx(CB, x, dy, B, dS, dA_cumsum, dt_out, *, D=None, seq_idx=None, sum_D=True):
@@ -551,13 +635,27 @@ def chunk_scan_bwd_dbc(x, dy, B, C, CB, states_in, dS, dA_cumsum, dt_out, *, seq
                           for _ in range(2))
     dB = outputs.empty(B.shape, B.dtype, B.device)
     dC = outputs.empty(B.shape, C.dtype, C.device)
+    flags = outputs.empty((batch, groups, length, n_slots), torch.int8, x.device)  # the first launch writes each
+    args = (x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end, flags,
+            length, heads, groups, n_chunks, headdim, dstate, n_slots,
+            *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides)
+    options = dict(HAS_SEQ_IDX=seq_idx is not None, HAS_INITIAL_STATES=has_initial_states, CHUNK=chunk_size,
+                   BLOCK_P=block_size(headdim, largest=128), SLOT_N=slot_n, PRECISION=dot_precision(x.dtype))
     grid = lambda META: (batch * n_chunks * groups,  # noqa: E731
                          (chunk_size // META["BLOCK_M"]) * cdiv(dstate, META["BLOCK_N"]))
-    chunk_scan_bwd_dbc_kernel[grid](
-        x, dy, B, C, states_in, dS, dCB, dA_cumsum, dt_out, *seq_args, dB, dC, from_start, to_end,
-        length, heads, groups, n_chunks, headdim, dstate, n_slots,
-        *x.stride(), *dy.stride(), *B.stride(), *C.stride(), *dB.stride(), *seq_strides,
-        HAS_SEQ_IDX=seq_idx is not None, HAS_INITIAL_STATES=has_initial_states, CHUNK=chunk_size,
-        BLOCK_P=block_size(headdim, largest=128), SLOT_N=slot_n, PRECISION=dot_precision(x.dtype),
-    )
+    chunk_scan_bwd_dbc_kernel[grid](*args, **options)
+    # the rows and slots that came out non-finite again, checked (the dx kernel's two launches)
+    checked = dbc_checked_config(chunk_size, slot_n)
+    chunk_scan_bwd_dbc_checked_kernel[(batch * n_chunks * groups, (chunk_size // checked["BLOCK_M"])
+                                       * cdiv(dstate, checked["BLOCK_N"]))](*args, **options, **checked)
     return dB, dC, (pairs, from_start, to_end)
+
+
+def dbc_checked_config(chunk_size: int, slot_n: int) -> dict:
+    """Blocks of the dB/dC kernel's checked pass: the first tuned configuration's (or the
+    interpreter's), unpipelined, since it runs only for rare inputs; its dstate block is one slot
+    wide, the flags' width."""
+    first = DBC_CPU_CONFIG if INTERPRETED else DBC_CONFIGS[0]
+    block_m = min(first.kwargs["BLOCK_M"], chunk_size)
+    return dict(BLOCK_M=block_m, BLOCK_K=min(first.kwargs["BLOCK_K"], block_m), BLOCK_N=slot_n,
+                num_warps=4, num_stages=1)
