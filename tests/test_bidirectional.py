@@ -395,6 +395,15 @@ def test_fused_odd_lengths_minimal_arguments(length, shift):
                  bidirectional_ref(x, dt, A, B, C, shift=shift), tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("separate", [False, True])
+def test_fused_shift_with_tiles_between_row_and_column(separate):
+    """With the shift, a chunk of four row blocks (64 in the interpreter's tiles of 16): the decay
+    gradients of the steps between a tile's row and column blocks come from the tile's whole sum,
+    which with the shift is the pair sums at its first (last, in reverse) row plus that row's own."""
+    inputs = make_inputs(batch=1, length=64 + 17, heads=2, groups=1, separate=separate)
+    check_fused(inputs, chunk_size=64, dt_softplus=True, shift=True)
+
+
 @pytest.mark.parametrize("chunk_size, headdim, dstate", [(64, 24, 12), (32, 40, 40)])
 def test_fused_sizes_that_are_not_blocks(chunk_size, headdim, dstate):
     """headdim and dstate that no block divides, several blocks of each, a chunk of several row
@@ -728,12 +737,10 @@ def test_with_the_shift_a_non_finite_dy_skips_its_own_x():
     assert grads["x"][0, 20].isfinite().all() and not grads["x"][0, 19].isfinite().any()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known leak: with the shift, a row's own step is taken back from the pair sums "
-                          "as a difference, NaN - NaN")
 def test_with_the_shift_a_non_finite_dy_skips_its_own_step():
     """With the shift y_t reads neither step t of the forward direction nor of the reverse one, so a
-    NaN in dy_t should leave d dt_t and d dt_rev_t finite."""
+    NaN in dy_t leaves d dt_t and d dt_rev_t finite. The row's own step was taken back from the pair
+    sums as a difference, NaN - NaN; the pair sums now leave it out."""
     inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=True, D_shape=None, z=False)
     dy = randn(*inputs["x"].shape)
     dy[0, 20] = math.nan

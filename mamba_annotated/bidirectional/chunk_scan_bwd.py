@@ -463,12 +463,24 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
             W_rows_forward = tl.where(forward_tile, row_sums, 0.0)
             W_rows_reverse = tl.where(forward_tile, 0.0, row_sums)
             if forward_tile:  # every pair straddles the steps between its row block's start and t
-                tl.store(pairs_ptr + slots + pid_j * CHUNK + i, tl.cumsum(row_sums, axis=0, reverse=True))
+                # (before t with the shift: the row's own step is not in its decay, so row t's sums
+                # go to the step before it, and the block's last step takes none)
+                below = tl.cumsum(row_sums, axis=0, reverse=True)
+                if SHIFT:
+                    tl.store(pairs_ptr + slots + pid_j * CHUNK + i - 1, below, mask=i - 1 >= pid_i * BLOCK_M)
+                    tl.store(pairs_ptr + slots + pid_j * CHUNK + (pid_i + 1) * BLOCK_M - 1, 0.0)
+                else:
+                    tl.store(pairs_ptr + slots + pid_j * CHUNK + i, below)
                 tl.store(pairs_ptr + slots + pid_i * CHUNK + j + 1, tl.cumsum(tl.sum(W, axis=0), axis=0),
                          mask=j + 1 < (pid_j + 1) * BLOCK_M)
                 tl.store(pairs_ptr + slots + pid_i * CHUNK + pid_j * BLOCK_M, 0.0)
-            else:  # reverse: the steps k with s > k >= t
-                tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, tl.cumsum(row_sums, axis=0))
+            else:  # reverse: the steps k with s > k >= t (s > k > t with the shift)
+                above = tl.cumsum(row_sums, axis=0)
+                if SHIFT:
+                    tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i + 1, above, mask=i + 1 < (pid_i + 1) * BLOCK_M)
+                    tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + pid_i * BLOCK_M, 0.0)
+                else:
+                    tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, above)
                 tl.store(pairs_rev_ptr + slots + pid_i * CHUNK + j - 1, tl.cumsum(tl.sum(W, axis=0), axis=0,
                                                                                   reverse=True),
                          mask=j - 1 >= pid_j * BLOCK_M)
@@ -487,12 +499,21 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
             W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
             W_rows_forward, W_rows_reverse = tl.sum(W_forward, axis=1), tl.sum(W_reverse, axis=1)
             # forward pairs straddle k = u + 1 where t > u >= s (u a column); reverse pairs the k
-            # with s > k >= t (k a row): sums over a triangle of the tile's cumulative sums
-            straddle = tl.sum(tl.where(i[:, None] > j[None, :], tl.cumsum(W_forward, axis=1), 0.0), axis=0)
+            # with s > k >= t (k a row): sums over a triangle of the tile's cumulative sums. With
+            # the shift a row's own step is in neither decay: forward pairs straddle k = u + 1 < t,
+            # reverse pairs the k with s > k > t, summed here by column (k = u - 1, s >= u), so that
+            # no sum takes row k's own pairs and no difference of two sums is needed
+            straddle = tl.sum(tl.where(i[:, None] > j[None, :] + SHIFT, tl.cumsum(W_forward, axis=1), 0.0), axis=0)
             tl.store(pairs_ptr + slots + pid_i * CHUNK + j + 1, straddle, mask=j + 1 < (pid_j + 1) * BLOCK_M)
             tl.store(pairs_ptr + slots + pid_i * CHUNK + pid_j * BLOCK_M, 0.0)
-            straddle_rev = tl.sum(tl.where(j[None, :] > i[:, None], tl.cumsum(W_reverse, axis=0), 0.0), axis=1)
-            tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, straddle_rev)
+            if SHIFT:
+                straddle_rev = tl.sum(tl.where(i[:, None] + 1 < j[None, :], tl.cumsum(W_reverse, axis=1, reverse=True),
+                                               0.0), axis=0)
+                tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + j - 1, straddle_rev, mask=j - 1 >= pid_j * BLOCK_M)
+                tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + (pid_j + 1) * BLOCK_M - 1, 0.0)
+            else:
+                straddle_rev = tl.sum(tl.where(j[None, :] > i[:, None], tl.cumsum(W_reverse, axis=0), 0.0), axis=1)
+                tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, straddle_rev)
             if not SHIFT:
                 dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
         # the row sums themselves: with the shift a row's own step is in its decay (r_t, rho_t)

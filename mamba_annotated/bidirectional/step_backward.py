@@ -83,8 +83,10 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
     if FORWARD:
         d_step += (slot_sum(pairs_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
                    + spanned_tiles(pairs_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
-        if SHIFT:  # the row's own step, in r_t = a_t - A dt_t, and the state from the left read from k + 1
-            d_step -= slot_sum(row_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+        if SHIFT:  # the pair sums leave the row's own step out: a tile's whole sum, for the steps
+            # between its blocks, is its slot's sum at its first row plus that row's own
+            d_step += spanned_tiles(row_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H)
+            # and the state from the left is read from k + 1
             d_step += suffix_sum(slot_sum(state_ptr, chunk, k + 1, on, SLOTS, CHUNK, BLOCK_H))
         else:
             d_step += suffix_sum(slot_sum(state_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
@@ -96,8 +98,8 @@ def step_backward_kernel(dt_ptr, A_ptr, bias_ptr, dt_out_ptr, direct_ptr, state_
                    + spanned_tiles_reverse(pairs_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H))
         # the state from the right, exp(b_last - rho_t), for t <= k (t < k with the shift; the
         # dBC kernel stored d rho_t = -Z_t)
-        if SHIFT:
-            d_step -= slot_sum(row_rev_ptr, chunk, k, every, TILES, CHUNK, BLOCK_H)
+        if SHIFT:  # (a tile's whole sum: at its last row, plus that row's own)
+            d_step += spanned_tiles_reverse(row_rev_ptr, chunk, k, h_ok, TILES, CHUNK, BLOCK_H)
             d_step -= prefix_sum(slot_sum(state_rev_ptr, chunk, k - 1, back, SLOTS, CHUNK, BLOCK_H))
         else:
             d_step -= prefix_sum(slot_sum(state_rev_ptr, chunk, k, every, SLOTS, CHUNK, BLOCK_H))
