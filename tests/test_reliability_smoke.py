@@ -934,16 +934,18 @@ def test_summary_merges_reports_into_one_table(tmp_path, capsys):
 @pytest.mark.parametrize("op_name", ["ssd_chunk_scan", "attention", "bidirectional_chunk_scan",
                                      "attention_with_kvcache", "attention_varlen"])
 def test_sanitizer_driver_wakes_the_checked_paths(monkeypatch, op_name):
-    """The sanitizer's driver runs each op whose kernels have a checked pass once more, with a NaN
-    in the input that wakes that pass, so that compute-sanitizer watches it too."""
+    """The sanitizer's driver runs each op whose kernels have a checked pass once more for each
+    input that wakes one, with a NaN in it, so that compute-sanitizer watches those passes too."""
     seen = []
     monkeypatch.setattr(cases, "forward_backward", lambda op, params, leaves, seed: seen.append(leaves))
     sanitize.drive([op_name])
-    name = sanitize.CHECKED_PATH_INPUT[op_name]
-    small, poisoned = seen[:-1], seen[-1]
+    names = sanitize.CHECKED_PATH_INPUTS[op_name]
+    small, poisoned = seen[:-len(names)], seen[-len(names):]
     assert len(small) == len(cases.OPS[op_name].small())
-    assert all(torch.isfinite(leaves[name]).all() for leaves in small)
-    assert torch.isnan(poisoned[name]).any(), "the last run should hold a NaN in " + name
+    assert all(torch.isfinite(leaves[name]).all() for leaves in small for name in names)
+    for name, leaves in zip(names, poisoned):
+        assert torch.isnan(leaves[name]).any(), "a poisoned run should hold a NaN in " + name
+        assert all(torch.isfinite(leaves[other]).all() for other in names if other != name)
 
 
 def test_a_peer_that_cannot_run_a_case_leaves_it_unjudged(monkeypatch):

@@ -6,8 +6,8 @@ with ``--driver``, which runs the op's small odd cases (:meth:`cases.Op.small`: 
 blocks, odd head dims, permuted, strided, offset and stride-0 views, every option) once forward and
 once backward, then, for the ops whose kernels have a checked pass that only a non-finite input
 wakes (SSD's checked chunk_scan launch, attention's second sweep, the bidirectional op's dropped
-non-finite x), once more with a NaN in that input (:func:`poisoned_run`). The environment of each
-run:
+non-finite x, and both SSD ops' dB/dC kernels' checked launch, which a NaN in B wakes), once more
+for each such input with a NaN in it (:func:`poisoned_run`). The environment of each run:
 
 * ``TRITON_DISABLE_LINE_INFO=0`` (Triton's default, set to be explicit): kernels keep their line
   tables, so the sanitizer names the source line of a bad access;
@@ -60,10 +60,11 @@ def parse_args(argv=None):
     return args
 
 
-# op -> the input whose NaN makes its forward kernels take their checked path
-# (attention over a KV cache: a NaN value in a window's masked block, which drop_hidden_nonfinite zeroes)
-CHECKED_PATH_INPUT = {"ssd_chunk_scan": "x", "attention": "v", "attention_varlen": "v",
-                      "bidirectional_chunk_scan": "x", "attention_with_kvcache": "v"}
+# op -> the inputs whose NaN makes its kernels take a checked path: x and v the forward kernels'
+# (attention over a KV cache: a NaN value in a window's masked block, which drop_hidden_nonfinite
+# zeroes), B the dB/dC kernels' checked launch in both SSD ops' backward passes
+CHECKED_PATH_INPUTS = {"ssd_chunk_scan": ("x", "B"), "attention": ("v",), "attention_varlen": ("v",),
+                       "bidirectional_chunk_scan": ("x", "B"), "attention_with_kvcache": ("v",)}
 
 
 def drive(ops):
@@ -77,12 +78,12 @@ def drive(ops):
         for i, params in enumerate(op.small()):
             seed_everything(i)
             forward_backward(op, params, op.inputs(params), seed=i)
-        if name in CHECKED_PATH_INPUT:
-            poisoned_run(op, CHECKED_PATH_INPUT[name])
+        for input_name in CHECKED_PATH_INPUTS.get(name, ()):
+            poisoned_run(op, input_name)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         print(f"driver: {name} ran {len(op.small())} cases forward and backward"
-              f"{', and one with a NaN in ' + CHECKED_PATH_INPUT[name] if name in CHECKED_PATH_INPUT else ''}",
+              + "".join(f", and one with a NaN in {input_name}" for input_name in CHECKED_PATH_INPUTS.get(name, ())),
               flush=True)
 
 
