@@ -234,6 +234,10 @@ def main():
         all_stages[str(shape)] = stages
         print(f"where the time goes, forward+backward, {shape}:")
         bench.print_table(stages)
+    # a run split by --shape lists its shapes in SHAPES' order, whichever ran last
+    order = {str(s): i for i, s in enumerate(SHAPES + QUICK_SHAPES)}
+    all_rows.sort(key=lambda r: order[r["shape"]])
+    all_stages = dict(sorted(all_stages.items(), key=lambda item: order[item[0]]))
     verdicts = bars(all_rows)
     print("bars:")
     bench.print_table(verdicts)
