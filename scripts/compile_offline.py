@@ -25,6 +25,8 @@ The ``states`` family compiles the two chunk-state kernels (chapter 5's ``chunk_
 their first tuned configuration. The ``backward`` family compiles the kernels of both chapters'
 backward passes that read dy with x (the dx kernels and their checked second launches, the dCB/dG
 and dB/dC kernels), as launched, with and without ``seq_idx``.
+The ``outputs`` family compiles chapter 6's output kernel as launched, with and without the shift,
+D and ``seq_idx``.
 For every kernel compiled, the report also counts in its TTGIR
 where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
@@ -291,8 +293,35 @@ def backward_cases():
                            compile_as_launched(kernel, args, kwargs))
 
 
+def outputs_cases():
+    """(name, compile) of chapter 6's output kernel at (2, 1024, 8 heads, 64, 128) bfloat16, chunk
+    256, one group, as its launcher launches it at its first tuned configuration: with and without
+    the shift, D and seq_idx (which decide which of its x tiles it checks)."""
+    from mamba_annotated.bidirectional import chunk_outputs as module
+
+    batch, length, heads, headdim, dstate, chunk = 2, 1024, 8, 64, 128, 256
+    n_chunks = length // chunk
+    x = torch.empty(batch, length, heads, headdim, dtype=torch.bfloat16)
+    C = torch.empty(batch, length, 1, dstate, dtype=torch.bfloat16)
+    G, Gd = torch.empty(batch, n_chunks, 1, chunk, chunk), torch.empty(batch, n_chunks, 1, chunk)
+    H = torch.empty(batch, n_chunks, heads, headdim, dstate, dtype=torch.bfloat16)
+    steps, A, D = torch.empty(batch, heads, n_chunks, chunk), torch.empty(heads), torch.empty(heads)
+    config = unwrapped(module.chunk_outputs_kernel, triton.runtime.Autotuner).configs[0].all_kwargs()
+    for shift in (False, True):
+        for with_D in (False, True):
+            for packed in (False, True):
+                seq_idx = torch.zeros(batch, length, dtype=torch.int32) if packed else None
+                args, kwargs = launched_arguments(module, "chunk_outputs_kernel", module.chunk_outputs, G,
+                                                  None if shift else Gd, x, C, C, H, H, steps, steps, steps, steps, A,
+                                                  D=D if with_D else None, seq_idx=seq_idx, shift=shift)
+                name = (f"chunk_outputs_kernel shift={shift} D={'yes' if with_D else 'no'} "
+                        f"{'seq_idx' if packed else 'plain'}")
+                yield (name, lambda args=args, kwargs=kwargs: compile_as_launched(
+                    module.chunk_outputs_kernel, args, dict(kwargs, **config)))
+
+
 FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases,
-            "backward": backward_cases}
+            "backward": backward_cases, "outputs": outputs_cases}
 
 
 def main(argv=None):
