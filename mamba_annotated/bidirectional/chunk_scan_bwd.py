@@ -15,7 +15,8 @@ dG kernel, for one (t, s) tile of a chunk, looping over the heads of a group (th
 scores): dG[t, s] = sum_h w(t, s) (dy_t . x_s), and per head, of V = G * that term, its sums over
 the pairs that straddle each step (chapter 5's form, which nothing subtracts from): a forward
 pair holds the steps t >= k > s in its exponent r_t - a_s, a reverse pair the steps s > k >= t
-in e_s - rho_t; and its row sums, which the shift takes back at the row's own step. Gd's gradient
+in e_s - rho_t (both only the steps strictly between t and s with the shift); and its row sums, which the step
+kernel adds to a tile's slot sums with the shift (a tile's whole sum). Gd's gradient
 dGd_t = sum_h dt'_t (dy_t . x_t) on the diagonal tiles. Slots per tile (i, j) as chapter 5's:
 forward (i > j) the rows' part (t >= k, a reverse cumulative sum) in slot j of block i, the
 columns' part (s < k, stored one position on) in slot i of block j, and the tile's total for the
@@ -66,7 +67,7 @@ from .decays import pair_weight, row_decays
 # they share the step), d dt'_rev direct, the state terms of d a_s and d e_s
 DIRECT, DIRECT_REV, STATE_COLUMN, STATE_COLUMN_REV = range(4)
 # the dG kernel's slots: the sums over the pairs that straddle each step (forward, reverse), and
-# the row sums of its tile (forward, reverse; with the shift a row's own step is in its decay)
+# the row sums of its tile (forward, reverse; the step kernel reads them with the shift only)
 PAIRS, PAIRS_REV, ROW, ROW_REV = range(4)
 TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
 
@@ -516,7 +517,8 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                 tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, straddle_rev)
             if not SHIFT:
                 dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
-        # the row sums themselves: with the shift a row's own step is in its decay (r_t, rho_t)
+        # the row sums themselves: with the shift the pair sums leave each row's own step out, and
+        # the step kernel adds these to make a tile's whole sum (step_backward.py)
         tl.store(row_ptr + slots + pid_j * CHUNK + i, W_rows_forward)
         tl.store(row_rev_ptr + slots + pid_j * CHUNK + i, W_rows_reverse)
     tl.store(dG_ptr + tile, dG)

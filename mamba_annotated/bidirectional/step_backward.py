@@ -2,14 +2,16 @@
 
 Per chunk and head (:mod:`.decays` and :mod:`.chunk_scan_bwd` for the notation), the gradient of
 each step collects the terms whose exponent holds it, each kind summed over its own positions, as
-in chapter 5 (none is a difference of two large sums):
-    forward:  d(A dt_k) = sum over the forward pairs with t >= k > s            (straddling, slots)
-                          - shift * (row sums at k)                              (r_t = a_t - shift A dt_t)
-                          + sum_{t >= k} X_t - shift X_k    X: the state from the left, exp(r_t)
+in chapter 5 (none is a difference of two large sums; with the shift a row's own step is in
+neither of its decays, so no sum takes it, and the totals of the tiles a step lies between add the
+dG kernel's row sums of their first (forward) or last (reverse) row):
+    forward:  d(A dt_k) = sum over the forward pairs with t - shift >= k > s    (straddling, slots)
+                                                                                 (r_t = a_t - shift A dt_t)
+                          + sum_{t >= k + shift} X_t        X: the state from the left, exp(r_t)
                           + sum_{s < k} T_s                 T: the chunk state, exp(a_last - a_s)
                           + carry                            <dS, exp(a_last) H>
-    reverse:  d(A dt'_k) = sum over the reverse pairs with s > k >= t           (straddling, slots)
-                          - shift * (row sums at k)                              (rho_t = b_t or e_t)
+    reverse:  d(A dt'_k) = sum over the reverse pairs with s > k >= t + shift   (straddling, slots)
+                                                                                 (rho_t = b_t or e_t)
                           + sum_{t <= k} Z_t (t < k with the shift)   Z: the state from the right,
                                                                          exp(b_last - rho_t)
                           + sum_{s > k} Y_s                 Y: the reverse chunk state, exp(e_s)
