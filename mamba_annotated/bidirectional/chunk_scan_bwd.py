@@ -720,7 +720,6 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr,
         tl.store(dCr_ptr + out, dq_r.to(dCr_ptr.dtype.element_ty), mask=rn_mask)
 
 
-
 @lean_launch
 @triton.jit
 def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
