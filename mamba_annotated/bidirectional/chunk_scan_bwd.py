@@ -722,22 +722,23 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr,
 
 @lean_launch
 @triton.jit
-def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
-             dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
-             dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
-             length, heads, groups, n_chunks, headdim, dstate, n_slots,
-             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
-             stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
-             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-             stride_seq_b, stride_seq_l,
-             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
-             SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-             PRECISION: tl.constexpr):
+def chunk_scan_bwd_dbc_kernel(
+        x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+        dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+        dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
+        length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+        stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+        stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+        stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+        stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+        stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+        stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+        stride_seq_b, stride_seq_l,
+        HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+        SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr):
     dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr, dG_ptr, dGd_ptr, a_ptr,
              dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr, dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr,
              state_rev_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
@@ -751,22 +752,23 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr
 
 @lean_launch
 @triton.jit
-def chunk_scan_bwd_dbc_checked_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
-             dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
-             dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
-             length, heads, groups, n_chunks, headdim, dstate, n_slots,
-             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-             stride_br_b, stride_br_l, stride_br_g, stride_br_n,
-             stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
-             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-             stride_seq_b, stride_seq_l,
-             HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
-             SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-             PRECISION: tl.constexpr):
+def chunk_scan_bwd_dbc_checked_kernel(
+        x_ptr, dy_ptr, B_ptr, C_ptr, Br_ptr, Cr_ptr, H_ptr, Hr_ptr, dS_ptr, dSr_ptr,
+        dG_ptr, dGd_ptr, a_ptr, dt_ptr, b_ptr, dtr_ptr, A_ptr, seq_idx_ptr,
+        dB_ptr, dC_ptr, dBr_ptr, dCr_ptr, state_ptr, state_rev_ptr, flags_ptr,
+        length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+        stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+        stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+        stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+        stride_br_b, stride_br_l, stride_br_g, stride_br_n,
+        stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
+        stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+        stride_seq_b, stride_seq_l,
+        HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, SHARED_B: tl.constexpr,
+        SHARED_C: tl.constexpr, ONE_PAIR: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr):
     """The row blocks of :func:`dbc_tile` with a flagged row, again, checked; the others read their
     flags and leave."""
     pid, pid_mn = tl.program_id(0), tl.program_id(1)

@@ -487,23 +487,22 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
     tl.store(dC_ptr + out, dC.to(dC_ptr.dtype.element_ty), mask=rn_mask)
 
 
-
-
 @lean_launch
 @autotune(DBC_CONFIGS, DBC_CPU_CONFIG, key=["headdim", "dstate", "CHUNK"])
 @triton.jit
-def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-             seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
-             length, heads, groups, n_chunks, headdim, dstate, n_slots,
-             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-             stride_seq_b, stride_seq_l,
-             HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-             BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_scan_bwd_dbc_kernel(
+        x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+        seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
+        length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+        stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+        stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+        stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+        stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+        stride_seq_b, stride_seq_l,
+        HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
     dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dB_ptr, dC_ptr,
              from_start_ptr, to_end_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
              stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
@@ -515,18 +514,19 @@ def chunk_scan_bwd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_pt
 
 @lean_launch
 @triton.jit
-def chunk_scan_bwd_dbc_checked_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
-             seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
-             length, heads, groups, n_chunks, headdim, dstate, n_slots,
-             stride_x_b, stride_x_l, stride_x_h, stride_x_p,
-             stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-             stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-             stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-             stride_d_b, stride_d_l, stride_d_g, stride_d_n,
-             stride_seq_b, stride_seq_l,
-             HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-             BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
+def chunk_scan_bwd_dbc_checked_kernel(
+        x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr,
+        seq_idx_ptr, dB_ptr, dC_ptr, from_start_ptr, to_end_ptr, flags_ptr,
+        length, heads, groups, n_chunks, headdim, dstate, n_slots,
+        stride_x_b, stride_x_l, stride_x_h, stride_x_p,
+        stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+        stride_b_b, stride_b_l, stride_b_g, stride_b_n,
+        stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+        stride_d_b, stride_d_l, stride_d_g, stride_d_n,
+        stride_seq_b, stride_seq_l,
+        HAS_SEQ_IDX: tl.constexpr, HAS_INITIAL_STATES: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+        BLOCK_N: tl.constexpr, SLOT_N: tl.constexpr, PRECISION: tl.constexpr):
     """The tiles of :func:`dbc_tile` with a flagged row and slot, again, checked; the others read
     their flags and leave."""
     pid, pid_mn = tl.program_id(0), tl.program_id(1)
@@ -539,12 +539,13 @@ def chunk_scan_bwd_dbc_checked_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr
     flags = tl.load(flags_ptr + ((b * groups + g).to(tl.int64) * length + r[:, None]) * n_slots + slot[None, :],
                     mask=(r < length)[:, None] & (slot < n_slots)[None, :], other=0)
     if tl.max(tl.max(flags, 1), 0) > 0:
-        dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dB_ptr, dC_ptr,
-             from_start_ptr, to_end_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate, n_slots,
-             stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
-             stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
-             stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
-             HAS_SEQ_IDX, HAS_INITIAL_STATES, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, SLOT_N, PRECISION,
+        dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, dB_ptr,
+                 dC_ptr, from_start_ptr, to_end_ptr, flags_ptr, length, heads, groups, n_chunks, headdim, dstate,
+                 n_slots,
+                 stride_x_b, stride_x_l, stride_x_h, stride_x_p, stride_dy_b, stride_dy_l, stride_dy_h, stride_dy_p,
+                 stride_b_b, stride_b_l, stride_b_g, stride_b_n, stride_c_b, stride_c_l, stride_c_g, stride_c_n,
+                 stride_d_b, stride_d_l, stride_d_g, stride_d_n, stride_seq_b, stride_seq_l,
+                 HAS_SEQ_IDX, HAS_INITIAL_STATES, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, SLOT_N, PRECISION,
                  pid, pid_mn, True)
 
 
