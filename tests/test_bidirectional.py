@@ -1057,3 +1057,19 @@ def test_each_direction_keeps_a_non_finite_B_or_C_to_the_rows_that_read_it(shift
         assert grads["C_rev"][0, s + 1:28].isfinite().all() and not grads["C_rev"][0, s - 1].isfinite().any()
     else:
         assert grads["B"][0, s + 1:28].isfinite().all() and not grads["B"][0, s - 1].isfinite().any()
+
+
+@pytest.mark.parametrize("D_shape", ["head", "channel"])
+def test_with_the_shift_and_D_a_non_finite_x_reaches_its_channel_only(D_shape):
+    """With the shift and D, every output of a sequence reads x_t: the other rows through the two
+    triangles, row t through D x_t. So a NaN in one channel of x_t reaches that channel of every
+    output of its head, and nothing else, as the float64 reference has it. The band of the output
+    kernel then needs no check of its x tiles (which marks a whole row NaN, every channel)."""
+    inputs = make_inputs(batch=1, length=45, heads=2, groups=1, separate=True, D_shape=D_shape, z=False)
+    inputs["x"][0, 10, 1, 3] = math.nan
+    y = bidirectional_chunk_scan(**inputs, chunk_size=16, dt_softplus=True, shift=True)
+    reference = bidirectional_ref(**inputs, dt_softplus=True, shift=True)
+    expected = torch.ones_like(reference, dtype=torch.bool)
+    expected[0, :, 1, 3] = False
+    assert torch.equal(reference.isfinite().cpu(), expected.cpu())
+    assert torch.equal(y.isfinite().cpu(), expected.cpu())

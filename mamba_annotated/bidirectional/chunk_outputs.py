@@ -47,13 +47,14 @@ assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] == 0 for c in CONFIGS + [CP
 @triton.jit
 def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, p, p_ok, seq_row, seq_t,
                   stride_x_l, stride_x_p, stride_seq_l,
-                  HAS_SEQ_IDX: tl.constexpr, SKIP_DIAGONAL: tl.constexpr, CHUNK: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  HAS_SEQ_IDX: tl.constexpr, SKIP_DIAGONAL: tl.constexpr, CHECK_X: tl.constexpr,
+                  CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     """acc + (G * w) x over the columns s (chunk positions k) of one step: the weights w of rows m,
     zeroed past the chunk's end, with seq_idx across sequences, and with SKIP_DIAGONAL (the shift,
     in the band of the row block) where s is the row's own position, whose weight is 0 but whose
-    score (its B, or the previous sequence's last C) or x may be non-finite; and hidden_nonfinite
-    (:func:`..triton_ops.drop_hidden_nonfinite`) updated."""
+    score (its B, or the previous sequence's last C) may be non-finite. With CHECK_X the x tile
+    goes through :func:`..triton_ops.drop_hidden_nonfinite` (hidden_nonfinite updated): a NaN or
+    inf of an x that a row skips would still enter through the product."""
     s_ok = s < chunk_end
     keep = s_ok[None, :]
     if SKIP_DIAGONAL:
@@ -64,7 +65,7 @@ def diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, s, chunk_end, 
     G = tl.load(G_base + m[:, None] * CHUNK + k[None, :])
     xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
                  mask=s_ok[:, None] & p_ok[None, :], other=0.0)
-    if HAS_SEQ_IDX or SKIP_DIAGONAL:  # a NaN or inf of an x a row skips would still enter through the product
+    if CHECK_X:
         xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
     return acc + mm(tl.where(keep, G * w, 0.0).to(xs.dtype), xs, PRECISION), hidden_nonfinite
 
@@ -82,8 +83,8 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
                          stride_cr_b, stride_cr_l, stride_cr_g, stride_cr_n,
                          stride_seq_b, stride_seq_l,
                          HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr,
-                         HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_SEQ_IDX: tl.constexpr, SHIFT: tl.constexpr, CHECK_BAND_X: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     # the row blocks of one (chunk, head) run side by side, so the x blocks they share hit in L2
     n_m = CHUNK // BLOCK_M
@@ -162,7 +163,8 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w = to_rows[:, None] * from_columns[None, :]
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, False, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, False, HAS_SEQ_IDX, CHUNK,
+                                              PRECISION)
     for k0 in range(m_first, m_first + BLOCK_M, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         dtr_s = tl.load(dtr_ptr + chunk_base + k)
@@ -172,7 +174,8 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
                            tl.load(dt_ptr + chunk_base + k)[None, :], dtr_s[None, :], True, SHIFT)
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, SHIFT, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, SHIFT, CHECK_BAND_X, CHUNK,
+                                              PRECISION)
     after = tl.minimum(m_first + BLOCK_M, CHUNK - 1)  # (unused when the row block ends the chunk)
     e_ref = tl.load(b_ptr + chunk_base + after) - A * tl.load(dtr_ptr + chunk_base + after)
     to_rows = tl.exp2((e_ref - rho_t) * LOG2E)
@@ -183,7 +186,8 @@ def chunk_outputs_kernel(G_ptr, Gd_ptr, x_ptr, z_ptr, C_ptr, Cr_ptr, H_ptr, Hr_p
         w = to_rows[:, None] * from_columns[None, :]
         acc, hidden_nonfinite = diagonal_step(acc, hidden_nonfinite, w, G_base, x_base, m, k, c * CHUNK + k,
                                               chunk_end, p, p_ok, seq_row, seq_t, stride_x_l, stride_x_p,
-                                              stride_seq_l, HAS_SEQ_IDX, False, CHUNK, PRECISION)
+                                              stride_seq_l, HAS_SEQ_IDX, False, HAS_SEQ_IDX, CHUNK,
+                                              PRECISION)
 
     acc = tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
     mask = row_ok[:, None] & p_ok[None, :]
@@ -226,6 +230,11 @@ def chunk_outputs(G, Gd, x, C, C_rev, H_in, H_in_rev, a, dt_out, b, dt_rev_out, 
         *(z.stride() if z is not None else (0, 0, 0, 0)), *out.stride(), *C.stride(), *C_rev.stride(),
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         HAS_D=D is not None, D_PER_CHANNEL=D is not None and D.dim() == 2, HAS_Z=z is not None,
-        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift), CHUNK=chunk_size, PRECISION=dot_precision(x.dtype),
+        HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift),
+        # With the shift the band skips each row's own x_t, so a NaN or inf there would reach y_t as
+        # 0 x NaN; but with D, y_t reads x_t anyway (D x_t), in the same channels, so only packed
+        # sequences need the check then (x of another sequence). An inf of x_t comes out NaN there.
+        CHECK_BAND_X=seq_idx is not None or (shift and D is None),
+        CHUNK=chunk_size, PRECISION=dot_precision(x.dtype),
     )
     return out, y
