@@ -67,7 +67,7 @@ from .decays import pair_weight, row_decays
 # they share the step), d dt'_rev direct, the state terms of d a_s and d e_s
 DIRECT, DIRECT_REV, STATE_COLUMN, STATE_COLUMN_REV = range(4)
 # the dG kernel's slots: the sums over the pairs that straddle each step (forward, reverse), and
-# the row sums of its tile (forward, reverse; the step kernel reads them with the shift only)
+# the row sums of its tile (forward, reverse; written and read with the shift only)
 PAIRS, PAIRS_REV, ROW, ROW_REV = range(4)
 TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
 
@@ -372,6 +372,15 @@ def chunk_scan_bwd_dx_checked_kernel(G_ptr, Gd_ptr, x_ptr, dy_ptr, B_ptr, Br_ptr
                         (first + i) // n_m, (first + i) % n_m, CHECKED=True)
 
 
+@triton.jit
+def store_row_sums(row_ptr, row_rev_ptr, offsets, forward_sums, reverse_sums):
+    """The dG kernel's row sums of a tile, forward and reverse pairs apart. Only the shift needs
+    them: its pair sums leave each row's own step out, and the step kernel adds these to make a
+    tile's whole sum for the steps between its blocks (step_backward.py)."""
+    tl.store(row_ptr + offsets, forward_sums)
+    tl.store(row_rev_ptr + offsets, reverse_sums)
+
+
 @lean_launch
 @autotune([config(HEAD_STAGES=3), config(HEAD_STAGES=4), config(HEAD_STAGES=2), config(HEAD_STAGES=3, num_warps=8),
            config(HEAD_STAGES=2, num_warps=8, num_stages=2)],
@@ -461,8 +470,9 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
             dG += term
             W = term * G
             row_sums = tl.sum(W, axis=1)
-            W_rows_forward = tl.where(forward_tile, row_sums, 0.0)
-            W_rows_reverse = tl.where(forward_tile, 0.0, row_sums)
+            if SHIFT:  # a tile's row sums, for the step kernel's tile totals (below)
+                store_row_sums(row_ptr, row_rev_ptr, slots + pid_j * CHUNK + i,
+                               tl.where(forward_tile, row_sums, 0.0), tl.where(forward_tile, 0.0, row_sums))
             if forward_tile:  # every pair straddles the steps between its row block's start and t
                 # (before t with the shift: the row's own step is not in its decay, so row t's sums
                 # go to the step before it, and the block's last step takes none)
@@ -498,7 +508,9 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
             dG += term
             W = term * G
             W_forward, W_reverse = tl.where(forward, W, 0.0), tl.where(forward, 0.0, W)
-            W_rows_forward, W_rows_reverse = tl.sum(W_forward, axis=1), tl.sum(W_reverse, axis=1)
+            if SHIFT:
+                store_row_sums(row_ptr, row_rev_ptr, slots + pid_j * CHUNK + i, tl.sum(W_forward, axis=1),
+                               tl.sum(W_reverse, axis=1))
             # forward pairs straddle k = u + 1 where t > u >= s (u a column); reverse pairs the k
             # with s > k >= t (k a row): sums over a triangle of the tile's cumulative sums. With
             # the shift a row's own step is in neither decay: forward pairs straddle k = u + 1 < t,
@@ -517,10 +529,6 @@ def chunk_scan_bwd_dscores_kernel(G_ptr, x_ptr, dy_ptr, a_ptr, dt_ptr, b_ptr, dt
                 tl.store(pairs_rev_ptr + slots + pid_j * CHUNK + i, straddle_rev)
             if not SHIFT:
                 dGd += tl.load(dtr_ptr + chunk_base + i) * tl.sum(tl.where(i[:, None] == j[None, :], dyx, 0.0), axis=1)
-        # the row sums themselves: with the shift the pair sums leave each row's own step out, and
-        # the step kernel adds these to make a tile's whole sum (step_backward.py)
-        tl.store(row_ptr + slots + pid_j * CHUNK + i, W_rows_forward)
-        tl.store(row_rev_ptr + slots + pid_j * CHUNK + i, W_rows_reverse)
     tl.store(dG_ptr + tile, dG)
     if not SHIFT and not OFF_DIAGONAL:
         tl.store(dGd_ptr + block * CHUNK + i, dGd)
