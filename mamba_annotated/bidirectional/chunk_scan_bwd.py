@@ -72,11 +72,18 @@ PAIRS, PAIRS_REV, ROW, ROW_REV = range(4)
 TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
 
 
+def row_sum_planes(diag, shift):
+    """The dG kernel's row-sum planes of ``diag``; without the shift, which neither writes nor reads
+    them, two planes that stand in as pointers."""
+    return (diag[ROW], diag[ROW_REV]) if shift else (diag[PAIRS], diag[PAIRS_REV])
+
+
 @dataclass
 class DecaySlots:
     """The backward kernels' partial sums of the decay and step gradients, all float32."""
     rows: torch.Tensor      # (4, batch, heads, chunks, Q): the dx kernel's (DIRECT ... STATE_COLUMN_REV)
-    diag: torch.Tensor      # (4, batch, heads, chunks, Q // TILE, Q): the dG kernel's (PAIRS ... ROW_REV)
+    diag: torch.Tensor      # (4 with the shift, else 2, batch, heads, chunks, Q // TILE, Q): the dG kernel's
+                            # (PAIRS, PAIRS_REV, and with the shift ROW, ROW_REV)
     state: torch.Tensor     # (2, batch, heads, chunks, n-blocks, Q): the dBC kernel's state terms of d r, d rho
     carry: torch.Tensor     # (2, batch, heads, chunks, blocks): <dS, gamma H> and <dS', gamma' H'> (state passing)
 
@@ -851,13 +858,15 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     block_p = block_size(headdim, largest=128)
     dG = outputs.empty(G.shape, torch.float32, x.device)
     dGd = None if shift else outputs.empty((batch, n_chunks, groups, chunk_size), torch.float32, x.device)
-    diag = outputs.empty((4,) + tuple(a.shape[:3]) + (chunk_size // tile, chunk_size), torch.float32, x.device)
+    # the row-sum planes only with the shift (2 x 21 MB at the benchmark's first shape without it)
+    diag = outputs.empty((4 if shift else 2,) + tuple(a.shape[:3]) + (chunk_size // tile, chunk_size), torch.float32,
+                         x.device)
     tiles = chunk_size // tile
     for off_diagonal, n_tiles in ((False, tiles), (True, tiles * (tiles - 1))):
         if n_tiles:
             chunk_scan_bwd_dscores_kernel[(batch * n_chunks * groups, n_tiles)](
                 G, x, dy, a, dt_out, b, dt_rev_out, A, *seq_args, dG, dGd if dGd is not None else dG, diag[PAIRS],
-                diag[PAIRS_REV], diag[ROW], diag[ROW_REV], length, heads, groups, n_chunks, headdim,
+                diag[PAIRS_REV], *row_sum_planes(diag, shift), length, heads, groups, n_chunks, headdim,
                 *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift),
                 OFF_DIAGONAL=off_diagonal, CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
                 PRECISION=dot_precision(x.dtype))

@@ -32,7 +32,8 @@ from ..launch import lean_launch
 from ..ssd.chunk_cumsum import (BLOCK_H, add, carry_sum, slot_sum, spanned_tiles, step_gradient_buffers,
                                  step_gradients)
 from ..triton_ops import cdiv
-from .chunk_scan_bwd import DIRECT, DIRECT_REV, PAIRS, PAIRS_REV, ROW, ROW_REV, STATE_COLUMN, STATE_COLUMN_REV
+from .chunk_scan_bwd import (DIRECT, DIRECT_REV, PAIRS, PAIRS_REV, STATE_COLUMN, STATE_COLUMN_REV,
+                             row_sum_planes)
 
 
 @triton.jit
@@ -121,7 +122,7 @@ def launch(dt, dt_out, A, dt_bias, slots, *, forward, reverse, shift, dt_softplu
     step_backward_kernel[(batch, n_chunks, cdiv(heads, BLOCK_H))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, slots.rows[DIRECT if forward else DIRECT_REV],
         slots.rows[STATE_COLUMN], slots.rows[STATE_COLUMN_REV], slots.diag[PAIRS], slots.diag[PAIRS_REV],
-        slots.diag[ROW], slots.diag[ROW_REV], slots.state[0], slots.state[1], slots.carry[0], slots.carry[1],
+        *row_sum_planes(slots.diag, shift), slots.state[0], slots.state[1], slots.carry[0], slots.carry[1],
         grad_dt, grad_A_part, grad_bias_part if dt_bias is not None else grad_A_part, length, heads, n_chunks,
         *dt.stride(), *grad_dt.stride(), float(dt_limit[0]), float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, FORWARD=forward, REVERSE=reverse, SHIFT=int(shift),
