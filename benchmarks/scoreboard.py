@@ -636,7 +636,8 @@ def issue_bars(data=DATA):
 
 
 # The package code each stored run times: a run stored before the last change to that code may not
-# show the present kernels (the shared launch, custom-op and Triton helpers count for every run)
+# show the present kernels (the shared launch, custom-op and Triton helpers count for a run where a
+# change reaches a definition its code names: changed_since)
 SHARED_CODE = ("mamba_annotated/triton_ops.py", "mamba_annotated/launch.py", "mamba_annotated/library.py")
 # attention's decoding path (the KV-cache call and its kernels), which only the decoding run calls (the
 # models decode with their own modules): git pathspecs that leave it out of the others' code
@@ -673,22 +674,60 @@ def git(*args):
         return None
 
 
-def code_of(source):
-    """What a Python file does, blind to its docstrings and comments: the dump of its syntax tree
-    with every module, class and function docstring taken out (comments never reach the tree).
-    None for no file; the text itself for one that does not parse."""
-    if source is None:
-        return None
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return source
+def without_docstrings(tree):
+    """``tree`` with every module, class and function docstring taken out (comments never reach a
+    syntax tree)."""
     for node in ast.walk(tree):
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
                 and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
                 and isinstance(node.body[0].value.value, str)):
             node.body = node.body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+    return tree
+
+
+def code_of(source):
+    """What a Python file does, blind to its docstrings and comments: the dump of its syntax tree
+    without them. None for no file; the text itself for one that does not parse."""
+    if source is None:
+        return None
+    try:
+        return ast.dump(without_docstrings(ast.parse(source)))
+    except SyntaxError:
+        return source
+
+
+def definitions(source):
+    """A Python file's top-level functions and classes by name, each as (what it does, docstrings
+    aside; the names its body reads), and everything else at the top level (imports, constants)
+    under None; None where there is no file or it does not parse."""
+    try:
+        tree = without_docstrings(ast.parse(source)) if source is not None else None
+    except SyntaxError:
+        return None
+    if tree is None:
+        return None
+    found, rest = {}, []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = (ast.dump(node), names_read(node))
+        else:
+            rest.append(ast.dump(node))
+    found[None] = ("\n".join(rest), set())
+    return found
+
+
+def names_read(tree):
+    """Every name a syntax tree reads or imports: variables, attributes (``module.name``) and the
+    names of ``from module import name``."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name.split(".")[-1])
+    return names
 
 
 def changes_what_runs(name, old, new):
@@ -719,27 +758,67 @@ def stored_run(path):
     return commit, datetime.datetime.fromisoformat(stamp)
 
 
-def changed_since(commit, *paths):
+def changed_since(commit, *paths, shared=()):
     """Whether the code under ``paths`` (git pathspecs from the repository's top) differs between
     ``commit`` and the working tree, docstrings and comments aside (:func:`changes_what_runs`). The
     code at the run's commit against the code now, not the history between: a change that was
-    later reverted, or reworded, is no change. ``commit`` None: the working tree's own run."""
+    later reverted, or reworded, is no change. ``commit`` None: the working tree's own run.
+
+    ``shared`` names files that the code of every run imports helpers from. A change there counts
+    only where it reaches the code under ``paths``: a top-level function or class it changed,
+    removed or added that this code names, directly or through the shared files' other
+    definitions, or a change outside the definitions (an import, a constant). A helper added for
+    another kernel does not make every run look older than its code."""
     if commit is None:
         return False
     top = pathlib.Path(git("rev-parse", "--show-toplevel"))
-    names = ("-c", "core.quotePath=false")  # names as they are, not C-quoted, for git show
-    differing = (git(*names, "diff", "--name-only", commit, "--", *paths) or "").splitlines()
-    differing += (git(*names, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *paths)
-                  or "").splitlines()  # untracked
-    return any(changes_what_runs(name, git("show", f"{commit}:{name}"),
-                                 (top / name).read_text() if (top / name).exists() else None)
-               for name in differing)
+
+    def differing(*pathspecs):
+        names = ("-c", "core.quotePath=false")  # names as they are, not C-quoted, for git show
+        found = (git(*names, "diff", "--name-only", commit, "--", *pathspecs) or "").splitlines()
+        return found + (git(*names, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *pathspecs)
+                        or "").splitlines()  # untracked
+
+    def now(name):
+        return (top / name).read_text() if (top / name).exists() else None
+
+    if any(changes_what_runs(name, git("show", f"{commit}:{name}"), now(name)) for name in differing(*paths)):
+        return True
+    changed_names, current = set(), {}
+    for name in differing(*shared):
+        old, new = definitions(git("show", f"{commit}:{name}")), definitions(now(name))
+        if old is None or new is None or old[None] != new[None]:
+            return True
+        changed_names |= {d for d in old.keys() | new.keys() if old.get(d) != new.get(d)}
+    if not changed_names:
+        return False
+    for name in shared:
+        current.update(definitions(now(name)) or {})
+    while True:  # a shared definition that reads a changed one has changed with it
+        reached = {d for d, (_, reads) in current.items() if d is not None and reads & changed_names}
+        if reached <= changed_names:
+            break
+        changed_names |= reached
+    measured = (git("ls-files", "--cached", "--others", "--exclude-standard", "--full-name", "--", *paths)
+                or "").splitlines()
+    return any(reads_any(now(name), changed_names) for name in measured if name.endswith(".py"))
+
+
+def reads_any(source, names):
+    """Whether Python ``source`` reads any of ``names``; True where it does not parse (it cannot be
+    cleared)."""
+    if source is None:
+        return False
+    try:
+        return bool(names_read(ast.parse(source)) & names)
+    except SyntaxError:
+        return True
 
 
 def sources(data=DATA, stored=stored_run, changed=changed_since):
     """Each stored benchmark file: its device, the tables that read it, when it was stored and
     whether the code it times has changed since (``stored(path)`` gives the run's commit and time,
-    ``changed(commit, *paths)`` whether the code differs from that commit's)."""
+    ``changed(commit, *paths, shared=...)`` whether the code differs from that commit's)."""
     read_by = {}
     for topic in TOPICS:
         for table in tables(topic, data):
@@ -748,7 +827,7 @@ def sources(data=DATA, stored=stored_run, changed=changed_since):
     for path in sorted(pathlib.Path(data).glob("*_bench.json")):
         run = stored(f"book/data/{path.name}")
         behind = run is not None and changed(run[0], *MEASURED_CODE.get(path.name, ("mamba_annotated",)),
-                                             *SHARED_CODE)
+                                             shared=SHARED_CODE)
         if behind:
             older.append(path.name)
         rows.append([path.name, load(path.name, data)["device"], ", ".join(sorted(read_by.get(path.name, ["–"]))),

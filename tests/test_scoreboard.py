@@ -44,7 +44,8 @@ def test_a_run_stored_before_its_code_changed_is_named(tmp_path):
         return (runs[path], datetime.datetime(2026, 11, int(runs[path][1:]), tzinfo=datetime.timezone.utc)) \
             if path in runs else None
 
-    def changed(commit, *paths):
+    def changed(commit, *paths, shared=()):
+        assert shared == scoreboard.SHARED_CODE
         return any((commit, p) in changed_code for p in paths)
 
     table = scoreboard.sources(tmp_path, stored, changed)
@@ -122,6 +123,48 @@ def test_the_code_is_compared_with_the_runs_commit_docstrings_and_comments_aside
     run, stamp = scoreboard.stored_run("book/data/run.json")
     assert run is None and stamp.day == datetime.datetime.now(datetime.timezone.utc).day
     assert not scoreboard.changed_since(run, "pkg")
+
+
+def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_path, monkeypatch):
+    """A helper file every op imports from (``shared``) makes a run older than its code only where
+    its change reaches a definition the run's code names: directly, through another definition of
+    the shared files, or by a change outside the definitions. A helper added or changed for another
+    kernel does not."""
+    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    for key in [k for k in os.environ if k.startswith("GIT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+
+    def commit(files):
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
+                        "-qm", "c"], cwd=tmp_path, check=True, env=git_env)
+
+    helpers = ("import math\n\n\ndef used(x):\n    return inner(x)\n\n\ndef inner(x):\n    return x + 1\n\n\n"
+               "def other(x):\n    return x * 2\n")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
+    commit({"pkg/helpers.py": helpers, "pkg/scan.py": "from .helpers import used\n\n\ndef scan(x):\n"
+            "    return used(x)\n", "pkg/ssd.py": "from . import helpers\n\n\ndef ssd(x):\n"
+            "    return helpers.other(x)\n"})
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.strip()
+
+    def older(path):
+        return scoreboard.changed_since(run, path, shared=("pkg/helpers.py",))
+
+    commit({"pkg/helpers.py": helpers + "\n\ndef added(x):\n    return x\n"})  # a helper for another kernel
+    assert not older("pkg/scan.py") and not older("pkg/ssd.py")
+    commit({"pkg/helpers.py": helpers.replace("x * 2", "x * 3")})  # the ssd's helper only
+    assert not older("pkg/scan.py") and older("pkg/ssd.py")
+    commit({"pkg/helpers.py": helpers.replace("x + 1", "x + 2")})  # reaches scan through used()
+    assert older("pkg/scan.py") and not older("pkg/ssd.py")
+    commit({"pkg/helpers.py": helpers.replace("import math", "import cmath")})  # outside the definitions
+    assert older("pkg/scan.py") and older("pkg/ssd.py")
+    commit({"pkg/helpers.py": helpers.replace("def other(x):\n", "def other(x):\n    \"\"\"Doubles.\"\"\"\n")})
+    assert not older("pkg/scan.py") and not older("pkg/ssd.py")  # a docstring
 
 
 def write(folder, name, data):
