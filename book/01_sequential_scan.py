@@ -148,7 +148,7 @@ plt.show()
 # %% [markdown]
 # ## Walking time on a GPU
 #
-# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences (`dim` the model's channels $d$, each with $N$ states $n$). The kernels of chapters 1 to 4 flatten them into the rows of a `(channels, L)` array and call each row a *channel*. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
+# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences (`dim` the model's channels $d$, each with $N$ states $n$). The kernels of chapters 1 to 4 flatten them into the rows of a `(channels, L)` array, one recurrence per row. This chapter calls a row a *channel*, after the model; from chapter 2 on, the text calls it a *row*, as the kernels' code does. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
 
 # %%
 def draw_sequential_schedule(channels=8, steps=12, block=4):

@@ -82,7 +82,7 @@ runtime.describe()
 #
 # and the second components are equal after expanding. (Shorter: composition of functions is always associative, and the pair is just a function.) The operator is *not* commutative: the order of time matters.
 #
-# **Identity.** $(1, 0)$, the map $h \mapsto h$: $(1,0)\bullet(a,b) = (a, b) = (a,b)\bullet(1,0)$. The kernel pads a block past the end of the row with it. In a forward scan the padding comes after every real element and cannot reach them; in a reverse scan it comes first, and there the identity makes sure it changes nothing.
+# **Identity.** $(1, 0)$, the map $h \mapsto h$: $(1,0)\bullet(a,b) = (a, b) = (a,b)\bullet(1,0)$. The kernel pads a block past the end of the row (one recurrence: chapter 1's channel) with it. In a forward scan the padding comes after every real element and cannot reach them; in a reverse scan it comes first, and there the identity makes sure it changes nothing.
 #
 # **The prefixes are the states.** Write the prefix up to step $t$ as $(\pi_t, c_t) = (a_0, b_0) \bullet \dots \bullet (a_t, b_t)$, the map $h \mapsto \pi_t h + c_t$ that takes $h_{-1}$ to $h_t$. One more step gives $(\pi_{t-1}, c_{t-1}) \bullet (a_t, b_t) = (\pi_{t-1} a_t,\; a_t c_{t-1} + b_t)$: $\pi_t$ is the running product of the decays, and $c_t$ obeys the recurrence itself from $c_0 = b_0$, so it is the state started from $h_{-1} = 0$. **The initial state** is one more map: $h_{-1}$ folds into the first element as $b_0 \leftarrow b_0 + a_0 h_{-1}$ (that is $f_0(h_{-1})$), which makes $c_t = h_t$ exactly. The scan of the pairs therefore returns the states in its second component and the running products $\pi_t$ in its first.
 #
