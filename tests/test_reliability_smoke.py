@@ -193,6 +193,33 @@ def test_norm_cases_catch_a_norm_five_percent_off(monkeypatch):
     assert failures and failures[0].startswith("out: relative error"), failures
 
 
+def test_a_float32_d_dt_bias_past_its_bound_is_judged_against_its_terms_and_a_wrong_one_still_fails(monkeypatch):
+    """The size of d dt_bias's terms forgives rounding of that size, not an error of the sum: a d dt_bias
+    one percent of its terms off fails at any seed, in the interpreter or on a GPU."""
+    want, terms = torch.tensor([4.0e-4], dtype=torch.float64), torch.tensor([2.755], dtype=torch.float64)
+    assert cases.error_against_terms(torch.tensor([4.0e-4 + 1.4e-7]), want, terms) < 1e-4
+    op = cases.OPS["ssd_chunk_scan"]
+    name, seed, params = TYPICAL_INTERPRETER_CASES["ssd_float32_dt_bias_of_two_cancelling_terms"]
+    ours = op.ours
+
+    class OffByAPercentOfTheTerms(torch.autograd.Function):  # the forward as before, d dt_bias 0.01 x 2.755 off
+        @staticmethod
+        def forward(ctx, dt_bias):
+            return dt_bias.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad + 0.01 * 2.755
+
+    def off_by_a_percent_of_the_terms(params):
+        fn = ours(params)
+        return lambda **args: fn(**{**args, "dt_bias": OffByAPercentOfTheTerms.apply(args["dt_bias"])})
+
+    monkeypatch.setattr(op, "ours", off_by_a_percent_of_the_terms)
+    failures = cases.run_case(op, params, seed).failures
+    assert any(f.startswith("grad dt_bias") for f in failures), failures
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the seed's inputs are the interpreter's draws (past the fixed bound)")
 def test_a_16bit_final_state_is_judged_against_the_noise_of_rounding_its_terms(monkeypatch):
     """SSD's bfloat16 final state whose terms cancel (seed 31 of a one-head, one-channel case): past
@@ -472,6 +499,15 @@ TYPICAL_INTERPRETER_CASES = {
                      D="contiguous", dt="contiguous", dt_rev="contiguous", x="contiguous", z="contiguous"),
         opts=dict(B_rev=True, C_rev=False, D="head", cuts=[1], dt_bias=True, dt_dtype="bfloat16",
                   dt_limit=[0.01, 2.0], dt_rev=False, dt_softplus=False, packing=None, shift=False, z=True))),
+    # An interpreter sweep case (seed 901685, shrunk): float32 d dt_bias at batch 2 and L = 1 is the sum
+    # of two terms that cancel, -1.3774 + 1.3778; 3.5e-4 past the fixed bound of 1e-4 by an absolute
+    # error of 1.4e-7. Against the size of its terms (cases.error_against_terms) it is within the bound.
+    "ssd_float32_dt_bias_of_two_cancelling_terms": ("ssd_chunk_scan", 901685, dict(
+        dims=dict(L=1, batch=2, chunk=16, dstate=3, groups=1, headdim=17, heads=1), dtype="float32",
+        layouts=dict(A="offset", B="expanded", C="contiguous", D="offset", dt="contiguous", initial_states="offset",
+                     x="contiguous", z="reversed"),
+        opts=dict(D=None, cuts=[], dt_bias=True, dt_dtype="float32", dt_limit=None, dt_softplus=False,
+                  initial_states=True, packing=None, return_final_states=True, z=True))),
 }
 
 

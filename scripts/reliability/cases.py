@@ -182,6 +182,13 @@ def error_against(out, ref):
     return float(rel_error(out, ref))
 
 
+def error_against_terms(out, want, terms):
+    """The error of ``out``, each element a sum, against the float64 ``want``, relative to ``terms``:
+    for each element the sum of the absolute values of the terms it adds up. Where the terms cancel,
+    rounding each to the working precision leaves an error of their size, not of the sum's."""
+    return float((out.detach().double() - want.detach().double()).norm() / terms.detach().double().norm())
+
+
 def past_bound(name, err, tol):
     return f"{name}: relative error {err:.3e} not below {tol:.0e}"
 
@@ -710,6 +717,17 @@ class SSDChunkScan(ChunkedSSM):
             error = verdict.errors[f"grad {name}"] = error_against(ours[name], want[name])
             if error < tol:
                 continue
+            if name == "dt_bias" and dtype == torch.float32 and "dt" in want:
+                # d dt_bias[h] sums d dt[b, t, h] over the batch and the positions (the bias enters every
+                # step as dt does), so where those terms cancel, their float32 rounding is large against the
+                # sum: seed 901685 in the interpreter, -1.3774 + 1.3778 at batch 2 and L = 1, was 3.5e-4 past
+                # a bound of 1e-4 by an absolute error of 1.4e-7. Past its bound it is judged against the
+                # size of its terms
+                terms = want["dt"].abs().flatten(0, -2).sum(0)
+                error = verdict.errors["grad dt_bias against its terms"] = error_against_terms(
+                    ours[name], want[name], terms)
+                if error < tol:
+                    continue
             if peer_judges:
                 by_peer.append(name)
             else:
