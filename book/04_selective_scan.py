@@ -119,7 +119,7 @@ ax_out.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The plot shows selection at work. Before $t = 48$ each input enters with weight $\Delta = 0.05$, so the output stays within about ±0.2 while $x$ swings between −2 and 2. At $t = 48$ the decays drop to $e^{-2}$ and below, so the old state is almost gone, and the input enters with weight $\Delta = 4$: the output jumps to about $4 x_{48} \approx -2.7$ (here $\sum_n C_n B_n = 1$; the factor 4 is chapter 1's $\bar B = \Delta B$). It does not follow the inputs after that: they enter with weight 0.05 again, and the output fades back towards zero, each state at its own rate $e^{0.05 A_n}$ per step; the slowest state ($A_n = -0.5$) still holds about a third of its value 47 steps later.
+# The plot shows selection at work. Before $t = 48$ each input enters with weight $\Delta = 0.05$, so the output stays within about ±0.2 while $x$ swings between about −2 and 2. At $t = 48$ the decays drop to $e^{-2}$ and below, so the old state is almost gone, and the input enters with weight $\Delta = 4$: the output jumps to about $4 x_{48} \approx -2.7$ (here $\sum_n C_n B_n = 1$; the factor 4 is chapter 1's $\bar B = \Delta B$). It does not follow the inputs after that: they enter with weight 0.05 again, and the output fades back towards zero, each state at its own rate $e^{0.05 A_n}$ per step; the slowest state ($A_n = -0.5$) still holds about a third of its value 47 steps later.
 #
 # ## A first kernel: one channel, one step at a time
 #
