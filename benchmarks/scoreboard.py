@@ -784,6 +784,8 @@ def changed_since(commit, *paths, shared=()):
 
     if any(changes_what_runs(name, git("show", f"{commit}:{name}"), now(name)) for name in differing(*paths)):
         return True
+    if not shared:  # (git diff with no pathspec would name every file)
+        return False
     changed_names, current = set(), {}
     for name in differing(*shared):
         old, new = definitions(git("show", f"{commit}:{name}")), definitions(now(name))

@@ -165,6 +165,8 @@ def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_
     assert older("pkg/scan.py") and older("pkg/ssd.py")
     commit({"pkg/helpers.py": helpers.replace("def other(x):\n", "def other(x):\n    \"\"\"Doubles.\"\"\"\n")})
     assert not older("pkg/scan.py") and not older("pkg/ssd.py")  # a docstring
+    commit({"notes.txt": "not code"})  # without shared files, only the code under the paths counts
+    assert not scoreboard.changed_since(run, "pkg/scan.py")
 
 
 def write(folder, name, data):
