@@ -245,7 +245,7 @@ def test_a_16bit_final_state_is_judged_against_the_noise_of_rounding_its_terms(m
 
 @pytest.mark.parametrize("packing", [None, "seq_idx", "cu_seqlens"])
 def test_the_foil_on_a_grid_moved_by_one_position_is_the_same_function(packing):
-    """The bidirectional judge's yardstick at chunk 16 (padded_in_front): in float32 its output and
+    """The bidirectional judge's yardstick at chunk 16 (padded_at_both_ends): in float32 its output and
     every gradient match float64 as the op's own do, with and without packed sequences."""
     op = cases.OPS["bidirectional_chunk_scan"]
     _, seed, params = TYPICAL_INTERPRETER_CASES["bidirectional_bfloat16_dA_the_foil_reads_no_state"]
@@ -253,7 +253,7 @@ def test_the_foil_on_a_grid_moved_by_one_position_is_the_same_function(packing):
     params["dtype"], params["opts"]["dt_dtype"], params["opts"]["packing"] = "float32", "float32", packing
     seed_everything(seed)
     leaves = op.inputs(params)
-    foil = op.padded_in_front(op.call(params, cases.bidirectional_two_calls))
+    foil = op.padded_at_both_ends(op.call(params, cases.bidirectional_two_calls))
     ref = op.call(params, cases.bidirectional_ref)
     args, args64 = op.views(params, leaves), op.views(params, cases.as64(leaves))
     assert cases.error_against(foil(**args)[0], ref(**args64)[0]) < 1e-5
@@ -477,8 +477,8 @@ TYPICAL_INTERPRETER_CASES = {
     # of the foil reads a state entering a chunk, while ours reads the state entering chunk 1 for row
     # 16, stored and read in bfloat16 (at L = 16 or in float32 both are 1e-7; at L = 18, where the foil
     # reads that state too, both are 1e-3). Against the foil on a grid moved by one position
-    # (BidirectionalChunkScan.padded_in_front; chunk 16 has no half chunk) it passes: 1.7e-4 against
-    # that foil's 3.7e-4.
+    # (BidirectionalChunkScan.padded_at_both_ends; chunk 16 has no half chunk) it passes: 1.7e-4 against
+    # that foil's 2.7e-4 (3.7e-4 with its forward grid moved alone).
     "bidirectional_bfloat16_dA_the_foil_reads_no_state": ("bidirectional_chunk_scan", 80270, dict(
         dims=dict(L=17, batch=1, chunk=16, dstate=3, groups=1, headdim=17, heads=2), dtype="bfloat16",
         layouts=dict(A="contiguous", B="contiguous", B_rev="contiguous", C="contiguous", C_rev="contiguous",
@@ -499,6 +499,17 @@ TYPICAL_INTERPRETER_CASES = {
                      D="contiguous", dt="contiguous", dt_rev="contiguous", x="contiguous", z="contiguous"),
         opts=dict(B_rev=True, C_rev=False, D="head", cuts=[1], dt_bias=True, dt_dtype="bfloat16",
                   dt_limit=[0.01, 2.0], dt_rev=False, dt_softplus=False, packing=None, shift=False, z=True))),
+    # An interpreter sweep case (seed 900368, shrunk), the reverse direction's twin of seed 80270: float16
+    # dA with the shift at L = 17 and chunk 16 was 1.0e-4 against 3 x the foil's 3.5e-5, pooled over 32
+    # upstream gradients, with the foil's forward grid moved by one position. The foil's reverse call
+    # reads the sequence from its end, so with the shift its output at row 0 falls in that call's first
+    # chunk too and reads no state; moving that grid as well (padded_at_both_ends), it passes.
+    "bidirectional_float16_dA_the_foils_reverse_call_reads_no_state": ("bidirectional_chunk_scan", 900368, dict(
+        dims=dict(L=17, batch=1, chunk=16, dstate=7, groups=2, headdim=5, heads=2), dtype="float16",
+        layouts=dict(A="contiguous", B="contiguous", B_rev="contiguous", C="contiguous", C_rev="contiguous",
+                     D="offset", dt="contiguous", dt_rev="expanded", x="expanded", z="strided"),
+        opts=dict(B_rev=True, C_rev=True, D=None, cuts=[15, 16], dt_bias=False, dt_dtype="float16", dt_limit=None,
+                  dt_rev=True, dt_softplus=True, packing=None, shift=True, z=False))),
     # An interpreter sweep case (seed 901685, shrunk): float32 d dt_bias at batch 2 and L = 1 is the sum
     # of two terms that cancel, -1.3774 + 1.3778; 3.5e-4 past the fixed bound of 1e-4 by an absolute
     # error of 1.4e-7. Against the size of its terms (cases.error_against_terms) it is within the bound.

@@ -882,29 +882,32 @@ class BidirectionalChunkScan(ChunkedSSM):
             # the grid the two directions share, rounded to bfloat16 as every chunked call's are. There
             # the foil at half the chunk, which does read states, is the yardstick as well. Chunk 16 has
             # no half (the interpreter's seed 80270: L = 17, dA 2.3e-4 against the foil's 8.8e-8): there
-            # the foil's grid moves by one position instead (padded_in_front).
+            # both of the foil's grids move by one position instead (padded_at_both_ends; seed 900368, float16
+            # with the shift at L = 17, needed its reverse call's grid moved too).
             half = dict(params, dims=dict(params["dims"], chunk=params["dims"]["chunk"] // 2))
             other = (self.call(half, bidirectional_two_calls) if params["dims"]["chunk"] >= 32
-                     else self.padded_in_front(self.call(params, bidirectional_two_calls)))
+                     else self.padded_at_both_ends(self.call(params, bidirectional_two_calls)))
             judge_typical_errors(verdict, by_foil, fn, self.call(params, bidirectional_two_calls), ref_fn,
                                  self.views(params, leaves), self.views(params, as64(leaves)), flat(outputs), seed,
                                  dtype, factor=3.0, other_same_fn=other)
         return verdict
 
-    def padded_in_front(self, run):
-        """``run`` on the inputs with one position put in front, its x, B, C (and the reverse ones)
-        zero, so that it adds nothing to any later output or gradient, and that position's output
-        dropped: the same function, the foil's forward call on a chunk grid moved by one position
-        (its reverse call, which reads each sequence from its end, keeps its grid; seed 80270's state
-        is the forward one). The added position belongs to the first sequence."""
+    def padded_at_both_ends(self, run):
+        """``run`` on the inputs with one position put in front and one after the end, their x, B, C
+        (and the reverse ones) zero, so that they add nothing to any other output or gradient, and
+        their outputs dropped: the same function, with the foil's forward call on a chunk grid moved
+        by one position, and its reverse call, which reads each sequence from its end, too (seed
+        80270's state is a forward one, seed 900368's a reverse one). The position in front belongs
+        to the first sequence, the one after the end to the last."""
         def padded(**args):
-            wider = {k: torch.cat([torch.zeros_like(v[:, :1]), v], dim=1) if k in self.TIME and v is not None else v
-                     for k, v in args.items()}
+            wider = {k: torch.cat([torch.zeros_like(v[:, :1]), v, torch.zeros_like(v[:, :1])], dim=1)
+                     if k in self.TIME and v is not None else v for k, v in args.items()}
             if args.get("seq_idx") is not None:
-                wider["seq_idx"] = torch.cat([args["seq_idx"][:, :1], args["seq_idx"]], dim=1)
+                wider["seq_idx"] = torch.cat([args["seq_idx"][:, :1], args["seq_idx"], args["seq_idx"][:, -1:]], dim=1)
             if args.get("cu_seqlens") is not None:
-                wider["cu_seqlens"] = torch.cat([args["cu_seqlens"][:1], args["cu_seqlens"][1:] + 1])
-            return tuple(out[:, 1:] for out in run(**wider))
+                wider["cu_seqlens"] = torch.cat([args["cu_seqlens"][:1], args["cu_seqlens"][1:-1] + 1,
+                                                 args["cu_seqlens"][-1:] + 2])
+            return tuple(out[:, 1:-1] for out in run(**wider))
         return padded
 
 
