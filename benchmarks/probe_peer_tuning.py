@@ -1,8 +1,8 @@
 """Does mamba_ssm's autotuner pick different configurations (and times) at the SSD benchmark's
 first shape from one tuning to the next? Each round clears every mamba_ssm autotuner's cache,
 retunes through one call of each pass, and times both passes with do_bench; rounds after the first
-name the autotuners whose pick differs from the first round's, with the configuration picked. ``--warm`` runs bfloat16 matmuls for 3 s before
-the first tuning, to bring the GPU's clocks up.
+name the autotuners whose pick differs from the first round's, with the configuration picked.
+``--warm`` runs bfloat16 matmuls for 3 s before the first tuning, to bring the GPU's clocks up.
 
     python benchmarks/probe_peer_tuning.py ROUNDS [--warm]
 
