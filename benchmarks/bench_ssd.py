@@ -40,6 +40,7 @@ from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing, state_passing_backward  # noqa: E402
 from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
+from peers import autotuners, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -96,6 +97,13 @@ def passes(fn, inp, leaves, dy, *, chunk_size, seq_idx=None):
     return fwd, fwd_bwd
 
 
+def report_tunings(case, times):
+    """Print the peer's time after each of its tunings (:func:`peers.tune_fastest`), forward and
+    forward+backward: the rows then time it at the fastest."""
+    print(f"{case}: mamba_ssm after each tuning (ms), fwd " + ", ".join(f"{t:.3f}" for t in times[0])
+          + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; timed at the fastest")
+
+
 def packed_seq_idx(shape, packed):
     """seq_idx marking ``packed`` sequences of equal length in every row of ``shape``."""
     batch, length = shape[:2]
@@ -139,7 +147,11 @@ def run_variants(shape, peer_fn, packed=8):
     rows = []
     for chunk, marks in ((64, None), (128, None), (CHUNK, None), (CHUNK, seq_idx)):
         for name, fn in impls.items():
-            for pass_, f in zip(("fwd", "fwd+bwd"), passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)):
+            timed = passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)
+            if name == "mamba_ssm":
+                report_tunings(f"{shape}, chunk {chunk}, {1 if marks is None else packed} sequence(s)",
+                               tune_fastest(timed, autotuners("mamba_ssm.")))
+            for pass_, f in zip(("fwd", "fwd+bwd"), timed):
                 rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
                                  pass_=pass_, ms=bench.median_ms(f)))
     for r in rows:
@@ -164,6 +176,8 @@ def run_shape(shape, peer_fn):
     b_fwd, b_all = min_bytes(*shape)
     for name, fn in impls.items():
         fwd, fwd_bwd = passes(fn, inp, leaves, dy, chunk_size=CHUNK)
+        if name == "mamba_ssm":
+            report_tunings(f"{shape}, chunk {CHUNK}", tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm.")))
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
