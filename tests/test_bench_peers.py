@@ -66,3 +66,12 @@ def test_autotuners_finds_the_triton_autotuners_of_imported_modules_by_prefix():
         del sys.modules["peer_for_test.ops"]
     assert list(found) == ["peer_for_test.ops.kernel"] and isinstance(found["peer_for_test.ops.kernel"], Autotuner)
     assert peers.autotuners("no_such_peer.") == {}
+
+
+def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
+    import bench_ssd
+
+    records = bench_ssd.report_tunings("(4, 4096, 80, 64, 128), chunk 256", [[0.998, 0.711], [4.098, 3.403]])
+    assert records == [dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd", tunings_ms=[0.998, 0.711]),
+                       dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd+bwd", tunings_ms=[4.098, 3.403])]
+    assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; timed at the fastest" in capsys.readouterr().out
