@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ssd import make_inputs as causal_inputs, peak_mb  # noqa: E402
+from bench_ssd import make_inputs as causal_inputs, peak_mb, report_tunings  # noqa: E402
 from costs import CHUNK, bidirectional_flops as flops, bidirectional_min_bytes as min_bytes  # noqa: E402
 from costs import ssd_flops as causal_flops, ssd_min_bytes as causal_min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
@@ -41,6 +41,7 @@ from mamba_annotated.bidirectional.forward import bidirectional_forward  # noqa:
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
+from peers import autotuners, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -137,7 +138,7 @@ def run_shape(shape, impls):
     dy = torch.randn_like(inp["x"])
     print(f"{shape}: checking ours against the peers")
     check_against_peers(inp, impls, dy)
-    rows = []
+    rows, tunings = [], []
     for name, (fn, separate) in impls.items():
         names = [k for k in inp if separate or k not in REVERSE]
         leaves = {k: (v.clone().requires_grad_() if k in names else v) for k, v in inp.items()}
@@ -152,12 +153,14 @@ def run_shape(shape, impls):
             # torch.autograd.grad: gradients returned, not accumulated into .grad (no extra add timed)
             return torch.autograd.grad(fn(leaves), [leaves[k] for k in names], dy)
 
+        if name in (NAIVE, HYDRA):
+            tunings += report_tunings(f"{shape}, {name}", tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm.")))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
             ms = bench.median_ms(f)
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
             rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
                              floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
-    return rows
+    return rows, tunings
 
 
 def bars(rows):
@@ -219,16 +222,18 @@ def main():
     impls = implementations(peer_fn)
     print(f"device: {device_name()}; matmul {bench.matmul_tflops():.0f} TFLOP/s (bf16), "
           f"copy {bench.copy_bandwidth_gbps():.0f} GB/s")
-    all_rows, all_stages = [], {}
+    all_rows, all_stages, all_tunings = [], {}, []
     shapes = QUICK_SHAPES if args.quick else [SHAPES[i] for i in args.shape] if args.shape else SHAPES
     if args.merge and args.json and args.json.exists():
         old = json.loads(args.json.read_text())
         done = {str(s) for s in shapes}
         all_rows = [r for r in old["rows"] if r["shape"] not in done]
         all_stages = {k: v for k, v in old["stages"].items() if k not in done}
+        all_tunings = [t for t in old.get("peer_tunings", []) if not any(t["case"].startswith(s) for s in done)]
     for shape in shapes:
-        rows = run_shape(shape, impls)
+        rows, tunings = run_shape(shape, impls)
         all_rows += rows
+        all_tunings += tunings
         bench.print_table(rows)
         stages = kernel_breakdown(shape, impls)
         all_stages[str(shape)] = stages
@@ -246,7 +251,7 @@ def main():
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
         args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
                                              matmul_TFLOPs=bench.matmul_tflops(), chunk=CHUNK, rows=all_rows,
-                                             bars=verdicts, stages=all_stages), indent=1))
+                                             bars=verdicts, stages=all_stages, peer_tunings=all_tunings), indent=1))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing, state_passing_backward  # noqa: E402
 from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
+from peers import autotuners, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -96,6 +97,15 @@ def passes(fn, inp, leaves, dy, *, chunk_size, seq_idx=None):
     return fwd, fwd_bwd
 
 
+def report_tunings(case, times):
+    """Print the peer's time after each of its tunings (:func:`peers.tune_fastest`), forward and
+    forward+backward, and return them as records for the JSON (``peer_tunings``): the rows time the
+    peer at the fastest."""
+    print(f"{case}: mamba_ssm after each tuning (ms), fwd " + ", ".join(f"{t:.3f}" for t in times[0])
+          + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; timed at the fastest")
+    return [dict(case=case, pass_=pass_, tunings_ms=list(ms)) for pass_, ms in zip(("fwd", "fwd+bwd"), times)]
+
+
 def packed_seq_idx(shape, packed):
     """seq_idx marking ``packed`` sequences of equal length in every row of ``shape``."""
     batch, length = shape[:2]
@@ -136,10 +146,14 @@ def run_variants(shape, peer_fn, packed=8):
     leaves, dy = differentiable(inp)
     seq_idx = packed_seq_idx(shape, packed)
     impls = {"ours": ssd_chunk_scan, **({"mamba_ssm": peer_fn} if peer_fn is not None else {})}
-    rows = []
+    rows, tunings = [], []
     for chunk, marks in ((64, None), (128, None), (CHUNK, None), (CHUNK, seq_idx)):
         for name, fn in impls.items():
-            for pass_, f in zip(("fwd", "fwd+bwd"), passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)):
+            timed = passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)
+            if name == "mamba_ssm":
+                tunings += report_tunings(f"{shape}, chunk {chunk}, {1 if marks is None else packed} sequence(s)",
+                                          tune_fastest(timed, autotuners("mamba_ssm.")))
+            for pass_, f in zip(("fwd", "fwd+bwd"), timed):
                 rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
                                  pass_=pass_, ms=bench.median_ms(f)))
     for r in rows:
@@ -149,7 +163,7 @@ def run_variants(shape, peer_fn, packed=8):
         alone = next(q for q in rows if (q["chunk"], q["packed"], q["impl"], q["pass_"])
                      == (r["chunk"], 1, r["impl"], r["pass_"]))
         r["packing_cost"] = r["ms"] / alone["ms"] if r["packed"] > 1 else float("nan")
-    return rows
+    return rows, tunings
 
 
 def run_shape(shape, peer_fn):
@@ -159,11 +173,13 @@ def run_shape(shape, peer_fn):
     impls = {"ours": ssd_chunk_scan}
     if peer_fn is not None:
         impls["mamba_ssm"] = peer_fn
-    rows, outs = [], {}
+    rows, outs, tunings = [], {}, []
     f_fwd, f_all = flops(*shape)
     b_fwd, b_all = min_bytes(*shape)
     for name, fn in impls.items():
         fwd, fwd_bwd = passes(fn, inp, leaves, dy, chunk_size=CHUNK)
+        if name == "mamba_ssm":
+            tunings = report_tunings(f"{shape}, chunk {CHUNK}", tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm.")))
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
@@ -178,7 +194,7 @@ def run_shape(shape, peer_fn):
         print(f"{shape}: rel err ours vs mamba_ssm forward: {rel_error(outs['ours'], outs['mamba_ssm']):.2e}; grads: "
               + ", ".join(f"{k} {rel_error(outs['ours_grads'][k], outs['mamba_ssm_grads'][k]):.1e}"
                           for k in outs["ours_grads"]))
-    return rows, breakdown(inp, dy)
+    return rows, breakdown(inp, dy), tunings
 
 
 def breakdown(inp, dy):
@@ -226,18 +242,20 @@ def main():
           f"copy {bench.copy_bandwidth_gbps():.0f} GB/s")
     rates = dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(), matmul_TFLOPs=bench.matmul_tflops())
     if args.variants:
-        variants = run_variants(SHAPES[0], peer_fn)
+        variants, tunings = run_variants(SHAPES[0], peer_fn)
         bench.print_table(variants)
         packing = packing_breakdown(SHAPES[0])
         print(f"where the packed sequences' extra time goes, forward+backward, {SHAPES[0]}:")
         bench.print_table(packing)
         if args.json:
-            args.json.write_text(json.dumps(dict(rates, variants=variants, packing_stages=packing), indent=1))
+            args.json.write_text(json.dumps(dict(rates, variants=variants, packing_stages=packing,
+                                                 peer_tunings=tunings), indent=1))
         return
-    all_rows, all_stages = [], {}
+    all_rows, all_stages, all_tunings = [], {}, []
     for shape in SHAPES[: 1 if args.quick else None]:
-        rows, stages = run_shape(shape, peer_fn)
+        rows, stages, tunings = run_shape(shape, peer_fn)
         all_rows += rows
+        all_tunings += tunings
         all_stages[str(shape)] = stages
         bench.print_table(rows)
         bench.print_table(stages)
@@ -245,7 +263,8 @@ def main():
     print("configs the autotuner chose (last shape):", json.dumps(tuned, indent=1))
     if args.json:
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
-        args.json.write_text(json.dumps(dict(rates, rows=all_rows, stages=all_stages, configs=tuned), indent=1))
+        args.json.write_text(json.dumps(dict(rates, rows=all_rows, stages=all_stages, configs=tuned,
+                                             peer_tunings=all_tunings), indent=1))
 
 
 if __name__ == "__main__":

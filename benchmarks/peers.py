@@ -55,3 +55,47 @@ def mamba_ssm_selective_scan():
         compiled = False
     interface = mamba_ssm_module("mamba_ssm.ops.selective_scan_interface")
     return interface, compiled and interface is not None
+
+
+def autotuners(prefix: str) -> dict:
+    """Every Triton autotuner of the imported modules whose name starts with ``prefix`` (for
+    mamba_ssm's: "mamba_ssm."), by module and name."""
+    from triton.runtime.autotuner import Autotuner
+
+    return {f"{name}.{attr}": obj for name, module in list(sys.modules.items())
+            if name.startswith(prefix) and module is not None
+            for attr, obj in list(vars(module).items()) if isinstance(obj, Autotuner)}
+
+
+def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None) -> list:
+    """Tune a peer's kernels ``tunings`` times for each of ``passes`` (callables, e.g. its forward,
+    then its forward and backward) and keep, for each, the picks of the tuning that ran it fastest.
+
+    A Triton autotuner times each configuration for a few milliseconds and keeps the fastest, so
+    where configurations are close, or the kernel is short, its pick changes from one tuning to the
+    next, and with it the peer's time: mamba_ssm's SSD at the benchmark's first shape took 3.08 to
+    5.18 ms forward and backward over four tunings in one process (book/data/peer_tuning_probe.json).
+    Timing the peer after its fastest of several tunings compares ours with the peer at its best.
+    A pass keeps the picks of the passes before it (the forward's kernels are tuned once, with the
+    forward) and retunes only the autotuners they left untouched. ``time(fn)`` gives ms (default
+    ``triton.testing.do_bench``). Returns the times of every tuning, one list per pass."""
+    if time is None:
+        import triton.testing
+        time = triton.testing.do_bench
+    settled, times = set(), []
+    for run in passes:
+        best, tried = None, []
+        for _ in range(tunings):
+            for name, tuner in tuners.items():
+                if name not in settled:
+                    tuner.cache.clear()
+            run()  # tunes what the cleared autotuners meet
+            tried.append(time(run))
+            if best is None or tried[-1] < best[0]:
+                best = (tried[-1], {name: dict(tuner.cache) for name, tuner in tuners.items()})
+        for name, tuner in tuners.items():
+            tuner.cache.clear()
+            tuner.cache.update(best[1][name])
+        settled |= {name for name, picks in best[1].items() if picks}
+        times.append(tried)
+    return times

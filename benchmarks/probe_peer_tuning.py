@@ -16,29 +16,22 @@ import sys
 import time
 
 import torch
-import triton
 import triton.testing
 
 sys.path.insert(0, "benchmarks")  # run from the repository's top
 import bench_ssd  # noqa: E402
-from peers import mamba_ssm_module  # noqa: E402
+from peers import autotuners, mamba_ssm_module  # noqa: E402
 
 
 def mamba_ssm_autotuners():
-    """Every autotuned kernel of mamba_ssm's Triton ops, by module and name (modules that need a
-    CUDA extension the machine lacks are skipped)."""
-    package = sys.modules["mamba_ssm.ops.triton"]
-    tuners = {}
-    for info in pkgutil.iter_modules(package.__path__):
+    """Every autotuned kernel of mamba_ssm's Triton ops, by module and name, once each of its modules
+    is imported (modules that need a CUDA extension the machine lacks are skipped)."""
+    for info in pkgutil.iter_modules(sys.modules["mamba_ssm.ops.triton"].__path__):
         try:
-            module = importlib.import_module(f"mamba_ssm.ops.triton.{info.name}")
+            importlib.import_module(f"mamba_ssm.ops.triton.{info.name}")
         except Exception as e:
             print("skip", info.name, type(e).__name__)
-            continue
-        for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.autotuner.Autotuner):
-                tuners[f"{info.name}.{name}"] = obj
-    return tuners
+    return autotuners("mamba_ssm.")
 
 
 def main():

@@ -243,7 +243,7 @@ def non_contiguous_op_args():
         ("sequential_scan", sequential_scan_op, (a, b, None, True)),
         ("selective_scan", selective_scan_op, (u, delta, A, B, C, randn(4), transposed(1, 4, 19), None, True, True)),
         ("ssd_chunk_scan", ssd_chunk_scan_op, (x, dt, A_ssd, B_ssd, C_ssd, 16, None, split_view(1, 17, 2, 16), None,
-                                               None, None, None, True, 0.0, math.inf, None)),
+                                               None, None, None, True, 0.0, math.inf, None, True)),
         ("bidirectional_chunk_scan", bidirectional_chunk_scan_op,
          (x, dt, A_ssd, B_ssd, C_ssd, 16, None, None, None, None, True, 0.0, math.inf, False, None, None, None)),
         ("attention", attention_op, (q, k, v, 0.25, -1, 0, 0.0, None, 0.0, None)),

@@ -600,14 +600,15 @@ def test_gradients_are_the_same_bits_whatever_order_the_programs_run_in(monkeypa
 
 
 def small_op_args(optional):
-    """Arguments of the registered op (mamba_annotated::ssd_chunk_scan), small."""
+    """Arguments of the registered op (mamba_annotated::ssd_chunk_scan), small; the final states asked
+    for with every optional argument, not without."""
     inputs = make_inputs(batch=1, length=17, heads=2, groups=1, seq_idx=True)
     if not optional:
         inputs = {k: inputs[k] if k in ("x", "dt", "A", "B", "C") else None for k in inputs}
     inputs = {k: (v.requires_grad_() if v is not None and v.is_floating_point() else v) for k, v in inputs.items()}
     i = inputs
     return (i["x"], i["dt"], i["A"], i["B"], i["C"], 16, i["D"], i["z"], i["dt_bias"], i["initial_states"],
-            i["seq_idx"], None, True, 0.0, math.inf, None)
+            i["seq_idx"], None, True, 0.0, math.inf, None, optional)
 
 
 @pytest.mark.parametrize("optional", [False, True], ids=["bare", "every_argument"])

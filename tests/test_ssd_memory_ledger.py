@@ -1,5 +1,6 @@
 """benchmarks/ssd_memory_ledger.py: the ledger counts what is alive, and the SSD forward pass's peak
 is made of the tensors it names."""
+import functools
 import pathlib
 import sys
 
@@ -44,3 +45,17 @@ def test_ssd_forward_peak_is_its_output_states_and_sums():
     assert ((batch, length, heads, headdim), torch.bfloat16) in shapes          # the output
     assert ((batch, n_chunks, heads, headdim, dstate), torch.bfloat16) in shapes  # the states entering each chunk
     assert all(owner.startswith(("chunk_", "state_passing")) for *_, owner in alive)
+
+
+def test_the_final_states_are_allocated_only_when_asked_for():
+    """mamba_ssm allocates and stores the final states whether asked for or not; ssd_chunk_scan only
+    with return_final_states (at the benchmark's first shape, 10 MiB of its forward peak)."""
+    batch, length, heads, headdim, dstate = 1, 300, 4, 16, 32
+    inp = ledger_script.make_inputs(batch, length, heads, headdim, dstate)
+    final = ((batch, heads, headdim, dstate), torch.float32)
+
+    def peak_tensors(fn):
+        return {(shape, dtype) for _, shape, dtype, _ in ledger_script.forward_ledger(fn, inp).at_peak.values()}
+
+    assert final not in peak_tensors(ssd_chunk_scan)
+    assert final in peak_tensors(functools.partial(ssd_chunk_scan, return_final_states=True))

@@ -96,31 +96,32 @@ def ssd_forward_op(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
                    chunk_size: int, D: Optional[torch.Tensor], z: Optional[torch.Tensor],
                    dt_bias: Optional[torch.Tensor], initial_states: Optional[torch.Tensor],
                    seq_idx: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], dt_softplus: bool,
-                   dt_min: float, dt_max: float, state_dtype: Optional[torch.dtype]
+                   dt_min: float, dt_max: float, state_dtype: Optional[torch.dtype], return_final_states: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out, final_states, y before the gate (absent without z), the states at the ends of the
-    packed sequences (absent without cu_seqlens), and what the backward pass reads: dA_cumsum,
-    dt_out, CB, states_in (:class:`~.forward.Saved`)."""
+    """out, final_states (absent unless ``return_final_states``), y before the gate (absent without
+    z), the states at the ends of the packed sequences (absent without cu_seqlens), and what the
+    backward pass reads: dA_cumsum, dt_out, CB, states_in (:class:`~.forward.Saved`)."""
     if x.numel() == 0:
-        return empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype)
+        return empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype, return_final_states)
     result = ssd_forward(x, dt, A.contiguous(), B, C, chunk_size, D=contiguous(D), z=z,
                          dt_bias=contiguous(dt_bias), initial_states=initial_states, seq_idx=seq_idx,
                          cu_seqlens=contiguous(cu_seqlens), dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
-                         state_dtype=state_dtype)
+                         state_dtype=state_dtype, final_states=return_final_states)
+    final = result.final_states if result.final_states is not None else absent(x)
     y = result.y if result.y is not None else absent(x)
     varlen = result.varlen_states if result.varlen_states is not None else absent(x)
-    return (result.out, result.final_states, y, varlen, *result.saved.tensors())
+    return (result.out, final, y, varlen, *result.saved.tensors())
 
 
-def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, make):
+def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, return_final_states, make):
     """The eight outputs of :func:`ssd_forward_op`, each made by ``make(shape, dtype)``."""
     batch, length, heads, headdim = x.shape
     groups, dstate = B.shape[2], B.shape[3]
     n_chunks = cdiv(length, chunk_size)
     stored, final = state_dtype or x.dtype, state_dtype or torch.float32  # mamba_ssm's dtypes by default
     chunk_shape = (batch, heads, n_chunks, chunk_size)
-    return (make(x.shape, x.dtype), make((batch, heads, headdim, dstate), final),
+    return (make(x.shape, x.dtype), make((batch, heads, headdim, dstate), final) if return_final_states else absent(x),
             make(x.shape, x.dtype) if z is not None else absent(x),
             make((cu_seqlens.shape[0] - 1, heads, headdim, dstate), stored) if cu_seqlens is not None else absent(x),
             make((batch, heads, n_chunks, 2, chunk_size), torch.float32),  # the sums' planes (.log_decays)
@@ -129,18 +130,18 @@ def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, make):
             make((batch, n_chunks, heads, headdim, dstate), stored))
 
 
-def empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype):
+def empty_forward(x, B, chunk_size, z, initial_states, cu_seqlens, state_dtype, return_final_states):
     """No element of x: zeros everywhere, no launch; after no step the final state is the initial one."""
-    outs = forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype,
+    outs = forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, return_final_states,
                            lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=x.device))
-    if initial_states is not None and x.shape[1] == 0:
+    if return_final_states and initial_states is not None and x.shape[1] == 0:
         outs[1].copy_(initial_states)
     return outs
 
 
 def fake_ssd_forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
-                     dt_min, dt_max, state_dtype):
-    return forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype,
+                     dt_min, dt_max, state_dtype, return_final_states):
+    return forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, return_final_states,
                            lambda shape, dtype: x.new_empty(shape, dtype=dtype))
 
 
@@ -180,13 +181,14 @@ def fake_ssd_backward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
 
 
 def save_ssd(ctx, inputs, output):  # "output": torch.library passes it by that name
-    x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_min, dt_max, _ = (
-        inputs)
+    (x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus, dt_min, dt_max,
+     _, return_final_states) = inputs
     _, _, y, _, *saved = output
     ctx.save_for_backward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y if z is not None else None,
                           *saved)
     ctx.options = (chunk_size, dt_softplus, dt_min, dt_max)
     ctx.varlen_states = cu_seqlens is not None
+    ctx.final_states = return_final_states  # else the final states' gradient is that of an absent output
     ctx.mark_non_differentiable(y, *saved)
 
 
@@ -197,13 +199,15 @@ def ssd_grads(ctx, run_backward, d_out, d_final, *_):
                                   "to differentiate")
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, y, *saved = ctx.saved_tensors
     chunk_size, dt_softplus, dt_min, dt_max = ctx.options
+    if not ctx.final_states:
+        d_final = None
     if d_out is None:
         d_out = torch.zeros_like(x)
     grads = run_backward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus, dt_min,
                          dt_max, y, *saved, d_out, d_final)
     dx, d_dt, dA, dB, dC, dD, dz, d_bias, d_initial = (
         g if t is not None else None for g, t in zip(grads, (x, dt, A, B, C, D, z, dt_bias, initial_states)))
-    return dx, d_dt, dA, dB, dC, None, dD, dz, d_bias, d_initial, None, None, None, None, None, None
+    return dx, d_dt, dA, dB, dC, None, dD, dz, d_bias, d_initial, None, None, None, None, None, None, None
 
 
 ssd_chunk_scan_op = define_op("ssd_chunk_scan", ssd_forward_op, fake_ssd_forward, ssd_backward_op,
@@ -257,7 +261,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     out, final_states, _, varlen_states, *_ = ssd_chunk_scan_op(
         x, dt, A, last_dim_contiguous(B), last_dim_contiguous(C), chunk_size, D, z, dt_bias, initial_states, seq_idx,
         cu_seqlens if return_varlen_states else None, bool(dt_softplus), float(dt_limit[0]), float(dt_limit[1]),
-        state_dtype)
+        state_dtype, bool(return_final_states))
     if not return_varlen_states:
         return (out, final_states) if return_final_states else out
     return (out, final_states, varlen_states) if return_final_states else (out, varlen_states)

@@ -32,18 +32,19 @@ class Saved:
 class ForwardResult:
     out: torch.Tensor                   # (batch, L, heads, headdim), x's dtype
     y: torch.Tensor | None              # before the z gate (only when z is given)
-    final_states: torch.Tensor          # (batch, heads, headdim, dstate) float32 or the state dtype
+    final_states: torch.Tensor | None   # (batch, heads, headdim, dstate) float32 or the state dtype
     varlen_states: torch.Tensor | None  # (sequences, heads, headdim, dstate) (only with cu_seqlens)
     saved: Saved
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-                cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), state_dtype=None):
+                cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, math.inf), state_dtype=None, final_states=True):
     """The forward pass on checked inputs (A, D and dt_bias contiguous; the others any strides).
 
     ``state_dtype`` (None: mamba_ssm's choice) stores the states entering each chunk in that dtype
     (else x's) and returns the final states in it (else float32); the states of ``cu_seqlens``
-    come in the dtype of the stored states, as in mamba_ssm."""
+    come in the dtype of the stored states, as in mamba_ssm. ``final_states`` False: the final
+    states are neither allocated nor stored (None in the result); mamba_ssm computes them always."""
     steps = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     dA_cumsum, dt_out = chunk_cumsum(dt, A, chunk_size, **steps, seq_idx=seq_idx,
                                      initial_states=initial_states is not None)
@@ -51,7 +52,7 @@ def ssd_forward(x, dt, A, B, C, chunk_size, *, D=None, z=None, dt_bias=None, ini
     states = chunk_state(x, B, dA_cumsum, dt_out, seq_idx=seq_idx, to_end=True)
     states_in, final_states = state_passing(states, dA_cumsum, length=x.shape[1], seq_idx=seq_idx,
                                             initial=initial_states, out_dtype=state_dtype or x.dtype,
-                                            final_dtype=state_dtype or torch.float32)
+                                            final_dtype=(state_dtype or torch.float32) if final_states else None)
     del states  # freed before the outputs are allocated: lower peak memory
     out, y = chunk_scan(CB, x, C, states_in, dA_cumsum, dt_out, z=z, D=D, seq_idx=seq_idx)
     varlen = None

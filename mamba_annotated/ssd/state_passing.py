@@ -54,7 +54,8 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
                          stride_init_b, stride_init_h, stride_init_p, stride_init_n,
                          stride_h0_b, stride_h0_h, stride_h0_p, stride_h0_n,
                          REVERSE: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ_IDX: tl.constexpr,
-                         CARRY: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                         CARRY: tl.constexpr, HAS_H0: tl.constexpr, HAS_FINAL: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr):
     pid_bh, pid_e = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // heads, pid_bh % heads
     e = pid_e * BLOCK + tl.arange(0, BLOCK)
@@ -92,7 +93,8 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
         if CARRY:
             tl.store(carry_ptr + (pid_bh.to(tl.int64) * n_chunks + c) * tl.num_programs(1) + pid_e, carry)
         H += tl.load(states_ptr + chunk + e, mask=mask, other=0.0)
-    tl.store(final_ptr + bh + e, H.to(final_ptr.dtype.element_ty), mask=mask)
+    if HAS_FINAL:
+        tl.store(final_ptr + bh + e, H.to(final_ptr.dtype.element_ty), mask=mask)
 
 
 BLOCK = 256  # many programs: each walks every chunk in turn, so latency, not bandwidth, binds
@@ -100,25 +102,27 @@ BLOCK = 256  # many programs: each walks every chunk in turn, so latency, not ba
 
 def launch(states, dA_cumsum, *, length, seq_idx, initial, reverse, out_dtype, final_dtype, entering=None,
            h0=None):
-    """One pass of the carry (see the module docstring); returns (emitted, final, carry or None)."""
+    """One pass of the carry (see the module docstring); returns (emitted, final, carry or None).
+    ``final_dtype`` None: no final state is allocated or stored (final is None)."""
     batch, n_chunks, heads, headdim, dstate = states.shape
     state_size = headdim * dstate
     blocks = cdiv(state_size, BLOCK)
     emitted = outputs.empty(states.shape, out_dtype, states.device)
-    final = outputs.empty((batch, heads, headdim, dstate), final_dtype, states.device)
+    final = outputs.empty((batch, heads, headdim, dstate), final_dtype, states.device) if final_dtype else None
     carry = outputs.empty((batch, heads, n_chunks, blocks), torch.float32, states.device) if entering is not None \
         else None
     state_passing_kernel[(batch * heads, blocks)](
         states, dA_cumsum, seq_idx if seq_idx is not None else dA_cumsum,
-        initial if initial is not None else states, emitted, final,
+        initial if initial is not None else states, emitted, final if final is not None else emitted,
         entering if entering is not None else states, h0 if h0 is not None else states,
-        carry if carry is not None else final,
+        carry if carry is not None else emitted,
         length, heads, n_chunks, dstate, state_size,
         *(seq_idx.stride() if seq_idx is not None else (0, 0)),
         *(initial.stride() if initial is not None else (0, 0, 0, 0)),
         *(h0.stride() if h0 is not None else (0, 0, 0, 0)),
         REVERSE=reverse, HAS_INIT=initial is not None, HAS_SEQ_IDX=seq_idx is not None,
-        CARRY=entering is not None, HAS_H0=h0 is not None, CHUNK=dA_cumsum.shape[-1], BLOCK=BLOCK, num_warps=4,
+        CARRY=entering is not None, HAS_H0=h0 is not None, HAS_FINAL=final is not None, CHUNK=dA_cumsum.shape[-1],
+        BLOCK=BLOCK, num_warps=4,
     )
     return emitted, final, carry
 
@@ -130,7 +134,8 @@ def state_passing(states, dA_cumsum, *, length, seq_idx=None, initial=None, out_
 
     Returns (H_c, the states entering each chunk, in ``out_dtype``: the inputs' 16-bit dtype where
     the kernels that read them round them to it anyway, or the state dtype asked for; the final
-    state, in ``final_dtype``). The carry itself stays float32.
+    state, in ``final_dtype``, or None where ``final_dtype`` is None: a forward pass whose caller
+    does not ask for it neither allocates nor stores it). The carry itself stays float32.
     """
     emitted, final, _ = launch(states, dA_cumsum, length=length, seq_idx=seq_idx, initial=initial, reverse=False,
                                out_dtype=out_dtype, final_dtype=final_dtype)
@@ -143,8 +148,10 @@ def state_passing_backward(dH, dA_cumsum, states_in, *, length, seq_idx=None, d_
     each chunk's outputs send to the state entering it; states_in: the forward's H_c (contiguous);
     d_final: the gradient of the final states or None; initial_states as the forward got them.
 
-    Returns (dS_c per chunk in ``out_dtype``, d initial_states in float32, the carry's term of the
-    step gradients per (batch, head, chunk) in partial sums of :data:`BLOCK` elements, float32).
+    Returns (dS_c per chunk in ``out_dtype``, d initial_states in float32 (None without initial
+    states), the carry's term of the step gradients per (batch, head, chunk) in partial sums of
+    :data:`BLOCK` elements, float32).
     """
     return launch(dH, dA_cumsum, length=length, seq_idx=seq_idx, initial=d_final, reverse=True,
-                  out_dtype=out_dtype, final_dtype=torch.float32, entering=states_in, h0=initial_states)
+                  out_dtype=out_dtype, final_dtype=torch.float32 if initial_states is not None else None,
+                  entering=states_in, h0=initial_states)

@@ -1,0 +1,77 @@
+"""benchmarks/peers.py's tuning of a peer at its fastest, on CPU with stand-in autotuners: each
+tuning draws the next pick of every autotuner whose cache was cleared, and a pass's time is a
+function of the picks it ran with."""
+import pathlib
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import peers  # noqa: E402
+
+
+def stand_in(picks):
+    """An autotuner that, meeting its key with an empty cache, picks the next of ``picks``."""
+    tuner = types.SimpleNamespace(cache={}, drawn=iter(picks))
+
+    def meet():
+        if "key" not in tuner.cache:
+            tuner.cache["key"] = next(tuner.drawn)
+        return tuner.cache["key"]
+    tuner.meet = meet
+    return tuner
+
+
+def test_each_pass_keeps_the_picks_of_its_fastest_tuning_and_leaves_the_earlier_passes_picks():
+    forward_kernel = stand_in(["slow", "fast", "middle", "never"])
+    backward_kernel = stand_in(["b0", "b1", "b2", "never"])
+    tuners = {"fwd_kernel": forward_kernel, "bwd_kernel": backward_kernel}
+    cost = {"slow": 3.0, "middle": 2.0, "fast": 1.0, "b0": 0.5, "b1": 0.7, "b2": 0.2}
+    ran = []
+
+    def forward():
+        ran.append(("fwd", forward_kernel.meet()))
+
+    def forward_backward():
+        ran.append(("fwd+bwd", forward_kernel.meet(), backward_kernel.meet()))
+
+    def time(fn):
+        fn()
+        return sum(cost[pick] for pick in ran[-1][1:])
+
+    times = peers.tune_fastest((forward, forward_backward), tuners, tunings=3, time=time)
+    assert times == [[3.0, 1.0, 2.0], [1.5, 1.7, 1.2]]
+    # the forward kept its fastest pick through the second pass's tunings, which drew only backward picks
+    assert all(entry[1] == "fast" for entry in ran if entry[0] == "fwd+bwd")
+    assert forward_kernel.cache == {"key": "fast"} and backward_kernel.cache == {"key": "b2"}
+    forward_backward()
+    assert ran[-1] == ("fwd+bwd", "fast", "b2")  # what the benchmark then times
+
+
+def test_autotuners_finds_the_triton_autotuners_of_imported_modules_by_prefix():
+    import triton
+    from triton.runtime.autotuner import Autotuner
+
+    @triton.autotune([triton.Config({})], key=[])
+    @triton.jit
+    def kernel(x):
+        pass
+
+    module = types.ModuleType("peer_for_test.ops")
+    module.kernel, module.other = kernel, object()
+    sys.modules["peer_for_test.ops"] = module
+    try:
+        found = peers.autotuners("peer_for_test.")
+    finally:
+        del sys.modules["peer_for_test.ops"]
+    assert list(found) == ["peer_for_test.ops.kernel"] and isinstance(found["peer_for_test.ops.kernel"], Autotuner)
+    assert peers.autotuners("no_such_peer.") == {}
+
+
+def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
+    import bench_ssd
+
+    records = bench_ssd.report_tunings("(4, 4096, 80, 64, 128), chunk 256", [[0.998, 0.711], [4.098, 3.403]])
+    assert records == [dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd", tunings_ms=[0.998, 0.711]),
+                       dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd+bwd", tunings_ms=[4.098, 3.403])]
+    assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; timed at the fastest" in capsys.readouterr().out
