@@ -78,10 +78,10 @@ def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None) -> list:
     Timing the peer after its fastest of several tunings compares ours with the peer at its best.
     A pass keeps the picks of the passes before it (the forward's kernels are tuned once, with the
     forward) and retunes only the autotuners they left untouched. ``time(fn)`` gives ms (default
-    ``triton.testing.do_bench``). Returns the times of every tuning, one list per pass."""
+    :func:`mamba_annotated.bench.median_ms`, the median the benchmarks' rows report, so that a row
+    can be read against the tunings' times). Returns the times of every tuning, one list per pass."""
     if time is None:
-        import triton.testing
-        time = triton.testing.do_bench
+        from mamba_annotated.bench import median_ms as time
     settled, times = set(), []
     for run in passes:
         best, tried = None, []
