@@ -74,4 +74,10 @@ def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
     records = bench_ssd.report_tunings("(4, 4096, 80, 64, 128), chunk 256", [[0.998, 0.711], [4.098, 3.403]])
     assert records == [dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd", tunings_ms=[0.998, 0.711]),
                        dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd+bwd", tunings_ms=[4.098, 3.403])]
-    assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; timed at the fastest" in capsys.readouterr().out
+    assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; rows: the fastest" in capsys.readouterr().out
+
+
+def test_a_row_takes_the_fastest_tuning_where_putting_its_picks_back_did_not_bring_its_time_back():
+    assert peers.at_fastest(5.44, [5.344, 4.282, 5.292]) == 4.282   # the H200 case of session 67
+    assert peers.at_fastest(0.693, [0.694, 0.689, 0.689]) == 0.689
+    assert peers.at_fastest(1.0, [1.2, 1.1]) == 1.0                   # the timed run can be the fastest
