@@ -155,7 +155,9 @@ def run_shape(shape, impls):
 
         tuned = {}
         if name in (NAIVE, HYDRA):
-            case = report_tunings(f"{shape}, {name}", tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm.")))
+            picks = []
+            case = report_tunings(f"{shape}, {name}",
+                                  tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm."), picks=picks), picks)
             tunings += case
             tuned = {t["pass_"]: t["tunings_ms"] for t in case}
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):

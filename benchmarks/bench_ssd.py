@@ -97,14 +97,17 @@ def passes(fn, inp, leaves, dy, *, chunk_size, seq_idx=None):
     return fwd, fwd_bwd
 
 
-def report_tunings(case, times):
+def report_tunings(case, times, picks=None):
     """Print the peer's time after each of its tunings (:func:`peers.tune_fastest`), forward and
     forward+backward, and return them as records for the JSON (``peer_tunings``): the rows time the
     peer after its fastest tuning's picks are put back, or take that tuning's time where it is lower
     (:func:`peers.at_fastest`)."""
     print(f"{case}: mamba_ssm after each tuning (ms), fwd " + ", ".join(f"{t:.3f}" for t in times[0])
           + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; rows: the fastest (peers.at_fastest)")
-    return [dict(case=case, pass_=pass_, tunings_ms=list(ms)) for pass_, ms in zip(("fwd", "fwd+bwd"), times)]
+    records = [dict(case=case, pass_=pass_, tunings_ms=list(ms)) for pass_, ms in zip(("fwd", "fwd+bwd"), times)]
+    for record, picked in zip(records, picks or ()):
+        record["picks"] = picked  # per tuning: the configurations of the autotuners that pass retuned
+    return records
 
 
 def packed_seq_idx(shape, packed):
@@ -153,8 +156,9 @@ def run_variants(shape, peer_fn, packed=8):
             timed = passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)
             tuned = {}
             if name == "mamba_ssm":
+                picks = []
                 case = report_tunings(f"{shape}, chunk {chunk}, {1 if marks is None else packed} sequence(s)",
-                                      tune_fastest(timed, autotuners("mamba_ssm.")))
+                                      tune_fastest(timed, autotuners("mamba_ssm."), picks=picks), picks)
                 tunings += case
                 tuned = {t["pass_"]: t["tunings_ms"] for t in case}
             for pass_, f in zip(("fwd", "fwd+bwd"), timed):
@@ -185,7 +189,9 @@ def run_shape(shape, peer_fn):
         fwd, fwd_bwd = passes(fn, inp, leaves, dy, chunk_size=CHUNK)
         tuned = {}
         if name == "mamba_ssm":
-            tunings = report_tunings(f"{shape}, chunk {CHUNK}", tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm.")))
+            picks = []
+            tunings = report_tunings(f"{shape}, chunk {CHUNK}",
+                                     tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm."), picks=picks), picks)
             tuned = {t["pass_"]: t["tunings_ms"] for t in tunings}
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))

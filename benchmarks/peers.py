@@ -77,7 +77,7 @@ def at_fastest(timed_ms: float, tunings_ms) -> float:
     return min(timed_ms, *tunings_ms)
 
 
-def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None) -> list:
+def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None, picks=None) -> list:
     """Tune a peer's kernels ``tunings`` times for each of ``passes`` (callables, e.g. its forward,
     then its forward and backward) and keep, for each, the picks of the tuning that ran it fastest.
 
@@ -89,23 +89,30 @@ def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None) -> list:
     A pass keeps the picks of the passes before it (the forward's kernels are tuned once, with the
     forward) and retunes only the autotuners they left untouched. ``time(fn)`` gives ms (default
     :func:`mamba_annotated.bench.median_ms`, the median the benchmarks' rows report, so that a row
-    can be read against the tunings' times). Returns the times of every tuning, one list per pass."""
+    can be read against the tunings' times). Returns the times of every tuning, one list per pass.
+    With a list ``picks``, appends for each pass the configurations each tuning picked, by autotuner,
+    for the autotuners that pass retuned (``str`` of each config): whether the tunings' times
+    differ with their picks or without them."""
     if time is None:
         from mamba_annotated.bench import median_ms as time
     settled, times = set(), []
     for run in passes:
-        best, tried = None, []
+        best, tried, picked = None, [], []
         for _ in range(tunings):
             for name, tuner in tuners.items():
                 if name not in settled:
                     tuner.cache.clear()
             run()  # tunes what the cleared autotuners meet
             tried.append(time(run))
+            picked.append({name: [str(config) for config in tuner.cache.values()]
+                           for name, tuner in tuners.items() if name not in settled and tuner.cache})
             if best is None or tried[-1] < best[0]:
                 best = (tried[-1], {name: dict(tuner.cache) for name, tuner in tuners.items()})
         for name, tuner in tuners.items():
             tuner.cache.clear()
             tuner.cache.update(best[1][name])
-        settled |= {name for name, picks in best[1].items() if picks}
+        settled |= {name for name, cache in best[1].items() if cache}
         times.append(tried)
+        if picks is not None:
+            picks.append(picked)
     return times

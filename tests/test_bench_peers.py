@@ -39,8 +39,12 @@ def test_each_pass_keeps_the_picks_of_its_fastest_tuning_and_leaves_the_earlier_
         fn()
         return sum(cost[pick] for pick in ran[-1][1:])
 
-    times = peers.tune_fastest((forward, forward_backward), tuners, tunings=3, time=time)
+    picks = []
+    times = peers.tune_fastest((forward, forward_backward), tuners, tunings=3, time=time, picks=picks)
     assert times == [[3.0, 1.0, 2.0], [1.5, 1.7, 1.2]]
+    # each tuning's picks, of the autotuners that pass retuned: the forward's, then the backward's alone
+    assert picks == [[{"fwd_kernel": ["slow"]}, {"fwd_kernel": ["fast"]}, {"fwd_kernel": ["middle"]}],
+                     [{"bwd_kernel": ["b0"]}, {"bwd_kernel": ["b1"]}, {"bwd_kernel": ["b2"]}]]
     # the forward kept its fastest pick through the second pass's tunings, which drew only backward picks
     assert all(entry[1] == "fast" for entry in ran if entry[0] == "fwd+bwd")
     assert forward_kernel.cache == {"key": "fast"} and backward_kernel.cache == {"key": "b2"}
@@ -74,6 +78,9 @@ def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
     records = bench_ssd.report_tunings("(4, 4096, 80, 64, 128), chunk 256", [[0.998, 0.711], [4.098, 3.403]])
     assert records == [dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd", tunings_ms=[0.998, 0.711]),
                        dict(case="(4, 4096, 80, 64, 128), chunk 256", pass_="fwd+bwd", tunings_ms=[4.098, 3.403])]
+    picks = [[{"k": ["a"]}, {"k": ["b"]}], [{"j": ["c"]}, {"j": ["c"]}]]
+    records = bench_ssd.report_tunings("case", [[1.0, 2.0], [3.0, 4.0]], picks)
+    assert [r["picks"] for r in records] == picks
     assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; rows: the fastest" in capsys.readouterr().out
 
 
