@@ -161,11 +161,12 @@ def run_shape(shape, impls):
             tunings += case
             tuned = {t["pass_"]: t["tunings_ms"] for t in case}
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
-            ms = bench.median_ms(f)
-            ms = at_fastest(ms, tuned[what]) if what in tuned else ms
+            timed = bench.median_ms(f)
+            ms = at_fastest(timed, tuned[what]) if what in tuned else timed
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
             rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f),
+                             **({"ms_after_picks_put_back": timed} if what in tuned else {})))
     return rows, tunings
 
 

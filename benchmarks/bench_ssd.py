@@ -164,7 +164,8 @@ def run_variants(shape, peer_fn, packed=8):
             for pass_, f in zip(("fwd", "fwd+bwd"), timed):
                 ms = bench.median_ms(f)
                 rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
-                                 pass_=pass_, ms=at_fastest(ms, tuned[pass_]) if pass_ in tuned else ms))
+                                 pass_=pass_, ms=at_fastest(ms, tuned[pass_]) if pass_ in tuned else ms,
+                                 **({"ms_after_picks_put_back": ms} if pass_ in tuned else {})))
     for r in rows:
         same = [q for q in rows if (q["chunk"], q["packed"], q["pass_"]) == (r["chunk"], r["packed"], r["pass_"])]
         peer = next((q for q in same if q["impl"] == "mamba_ssm"), None)
@@ -196,11 +197,12 @@ def run_shape(shape, peer_fn):
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
-            ms = bench.median_ms(f)
-            ms = at_fastest(ms, tuned[what]) if what in tuned else ms
+            timed = bench.median_ms(f)
+            ms = at_fastest(timed, tuned[what]) if what in tuned else timed
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
             rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f),
+                             **({"ms_after_picks_put_back": timed} if what in tuned else {})))
     for r in rows:
         peer = next((q for q in rows if q["impl"] == "mamba_ssm" and q["pass_"] == r["pass_"]), None)
         r["speedup"] = peer["ms"] / r["ms"] if peer else float("nan")
@@ -226,7 +228,7 @@ def breakdown(inp, dy):
         "fwd chunk_cumsum": lambda: chunk_cumsum(dt, A, CHUNK, **step),
         "fwd chunk_cb": lambda: chunk_cb(C, B, CHUNK),
         "fwd chunk_state": lambda: chunk_state(x, B, dA, dt_out, to_end=True),
-        "fwd state_passing": lambda: state_passing(S, dA, length=L, out_dtype=x.dtype),
+        "fwd state_passing": lambda: state_passing(S, dA, length=L, out_dtype=x.dtype, final_dtype=None),
         "fwd chunk_scan": lambda: chunk_scan(CB, x, C, H, dA, dt_out, D=D),
         "bwd chunk_state (dH)": lambda: chunk_state(dy, C, dA, dt_out, to_end=False),
         "bwd state_passing": lambda: state_passing_backward(dH, dA, H, length=L, out_dtype=x.dtype),

@@ -73,7 +73,9 @@ def at_fastest(timed_ms: float, tunings_ms) -> float:
     back does not always bring the time back: on an H200 (session 67, the host to itself) mamba_ssm's
     SSD forward+backward at the first shape took 4.28 ms after its second tuning and 5.44 ms after
     that tuning's picks were put back; the cause is not known. The row then shows the fastest time
-    the peer was seen to take, which is the comparison the tunings are there for."""
+    the peer was seen to take, which is the comparison the tunings are there for. It is the least of
+    four medians where ours is one: a bias in the peer's favour. The benchmarks keep ``timed_ms`` in
+    the row too (``ms_after_picks_put_back``)."""
     return min(timed_ms, *tunings_ms)
 
 
@@ -90,9 +92,10 @@ def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None, picks=None) 
     forward) and retunes only the autotuners they left untouched. ``time(fn)`` gives ms (default
     :func:`mamba_annotated.bench.median_ms`, the median the benchmarks' rows report, so that a row
     can be read against the tunings' times). Returns the times of every tuning, one list per pass.
-    With a list ``picks``, appends for each pass the configurations each tuning picked, by autotuner,
-    for the autotuners that pass retuned (``str`` of each config): whether the tunings' times
-    differ with their picks or without them."""
+    With a list ``picks``, appends for each pass the configurations in every autotuner's cache after
+    each tuning (``str`` of each config, by autotuner; those of earlier passes' autotuners too, whose
+    keys first met in this pass are tuned here once): whether the tunings' times differ with their
+    picks or without them."""
     if time is None:
         from mamba_annotated.bench import median_ms as time
     settled, times = set(), []
@@ -105,7 +108,7 @@ def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None, picks=None) 
             run()  # tunes what the cleared autotuners meet
             tried.append(time(run))
             picked.append({name: [str(config) for config in tuner.cache.values()]
-                           for name, tuner in tuners.items() if name not in settled and tuner.cache})
+                           for name, tuner in tuners.items() if tuner.cache})
             if best is None or tried[-1] < best[0]:
                 best = (tried[-1], {name: dict(tuner.cache) for name, tuner in tuners.items()})
         for name, tuner in tuners.items():

@@ -355,6 +355,9 @@ def packed_lengths_attention(q, k, v):
     ("ssd_chunk_scan (saved intermediates)", lambda x, dt, B, C: ssd_chunk_scan(
         x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True), dict(x=(1, 21, 2, 16), dt=(1, 21, 2),
                                                                                   B=(1, 21, 1, 16), C=(1, 21, 1, 16))),
+    ("ssd_chunk_scan (final states asked for, not used)", lambda x, dt, B, C: ssd_chunk_scan(
+        x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True, return_final_states=True)[0],
+     dict(x=(1, 21, 2, 16), dt=(1, 21, 2), B=(1, 21, 1, 16), C=(1, 21, 1, 16))),
     ("bidirectional_chunk_scan (saved intermediates)", lambda x, dt, B, C: bidirectional_chunk_scan(
         x, dt, -torch.ones(2, device=x.device), B, C, 16, dt_softplus=True), dict(x=(1, 21, 2, 16), dt=(1, 21, 2),
                                                                                   B=(1, 21, 1, 16), C=(1, 21, 1, 16))),
