@@ -106,7 +106,7 @@ def report_tunings(case, times, picks=None):
           + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; rows: the fastest (peers.at_fastest)")
     records = [dict(case=case, pass_=pass_, tunings_ms=list(ms)) for pass_, ms in zip(("fwd", "fwd+bwd"), times)]
     for record, picked in zip(records, picks or ()):
-        record["picks"] = picked  # per tuning: the configurations of the autotuners that pass retuned
+        record["picks"] = picked  # per tuning: the configurations in every autotuner's cache
     return records
 
 

@@ -70,9 +70,9 @@ def autotuners(prefix: str) -> dict:
 def at_fastest(timed_ms: float, tunings_ms) -> float:
     """A peer's time for a benchmark row: ``timed_ms``, measured after :func:`tune_fastest` put back
     the picks of its fastest tuning, or that tuning's own time where it is lower. Putting the picks
-    back does not always bring the time back: on an H200 (session 67, the host to itself) mamba_ssm's
-    SSD forward+backward at the first shape took 4.28 ms after its second tuning and 5.44 ms after
-    that tuning's picks were put back; the cause is not known. The row then shows the fastest time
+    back does not always bring the time back (book/data/ssd_bench.json: the first shape's forward and
+    backward, its ``ms_after_picks_put_back`` against its ``peer_tunings``; the cause is not known).
+    The row then shows the fastest time
     the peer was seen to take, which is the comparison the tunings are there for. It is the least of
     four medians where ours is one: a bias in the peer's favour. The benchmarks keep ``timed_ms`` in
     the row too (``ms_after_picks_put_back``)."""
