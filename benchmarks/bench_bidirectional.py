@@ -41,7 +41,7 @@ from mamba_annotated.bidirectional.forward import bidirectional_forward  # noqa:
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
-from peers import at_fastest, autotuners, tune_fastest  # noqa: E402
+from peers import autotuners, row_time, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -161,12 +161,11 @@ def run_shape(shape, impls):
             tunings += case
             tuned = {t["pass_"]: t["tunings_ms"] for t in case}
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
-            timed = bench.median_ms(f)
-            ms = at_fastest(timed, tuned[what]) if what in tuned else timed
+            times = row_time(bench.median_ms(f), tuned.get(what))
+            ms = times["ms"]
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
-            rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f),
-                             **({"ms_after_picks_put_back": timed} if what in tuned else {})))
+            rows.append(dict(shape=str(shape), impl=name, pass_=what, **times, TFLOPs=bench.tflops(fl, ms),
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
     return rows, tunings
 
 

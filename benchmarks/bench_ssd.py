@@ -40,7 +40,7 @@ from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing, state_passing_backward  # noqa: E402
 from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
-from peers import at_fastest, autotuners, tune_fastest  # noqa: E402
+from peers import autotuners, row_time, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -101,9 +101,9 @@ def report_tunings(case, times, picks=None):
     """Print the peer's time after each of its tunings (:func:`peers.tune_fastest`), forward and
     forward+backward, and return them as records for the JSON (``peer_tunings``): the rows time the
     peer after its fastest tuning's picks are put back, or take that tuning's time where it is lower
-    (:func:`peers.at_fastest`)."""
+    (:func:`peers.row_time`)."""
     print(f"{case}: mamba_ssm after each tuning (ms), fwd " + ", ".join(f"{t:.3f}" for t in times[0])
-          + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; rows: the fastest (peers.at_fastest)")
+          + "; fwd+bwd " + ", ".join(f"{t:.3f}" for t in times[1]) + "; rows: the fastest (peers.row_time)")
     records = [dict(case=case, pass_=pass_, tunings_ms=list(ms)) for pass_, ms in zip(("fwd", "fwd+bwd"), times)]
     for record, picked in zip(records, picks or ()):
         record["picks"] = picked  # per tuning: the configurations in every autotuner's cache
@@ -162,10 +162,8 @@ def run_variants(shape, peer_fn, packed=8):
                 tunings += case
                 tuned = {t["pass_"]: t["tunings_ms"] for t in case}
             for pass_, f in zip(("fwd", "fwd+bwd"), timed):
-                ms = bench.median_ms(f)
                 rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
-                                 pass_=pass_, ms=at_fastest(ms, tuned[pass_]) if pass_ in tuned else ms,
-                                 **({"ms_after_picks_put_back": ms} if pass_ in tuned else {})))
+                                 pass_=pass_, **row_time(bench.median_ms(f), tuned.get(pass_))))
     for r in rows:
         same = [q for q in rows if (q["chunk"], q["packed"], q["pass_"]) == (r["chunk"], r["packed"], r["pass_"])]
         peer = next((q for q in same if q["impl"] == "mamba_ssm"), None)
@@ -197,12 +195,11 @@ def run_shape(shape, peer_fn):
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
-            timed = bench.median_ms(f)
-            ms = at_fastest(timed, tuned[what]) if what in tuned else timed
+            times = row_time(bench.median_ms(f), tuned.get(what))
+            ms = times["ms"]
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
-            rows.append(dict(shape=str(shape), impl=name, pass_=what, ms=ms, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f),
-                             **({"ms_after_picks_put_back": timed} if what in tuned else {})))
+            rows.append(dict(shape=str(shape), impl=name, pass_=what, **times, TFLOPs=bench.tflops(fl, ms),
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
     for r in rows:
         peer = next((q for q in rows if q["impl"] == "mamba_ssm" and q["pass_"] == r["pass_"]), None)
         r["speedup"] = peer["ms"] / r["ms"] if peer else float("nan")

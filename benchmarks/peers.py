@@ -67,16 +67,18 @@ def autotuners(prefix: str) -> dict:
             for attr, obj in list(vars(module).items()) if isinstance(obj, Autotuner)}
 
 
-def at_fastest(timed_ms: float, tunings_ms) -> float:
-    """A peer's time for a benchmark row: ``timed_ms``, measured after :func:`tune_fastest` put back
-    the picks of its fastest tuning, or that tuning's own time where it is lower. Putting the picks
-    back does not always bring the time back (book/data/ssd_bench.json: the first shape's forward and
-    backward, its ``ms_after_picks_put_back`` against its ``peer_tunings``; the cause is not known).
-    The row then shows the fastest time
-    the peer was seen to take, which is the comparison the tunings are there for. It is the least of
-    four medians where ours is one: a bias in the peer's favour. The benchmarks keep ``timed_ms`` in
-    the row too (``ms_after_picks_put_back``)."""
-    return min(timed_ms, *tunings_ms)
+def row_time(timed_ms: float, tunings_ms=None) -> dict:
+    """A benchmark row's times: ``ms`` = ``timed_ms``; for a peer tuned by :func:`tune_fastest`
+    (``tunings_ms``: its times after each tuning), ``ms`` is the least of ``timed_ms``, measured
+    after the picks of its fastest tuning were put back, and that tuning's own time, with
+    ``timed_ms`` kept as ``ms_after_picks_put_back``. Putting the picks back does not always bring
+    the time back (book/data/ssd_bench.json: the first shape's forward and backward, against its
+    ``peer_tunings``; the cause is not known). The row then shows the fastest time the peer was
+    seen to take, which is the comparison the tunings are there for: the least of four medians
+    where ours is one, a bias in the peer's favour."""
+    if tunings_ms is None:
+        return dict(ms=timed_ms)
+    return dict(ms=min(timed_ms, *tunings_ms), ms_after_picks_put_back=timed_ms)
 
 
 def tune_fastest(passes, tuners: dict, tunings: int = 3, time=None, picks=None) -> list:
