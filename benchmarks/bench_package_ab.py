@@ -205,6 +205,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
     parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here, after every round")
+    parser.add_argument("--pin", type=int, help="run every copy's process on this one CPU core, as taskset -c "
+                        "would (what that does to host-bound times: book/data/host_cost_pinning_probe.json)")
     args = parser.parse_args()
     cases = {k: v for k, v in CASES.items() if not args.cases or any(c in k for c in args.cases.split(","))}
     dirs = [os.path.abspath(d) for d in args.dirs]
@@ -216,7 +218,8 @@ def main():
                     "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and os.path.abspath(p) != os.getcwd())}
                 run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases)], cwd=neutral, env=env,
-                                     capture_output=True, text=True)
+                                     capture_output=True, text=True,
+                                     preexec_fn=None if args.pin is None else lambda: os.sched_setaffinity(0, {args.pin}))
                 if run.returncode:
                     sys.exit(f"{d} failed:\n{run.stderr[-3000:]}")
                 times = json.loads(run.stdout.strip().splitlines()[-1])
