@@ -25,6 +25,7 @@ from mamba_annotated.attention.reference import geometric_alibi_slopes
 from mamba_annotated.attention.teaching import attention_variant
 from mamba_annotated.bench import format_table, matmul_tflops, median_ms, print_table, progress, tflops
 from mamba_annotated.runtime import DEVICE, device_name, size
+from peak_memory import peak_mib
 
 BATCH, HEADS = 4, 16
 
@@ -67,17 +68,6 @@ def time_forward_backward(fn, q, k, v, grad_out):
     return fwd_ms, bwd_ms
 
 
-def peak_memory_mib(fn, q, k, v, grad_out):
-    """Peak memory of one forward + backward above what the inputs already hold."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn(q, k, v)
-    torch.autograd.grad(out, (q, k, v), grad_out)
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def run_table(seqlens, head_dims):
     rows = []
     peak = matmul_tflops(torch.bfloat16)
@@ -91,7 +81,8 @@ def run_table(seqlens, head_dims):
                 with context():
                     fwd_ms, bwd_ms = time_forward_backward(fn, q, k, v, grad_out)
                     measure_memory = DEVICE.type == "cuda" and seqlen == max(seqlens)
-                    memory = peak_memory_mib(fn, q, k, v, grad_out) if measure_memory else float("nan")
+                    memory = (peak_mib(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad_out))
+                              if measure_memory else float("nan"))
             except Exception as e:  # a backend that refuses this shape is reported, not fatal
                 print(f"\n{name} d={head_dim} N={seqlen} causal={causal}: {type(e).__name__}: {str(e)[:120]}",
                       file=sys.stderr)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ssd import make_inputs as causal_inputs, peak_mb, tune_peer  # noqa: E402
+from bench_ssd import make_inputs as causal_inputs, tune_peer  # noqa: E402
 from costs import CHUNK, bidirectional_flops as flops, bidirectional_min_bytes as min_bytes  # noqa: E402
 from costs import ssd_flops as causal_flops, ssd_min_bytes as causal_min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
@@ -41,6 +41,7 @@ from mamba_annotated.bidirectional.forward import bidirectional_forward  # noqa:
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
+from peak_memory import peak_mib  # noqa: E402
 from peers import row_time  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
@@ -162,7 +163,7 @@ def run_shape(shape, impls):
             ms = times["ms"]
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
             rows.append(dict(shape=str(shape), impl=name, pass_=what, **times, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mib(f)))
     return rows, tunings
 
 

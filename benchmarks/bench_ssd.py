@@ -30,6 +30,7 @@ from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.figures import python_function  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
+from peak_memory import peak_mib  # noqa: E402
 from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
@@ -62,15 +63,6 @@ def make_inputs(batch, length, heads, headdim, dstate, dtype=torch.bfloat16, gro
         B=rnd(batch, length, groups, dstate, scale=0.3), C=rnd(batch, length, groups, dstate, scale=0.3),
         D=torch.randn(heads, device=DEVICE, generator=g), dt_bias=torch.randn(heads, device=DEVICE, generator=g) * 0.5,
     )
-
-
-def peak_mb(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def differentiable(inp):
@@ -202,7 +194,7 @@ def run_shape(shape, peer_fn):
             ms = times["ms"]
             floor = max(fl / (bench.matmul_tflops() * 1e12) * 1e3, bench.memory_floor_ms(by))
             rows.append(dict(shape=str(shape), impl=name, pass_=what, **times, TFLOPs=bench.tflops(fl, ms),
-                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mb(f)))
+                             floor_ms=floor, pct_floor=100 * floor / ms, peak_MB=peak_mib(f)))
     for r in rows:
         peer = next((q for q in rows if q["impl"] == "mamba_ssm" and q["pass_"] == r["pass_"]), None)
         r["speedup"] = peer["ms"] / r["ms"] if peer else float("nan")

@@ -42,12 +42,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "reliability")]
 import cases  # noqa: E402  (puts tests/ on the path too)
-from bench_ssd import make_inputs, peak_mb  # noqa: E402
+from bench_ssd import make_inputs  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.bidirectional import backward as bidirectional_backward  # noqa: E402
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
 from mamba_annotated.bidirectional import forward as bidirectional_forward  # noqa: E402
 from mamba_annotated.runtime import INTERPRETED, device_name  # noqa: E402
+from peak_memory import peak_mib  # noqa: E402
 from mamba_annotated.ssd import backward as ssd_backward  # noqa: E402
 from mamba_annotated.ssd import forward as ssd_forward  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
@@ -132,7 +133,7 @@ def speeds():
         for variant, context in VARIANTS.items():
             with context(op):
                 row = dict(op=op, variant=variant, fwd_ms=bench.median_ms(forward),
-                           fwd_bwd_ms=bench.median_ms(forward_backward), peak_MB=peak_mb(forward_backward))
+                           fwd_bwd_ms=bench.median_ms(forward_backward), peak_MB=peak_mib(forward_backward))
             rows.append(row)
             print(f"{op:26s} {variant:15s} fwd {row['fwd_ms']:.3f} ms  fwd+bwd {row['fwd_bwd_ms']:.3f} ms  "
                   f"peak {row['peak_MB']:.0f} MB", flush=True)
