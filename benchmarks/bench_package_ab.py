@@ -7,7 +7,10 @@ one). Every copy runs in its own process, started from a neutral working folder 
 ``sys.path``: run from the repository, a script's own folder would otherwise put the repository's
 copy ahead of the one under test. The processes take turns, ``--rounds`` times, so that a drift of
 the GPU's clocks shows up as a spread between rounds rather than as a difference between copies;
-the first round also compiles and tunes. Times are ``triton.testing.do_bench`` medians (ms).
+the first round also compiles and tunes. Times are ``triton.testing.do_bench`` medians (ms), except in
+the cases named "host ...": at those shapes the GPU waits on Python, so their time is the host's per
+call (a loop of calls, one synchronisation after it; the median of seven loops), as in
+bench_host_cost.py, whose shapes they take.
 """
 import argparse
 import json
@@ -42,6 +45,11 @@ CASES = {
     **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
        for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
                              ("bfloat16", 100000))},
+    # host-bound: bench_host_cost.py's shapes, timed per call on the host
+    "host selective_scan fwd (1, 64, 16, 256)": "selective_host_case(False)",
+    "host selective_scan fwd+bwd (1, 64, 16, 256)": "selective_host_case(True)",
+    "host attention fwd causal (1, 128, 4, 64)": "attention_host_case(False)",
+    "host attention fwd+bwd causal (1, 128, 4, 64)": "attention_host_case(True)",
 }
 
 WORKER = r'''
@@ -144,8 +152,46 @@ def bidirectional_bar_case(shift, backward):  # with D, dt_bias and softplus, as
             return torch.autograd.grad(out, inputs, dy) if backward else out
     return step
 
+def through_autograd(op, inputs, backward):  # fwd alone, or fwd and the gradients of every input
+    out = op(**inputs)
+    if not backward:
+        return out
+    return torch.autograd.grad(out, list(inputs.values()), torch.ones_like(out))
+
+def selective_host_case(backward):
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    inputs = dict(u=torch.randn(1, 64, 256, **bf), delta=0.5 * torch.randn(1, 64, 256, **bf),
+                  A=-torch.rand(64, 16, device=dev) - 0.5, B=torch.randn(1, 16, 256, **bf),
+                  C=torch.randn(1, 16, 256, **bf), D=torch.randn(64, device=dev), z=torch.randn(1, 64, 256, **bf),
+                  delta_bias=torch.randn(64, device=dev))
+    inputs = {k: t.requires_grad_(backward) for k, t in inputs.items()}
+    op = lambda **i: ma.selective_scan(**i, delta_softplus=True)
+    return lambda: through_autograd(op, inputs, backward)
+
+def attention_host_case(backward):
+    inputs = {k: torch.randn(1, 128, 4, 64, device=dev, dtype=torch.bfloat16).requires_grad_(backward) for k in "qkv"}
+    return lambda: through_autograd(lambda **i: ma.attention(**i, causal=True), inputs, backward)
+
+def host_ms(fn, calls=200, loops=7):  # the host's time per call: a loop, one synchronisation after it
+    import statistics, time
+    for _ in range(20):
+        fn()
+    per_call = []
+    for _ in range(loops):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - start) * 1e3 / calls)
+    return statistics.median(per_call)
+
 times = {}
 for name, make in json.loads(sys.argv[2]).items():
+    if name.startswith("host"):
+        with torch.enable_grad():
+            times[name] = host_ms(eval(make))
+        continue
     with torch.no_grad():
         fn = eval(make)
         times[name] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
@@ -159,6 +205,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
     parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here, after every round")
+    parser.add_argument("--pin", type=int, help="run every copy's process on this one CPU core, as taskset -c "
+                        "would (what that does to host-bound times: book/data/host_cost_pinning_probe.json)")
     args = parser.parse_args()
     cases = {k: v for k, v in CASES.items() if not args.cases or any(c in k for c in args.cases.split(","))}
     dirs = [os.path.abspath(d) for d in args.dirs]
@@ -170,7 +218,8 @@ def main():
                     "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and os.path.abspath(p) != os.getcwd())}
                 run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases)], cwd=neutral, env=env,
-                                     capture_output=True, text=True)
+                                     capture_output=True, text=True,
+                                     preexec_fn=None if args.pin is None else lambda: os.sched_setaffinity(0, {args.pin}))
                 if run.returncode:
                     sys.exit(f"{d} failed:\n{run.stderr[-3000:]}")
                 times = json.loads(run.stdout.strip().splitlines()[-1])

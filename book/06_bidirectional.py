@@ -18,7 +18,7 @@
 # In this chapter you will learn:
 #
 # - how a bidirectional SSM is a multiplication by a *{term}`quasiseparable`* matrix, a lower {term}`semiseparable` triangle plus an upper one plus a diagonal, and how Bi-Mamba2's and Hydra's forms differ: Hydra shifts each direction's output by one step, which leaves only $D$ on the diagonal;
-# - why the reverse direction needs no flipped copy and no right-to-left sum: its decays are differences of left-to-right cumulative sums, like the forward ones, read one position earlier, so both directions share one {term}`chunk` grid (and one sum, when they share $\Delta$);
+# - why the reverse direction needs no flipped copy and no right-to-left sum: its decays are differences of left-to-right cumulative sums, like the forward ones, read one position earlier, so both directions cut the sequence into the same {term}`chunks <chunk>` (this chapter calls that cut the *chunk grid*; it is not a Triton launch {term}`grid`), and share one sum when they share $\Delta$;
 # - how one fused pipeline computes the full diagonal blocks, the chunk states of both directions from one read of $x$ (and of $B$, when the directions share it), both state passings in one launch and all outputs in one kernel, and what that saves against running a causal kernel twice.
 #
 # It builds on [chapter 5](05_ssd.ipynb): there a causal SSM was a lower-triangular semiseparable matrix $M$, multiplied chunk by chunk, quadratic inside a chunk and through $P \times N$ states across chunks. Here a second matrix of the same kind runs backwards in time and both are multiplied in one pass.
@@ -125,7 +125,7 @@ runtime.describe()
 #
 # where $Z$ shifts down by one row ($Z\mathcal L$'s row $t$ is $\mathcal L$'s row $t-1$, zero at a sequence start, and $Z^\top \mathcal U$'s row $t$ is $\mathcal U$'s row $t+1$): each direction's output moves one step along its own direction of travel before the two are added. The package calls Hydra's form `shift=True` and Bi-Mamba2's {cite}`repo_bimamba2` `shift=False`.
 #
-# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it (with shared parameters it is $D + 2\Delta_t\, C_t \cdot B_t$, the same term twice), and it is tied to the same $B$ and $C$ that set every other entry of $M$. $M_{tt}$ is how much of its own input a position keeps. Tied this way, the vectors that decide how much position $t$ mixes with its neighbours also decide how much it keeps of itself. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. Inside the op the only path from $x_t$ to $y_t$ is then $D$, a free parameter. The blocks strictly below the diagonal are blocks of $\mathcal L$ that may include its diagonal, and still have rank $\le N$ because $\mathcal L$ is semiseparable with its diagonal (likewise above): a quasiseparable matrix whose diagonal is independent of its low-rank parts, which is what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`. (Outside the op, Hydra's module adds one more diagonal term that depends on the data, $x_t$ times a linear function of $x_t$ (`fc_D`); `mamba_annotated.modules.Hydra` adds it after the op, as Hydra's own module does.)
+# **What the shift buys.** Without it the diagonal is $M_{tt} = D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$: both triangles contain it (with shared parameters it is $D + 2\Delta_t\, C_t \cdot B_t$, the same term twice), and it is tied to the same $B$ and $C$ that set every other entry of $M$. $M_{tt}$ is how much of its own input a position keeps. Tied this way, the vectors that decide how much position $t$ mixes with its neighbours also decide how much it keeps of itself. With the shift, $(Z\mathcal L)_{tt} = \mathcal L_{t-1,\,t} = 0$ because $\mathcal L$ is lower-triangular (and likewise $(Z^\top \mathcal U)_{tt} = \mathcal U_{t+1,\,t} = 0$): the shifted forward output at $t$ reads the state *before* $x_t$ entered it. Inside the op the only path from $x_t$ to $y_t$ is then $D$, a free parameter. Every block of $M_{\text{Hydra}}$ strictly below its diagonal is a block of $Z\mathcal L$, rows of $\mathcal L$ moved down by one: in $\mathcal L$'s own coordinates it lies on or below $\mathcal L$'s diagonal, so its rank is still at most $N$, because $\mathcal L$ is semiseparable with its diagonal. The same holds above, with $\mathcal U$. So $M_{\text{Hydra}}$ is quasiseparable, and its diagonal, $D$, is independent of its low-rank parts: what Hydra argues a bidirectional mixer should be {cite}`hwang2024hydra`. (Outside the op, Hydra's module adds one more diagonal term that depends on the data, $x_t$ times a linear function of $x_t$ (`fc_D`); `mamba_annotated.modules.Hydra` adds it after the op, as Hydra's own module does.)
 #
 # Inputs are chapter 5's (`x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)`), plus the reverse direction's `dt_rev`, `B_rev`, `C_rev`, which default to `dt`, `B`, `C` (Bi-Mamba2 shares them; Hydra has its own).
 
@@ -171,7 +171,7 @@ fig.colorbar(image, ax=axes, shrink=0.9)
 plt.show()
 
 # %% [markdown]
-# The two look alike away from the diagonal: Hydra's lower triangle is the left panel's moved down one row, and its upper triangle the left panel's moved up one row. On the diagonal, Hydra's $M$ holds $D$ and nothing else, exactly, while the unshifted form holds $D$ plus both directions' $\Delta_t\, C_t \cdot B_t$. On the figure's logarithmic colours the diagonal is hard to tell from its neighbours, so the next cell checks it exactly:
+# The two look alike away from the diagonal: Hydra's lower triangle is the left panel's moved down one row, and its upper triangle the left panel's moved up one row. On the diagonal, Hydra's $M$ holds $D$ and nothing else, exactly, while the unshifted form holds $D + \Delta_t\, C_t \cdot B_t + \Delta'_t\, C'_t \cdot B'_t$, one term from each triangle. On the figure's logarithmic colours the diagonal is hard to tell from its neighbours, so the next cell checks it exactly:
 
 # %%
 diagonal = {shift: matrix.diagonal() for shift, matrix in M.items()}
@@ -248,7 +248,7 @@ print("shifted per seq.  ", shift_within_sequences(positions, seq_idx)[0, :, 0].
 #
 # $S_c$ and $S'_c$ are two matmuls over the same tile of $x$ (and, when the directions share it, the same $B$), so one kernel computes both from one read. The two {term}`carries <carry>` are chapter 5's recurrence, one walking the chunks left to right, the other right to left, each only $L/Q$ steps long; they are independent, so one launch runs them side by side.
 #
-# **The shift.** With `shift=True` nothing new is needed, only other rows. Row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again, with $\ell_{-1} = 0$ at a chunk's start, where $C_{t-1}$ comes from the chunk before); row $t$ of $Z^\top \mathcal U$ is row $t+1$ of $\mathcal U$, so the reverse terms read $C'_{t+1}$ and $\ell'_t$. Name what a row reads in each form: its forward and reverse decays $r_t$, $\rho_t$, its readouts $q_t$, $q'_t$, and which columns each triangle takes.
+# **The shift.** With `shift=True` nothing new is needed, only other rows. Row $t$ of $Z\mathcal L$ is row $t-1$ of $\mathcal L$, so the forward terms read $C_{t-1}$ and $\ell_{t-1}$ (the exclusive sum again, with $\ell_{-1} = 0$ at a chunk's start, where $C_{t-1}$ comes from the chunk before); row $t$ of $Z^\top \mathcal U$ is row $t+1$ of $\mathcal U$, so the reverse terms read $C'_{t+1}$ and $\ell'_t$. At a chunk's last row, likewise, $C'_{t+1}$ comes from the chunk after. Name what a row reads in each form: its forward and reverse decays $r_t$, $\rho_t$, its readouts $q_t$, $q'_t$, and which columns each triangle takes, written $s \preceq t$ for the forward triangle and $s \succeq t$ for the reverse one.
 #
 # | form | $r_t$ | $\rho_t$ | $q_t$ | $q'_t$ | $s \preceq t$ | $s \succeq t$ |
 # |---|---|---|---|---|---|---|
@@ -341,7 +341,7 @@ show_source(chunk_scores_kernel)
 show_source(chunk_states_kernel)
 
 # %% [markdown]
-# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction). One difference from chapter 5: this op's kernels take each cumulative sum as a single float32 number, the float64 sum rounded once (`planes=False`), not as chapter 5's two planes. Near the end of a strongly decaying chunk of 256 that brings back the error chapter 5 measured, a few $10^{-5}$ relative; the checks here, at a chunk of 16, are too short to show it. (The performance notes at the end say what stands in the way of the two planes here.)
+# The kernel against the two sums written out in float64, on fresh inputs with separate reverse steps and $B'$ (the cumulative sums come from chapter 5's `chunk_cumsum`, run once per direction). One difference from chapter 5: this op's kernels take each cumulative sum as a single float32 number, the float64 sum rounded once (`planes=False`), not as chapter 5's two planes. Near the end of a strongly decaying chunk of 256 that brings back the error chapter 5 measured for sums rounded once, about $2 \cdot 10^{-5}$ relative in the exponents; the checks here, at a chunk of 16, are too short to show it. (The performance notes at the end say what stands in the way of the two planes here.)
 
 # %%
 inp = make_inputs(length=40, separate=True)
@@ -371,7 +371,7 @@ for name, weight, B_dir, got in (("S (to the chunk end)", to_end, inp["B"], stat
 # %% [markdown]
 # ### Both carries in one launch
 #
-# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element, the multiply by the decay across a chunk, $\gamma_c = e^{\ell_{Q-1}(c)}$ forward and $\gamma'_c = e^{\ell'_{Q-1}(c)}$ in reverse; each step waits for the one before it. One grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so neither direction waits for the other to finish. At the benchmark's shapes that does not make two walks as cheap as one: one direction alone already starts thousands of programs (10,240 at the first shape, for 132 SMs), enough to keep every SM busy, so the second direction's programs add their whole time. In the stored kernel table at the end of the chapter the fused carry takes 0.368 ms against 0.191 ms for the causal one at the first shape, and 0.617 against 0.320 at the second: about twice, like most of the other kernels (each row adds the forward pass's launch and the backward pass's). Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
+# Each carry is chapter 5's blocked recurrence, $L/Q$ dependent steps of a multiply and an add per state element, the multiply by the decay across a chunk, $\gamma_c = e^{\ell_{Q-1}(c)}$ forward and $\gamma'_c = e^{\ell'_{Q-1}(c)}$ in reverse; each step waits for the one before it. One grid holds the programs of both directions (the first half walks the forward states left to right on $\ell$, `a`, the second the reverse ones right to left on $\ell'$, `b`), so neither direction waits for the other to finish. At the benchmark's shapes that does not make two walks as cheap as one: one direction alone already starts more programs than there are SMs (10,240 at the first shape and 1,024 at the second, for 132 SMs), enough to keep every SM busy, so the second direction's programs add their whole time. In the stored kernel table at the end of the chapter the fused carry takes 0.368 ms against 0.191 ms for the causal one at the first shape, and 0.617 against 0.320 at the second: about twice, like most of the other kernels (each row adds the forward pass's launch and the backward pass's). Each program emits the state entering a chunk before it adds the chunk's own; with `GRAD` the same kernel walks each direction the other way on the gradients, and forms each carry's term of the decay gradients, $\langle dS_c, \gamma_c H_c\rangle$, from the float32 gradient before it rounds it for storage (chapter 5 says why).
 
 # %%
 show_source(state_passing_kernel)
@@ -379,13 +379,13 @@ show_source(state_passing_kernel)
 # %% [markdown]
 # ### The outputs
 #
-# The last kernel sums, for a block of rows of one chunk and head, the four terms of $y_t$: the forward state, $e^{r_t} H_c q_t$, the reverse state, $e^{\ell'_{Q-1} - \rho_t} H'_c q'_t$ (each one matmul over dstate, with the row's readouts $q_t$, $q'_t$ of the notation box), the diagonal block, and $D x_t$, then the gate. Unlike chapter 5's chunk scan, it reads columns across the whole chunk, because the part above the diagonal is now the reverse direction's. In the listing, look for three loops over columns. Only the middle one, over the row block's own band, mixes the two triangles and takes its weights from `pair_weight`. Every column before the band is a forward one and every column after it a reverse one, and there the weights are factored through a reference position ($e^{r_t - \ell_u}\, e^{\ell_u - \ell_s}$ forward, $e^{\ell'_{s-1} - \ell'_u}\, e^{\ell'_u - \rho_t}$ in reverse), which costs one exponential per row and one per column instead of one per entry (the performance notes at the end say more).
+# The last kernel sums, for a block of rows of one chunk and head, the four terms of $y_t$: the forward state, $e^{r_t} H_c q_t$, the reverse state, $e^{\ell'_{Q-1} - \rho_t} H'_c q'_t$ (each one matmul over dstate, with the row's readouts $q_t$, $q'_t$ of the notation box), the diagonal block, and $D x_t$, then the gate. Unlike chapter 5's chunk scan, it reads columns across the whole chunk, because the part above the diagonal is now the reverse direction's. In the listing, look for three loops over columns. Only the middle one, over the row block's own band, mixes the two triangles and takes its weights from `pair_weight`. Every column before the band is a forward one and every column after it a reverse one, and there the weights are factored through a reference position $u$ between the rows and the columns: the position just before the row block for the forward columns, $e^{r_t - \ell_u}\, e^{\ell_u - \ell_s}$, and the position just after it for the reverse ones, $e^{\ell'_{s-1} - \ell'_u}\, e^{\ell'_u - \rho_t}$. The first factor depends on the row alone and the second on the column alone, so a tile costs one exponential per row and one per column instead of one per entry (the performance notes at the end say why no factor overflows).
 
 # %%
 show_source(chunk_outputs_kernel)
 
 # %% [markdown]
-# **The next cell checks it** against the float64 reference on fresh inputs: both forms, shared and separate reverse parameters, every dtype, a length (45) that is not a multiple of the chunk (16), with $D$, $z$, `dt_bias` and softplus.
+# **The next cell checks it** against the float64 reference on fresh inputs, in both forms: Bi-Mamba2's (no shift, shared reverse parameters) and Hydra's (the shift, separate reverse parameters), each in float32, float16 and bfloat16, at a length (45) that is not a multiple of the chunk (16), with $D$, $z$, `dt_bias` and softplus.
 
 # %%
 for shift in (False, True):
@@ -421,7 +421,14 @@ for shift in (False, True):
 # - the chunk states, whose weights scaled $x$ and multiplied $B$;
 # - the carry, which cut a sequence off by multiplying its state by $\gamma = 0$.
 #
-# Each now selects instead. The diagonal block uses chapter 5's `drop_hidden_nonfinite`. The chunk states zero both operands of each product (a select on the weighted $x$, the mask of the load on $B$), and the carry selects the carried state. `test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it` in `tests/test_bidirectional.py` checks the result. A NaN or $\infty$ at position $t$ makes the outputs that read it non-finite, and with one exception below, no others. For $x$ that is its whole sequence. For the forward direction's $\Delta$ and $B$ it is $t$ and the positions after it; for the reverse direction's, $t$ and the positions before it (without the shift and with separate reverse parameters, the form the test runs; with shared ones a bad $B_t$ reaches both sides). Every other output keeps its bits. The exception: the reverse decays are differences of chunk-local cumulative sums of $\Delta'$. A bad $\Delta'_t$ makes every later sum of its chunk non-finite, so it also spoils the later positions of its chunk, within its sequence, though they do not read it. Other sequences keep their bits, for two reasons: the sums restart at every sequence boundary (chapter 5's kernel 1), and a weight that crosses a boundary, whose factors may then overflow, is dropped by a select in the forward kernels (and in the backward kernels) rather than multiplied by 0.
+# Each now selects instead. The diagonal block uses chapter 5's `drop_hidden_nonfinite`. The chunk states zero both operands of each product (a select on the weighted $x$, the mask of the load on $B$), and the carry selects the carried state. `test_a_non_finite_value_reaches_exactly_the_outputs_that_read_it` in `tests/test_bidirectional.py` checks the result. A NaN or $\infty$ at position $t$ makes the outputs that read it non-finite, and with one exception below, no others. In the form the test runs (no shift, separate reverse parameters), a bad value at $t$ reaches:
+#
+# - in $x$: its whole sequence;
+# - in the forward direction's $\Delta$ or $B$: $t$ and the positions after it;
+# - in the reverse direction's $\Delta'$ or $B'$: $t$ and the positions before it;
+# - in $C$: $y_t$ alone.
+#
+# With shared parameters a bad $B_t$ reaches both sides. Every other output keeps its bits. The exception: the reverse decays are differences of chunk-local cumulative sums of $\Delta'$. A bad $\Delta'_t$ makes every later sum of its chunk non-finite, so it also spoils the later positions of its chunk, within its sequence, though they do not read it. Other sequences keep their bits, for two reasons: the sums restart at every sequence boundary (chapter 5's kernel 1), and a weight that crosses a boundary, whose factors may then overflow, is dropped by a select in the forward kernels (and in the backward kernels) rather than multiplied by 0.
 
 # %% [markdown]
 # ### The backward pass
@@ -443,7 +450,7 @@ for shift in (False, True):
 show_source(bidirectional_backward)
 
 # %% [markdown]
-# Every gradient, of both directions' parameters, against float64 autograd through the reference, with packed sequences:
+# Every gradient, against float64 autograd through the reference, with packed sequences. Bi-Mamba2's form shares its parameters between the directions, so it has no reverse gradients of its own; Hydra's form adds those of $\Delta'$, $B'$ and $C'$ (`ddt_rev`, `dB_rev`, `dC_rev`):
 
 # %%
 for shift in (False, True):
@@ -464,7 +471,7 @@ for shift in (False, True):
 show_source(bidirectional_two_calls)
 
 # %% [markdown]
-# Counting the passes over memory makes its cost plain. The reverse call reads reversed copies of $x$, $\Delta'$, $B'$ and $C'$, each made by a flip (or a gather, for packed sequences) that reads and writes the whole tensor; its output is reversed again; then the casts to float32, the sum, the skip and the cast back each make one more pass over an output-sized tensor. Each call also reads $x$ twice (chunk states, outputs) and $B$, $C$ on its own. The fused pipeline makes no copy: the reverse direction reads the same tiles through the same chunk grid, and the outputs of both directions meet in registers. Both give the same numbers:
+# Counting the passes over memory makes its cost plain. The reverse call reads reversed copies of $x$, $\Delta'$, $B'$ and $C'$, each made by a flip (or a gather, for packed sequences) that reads and writes the whole tensor; its output is reversed again; then the casts to float32, the sum, the skip and the cast back each make one more pass over an output-sized tensor. Each call reads $x$ twice (its chunk-state and output kernels), so the two calls read it four times, and each reads its own $B$ and $C$. The fused pipeline reads $x$ twice in all and makes no copy: the reverse direction reads the same tiles through the same chunk grid, and the outputs of both directions meet in registers. Both give the same numbers:
 
 # %%
 for shift in (False, True):
@@ -473,7 +480,7 @@ for shift in (False, True):
           bidirectional_two_calls(**inp, chunk_size=chunk, shift=shift), tolerance(torch.float32))
 
 # %% [markdown]
-# Timed on this machine at a chapter-sized problem, forward only, beside one causal call for scale (bfloat16 on a GPU; on a CPU the {term}`interpreter`'s times say nothing about a GPU):
+# Timed on this machine at the benchmark's first shape ((batch, L, heads, headdim, dstate) = (4, 4096, 80, 64, 128), one group, chunk 256, shared reverse parameters, no gate), forward only, beside one causal call for scale (bfloat16 on a GPU; on a CPU the {term}`interpreter`'s times say nothing about a GPU):
 
 # %% tags=["nbval-ignore-output"]
 size = runtime.size(gpu=dict(batch=4, length=4096, heads=80, headdim=64, groups=1, dstate=128, dtype=torch.bfloat16),
@@ -563,7 +570,7 @@ else:
 # - **A cheaper weight off the diagonal band.** Off the row block's band every weight of a tile belongs to one direction, and it factors through a position $u$ between the rows and the columns: $e^{\ell_t - \ell_s} = e^{\ell_t - \ell_u} e^{\ell_u - \ell_s}$. Both exponents have the sign of $A$, so no factor overflows where the weight does not, and a tile costs one exponential per row and per column instead of one per entry. The output kernel and the $dx$ kernel walk their columns in three runs (before the band, the band, after it) to use it.
 # - **The $dG$ kernel split in two launches.** The diagonal tiles keep the full weights; the others use the factored ones, with the loop over the heads of a group software-pipelined and autotuned. $dG$ went from 1.62 ms to 0.78 ms.
 #
-# The output kernel and the $dx$ kernel gained little from the cheaper weights (0.68 → 0.66 ms, 1.51 → 1.43 ms), so their exponentials were not what bound them. The factored weights are also why these kernels still take chapter 5's float32 sums rather than its two planes: each factor would need the low plane carried through it, and that conversion has not been done.
+# The output kernel and the $dx$ kernel gained little from the cheaper weights (0.68 → 0.66 ms, 1.51 → 1.43 ms), so their exponentials were not what bound them. The factored weights are also why these kernels take single float32 sums (`chunk_cumsum(..., planes=False)`) rather than chapter 5's two planes: each factor would need the low plane carried through it, and that conversion has not been done.
 #
 # The $dx$ kernel's tuned list now also offers 32 rows with two warps. In a probe on an H200 that appended it and other configurations to each kernel's list, the tuner's trials gave it 1.402 ms against 1.448 ms for the former pick, while the same tile with four warps took 2.04 ms (`book/data/kernel_config_probe.json`); the whole forward and backward pass went from 4.76 to 4.70 ms. None of the other configurations tried there beat a tuned list's pick by more than a trial's noise, for this chapter's output kernel or chapter 5's kernels.
 #
