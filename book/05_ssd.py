@@ -31,7 +31,7 @@
 # | $\Delta_t$ | step (after bias, softplus, clamp) |
 # | $A$ | one negative number per head; a step decays the state by $e^{\Delta_t A}$ |
 # | $B_t, C_t \in \mathbb{R}^N$ | input and readout maps |
-# | $\ell_t = A \sum_{k \le t} \Delta_k$ | cumulative log-decay, counted from the start of the chunk inside the kernels (`a`, `dA_cumsum` in the code) |
+# | $\ell_t = A \sum_{k \le t} \Delta_k$ | cumulative log-decay, counted from the start of the chunk inside the kernels (`a` or `l` in the teaching code; stored by `chunk_cumsum` in `dA_cumsum` as two float32 planes, `hi` and `lo`, in units of $\log_2$) |
 # | $\Gamma_{ts} = e^{\ell_t - \ell_s}$, $\gamma_c = e^{\ell_{\text{last}}(c)}$ | decay from $s$ to $t$; decay across chunk $c$ |
 # | $S_c$, $H_c$ | the state chunk $c$ adds, the state entering chunk $c$ |
 # | $D$ | the skip, per head (or per channel) |
@@ -76,7 +76,7 @@ runtime.describe()
 # %% [markdown]
 # ## The SSM as a matrix
 #
-# Mamba-2 {cite}`dao2024transformers` restricts Mamba's decay to a scalar per head: $\bar A_t = \exp(\Delta_t A)$ with one number $A$ per head. A head is $P$ of chapter 4.9's channels that share $\Delta_t$, $B_t$ and $C_t$, with the $N$ numbers $A_{dn}$ of each channel replaced by that one $A$: row $p$ of the head's state is channel $p$'s $N$-vector state, and the outer product $x_t B_t^\top$ stacks the $P$ channels' updates. So a head has an input $x_t \in \mathbb{R}^P$ (headdim $P$), a state $h_t \in \mathbb{R}^{P \times N}$ (dstate $N$), and
+# Mamba-2 {cite}`dao2024transformers` restricts Mamba's decay to a scalar per head: $\bar A_t = \exp(\Delta_t A)$ with one number $A$ per head. A head is $P$ of the channels of [section 4.9](04_selective_scan.ipynb)'s selective scan that share $\Delta_t$, $B_t$ and $C_t$, with the $N$ numbers $A_{dn}$ of each channel replaced by that one $A$: row $p$ of the head's state is channel $p$'s $N$-vector state, and the outer product $x_t B_t^\top$ stacks the $P$ channels' updates. So a head has an input $x_t \in \mathbb{R}^P$ (headdim $P$), a state $h_t \in \mathbb{R}^{P \times N}$ (dstate $N$), and
 #
 # $$
 # \begin{aligned}
@@ -85,7 +85,7 @@ runtime.describe()
 # \end{aligned}
 # $$
 #
-# Unroll the recurrence and write $\ell_t = \sum_{k \le t} \Delta_k A$ for the cumulative log-decay (the code calls it `a`, and its per-chunk version `dA_cumsum`). The decay from $s$ to $t$ is $\exp(\sum_{k=s+1}^{t} \Delta_k A) = e^{\ell_t - \ell_s}$, so
+# Write $\ell_t = \sum_{k \le t} \Delta_k A$ for the cumulative log-decay (the teaching code calls it `a`; the kernels keep a per-chunk version, `dA_cumsum`, see kernel 1). The decay from $s$ to $t$ is $\exp(\sum_{k=s+1}^{t} \Delta_k A) = e^{\ell_t - \ell_s}$, so the recurrence unrolls to $h_t = \sum_{s \le t} e^{\ell_t - \ell_s}\, \Delta_s\, x_s B_s^\top$. Multiply by $C_t$ and use $x_s B_s^\top C_t = (C_t \cdot B_s)\, x_s$:
 #
 # $$
 # \begin{aligned}
@@ -98,8 +98,10 @@ runtime.describe()
 #
 # $M$ is lower-triangular and *semiseparable*: every block of $M$ that lies wholly on or below the diagonal (every entry with $s \le t$) has rank at most $N$. There $M_{ts} = (e^{\ell_t} C_t) \cdot (e^{-\ell_s} \Delta_s B_s)$ is a dot product of an $N$-vector of $t$ with an $N$-vector of $s$, so the block is a (rows × $N$) matrix times an ($N$ × columns) one. A block that straddles the diagonal is not of this kind: zeroing its upper part generally makes it full rank (the lower triangle of a rank-one matrix with no zero entries is invertible), which is why the chunked algorithm below handles the diagonal blocks separately. Two ways to multiply by $M$ follow:
 #
-# - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, and $e^{\ell_t - \ell_s}$ a causal mask with decay (a matrix of weights, zero above the diagonal);
+# - **quadratic** (the "attention" form): build $M$, $O(L^2 N + L^2 P)$ work, all of it matmuls; $C$ plays the query, $B$ the key, $\Delta_s x_s$ the value, and $e^{\ell_t - \ell_s}$ a causal mask with decay (a matrix of weights, zero above the diagonal);
 # - **linear** (the recurrent form): walk $t$ and carry $h_t$, $O(L N P)$ work, but a chain of $L$ dependent steps.
+#
+# That one multiplication by $M$ can be done either way, as masked attention or as a recurrence, is what Mamba-2's authors call *state-space duality* ({term}`SSD`); the chunked algorithm below uses both forms.
 #
 # Inputs follow mamba_ssm's `mamba_chunk_scan_combined`: `x (batch, L, heads, headdim)`, `dt (batch, L, heads)`, `A (heads,)`, `B, C (batch, L, groups, dstate)`, with the optional skip $D$, gate $z$ ($y \cdot \mathrm{silu}(z)$), `dt_bias`, softplus and a clamp on $\Delta$. The heads come in `groups` consecutive runs of `heads // groups`, and the heads of a run share their group's $B$ and $C$: head $h$ reads group $g = h \,/\!/\, (\text{heads}/\text{groups})$ (`g = h // (heads // groups)` in the kernels), as in mamba_ssm. With 4 heads on 2 groups, heads 0 and 1 read group 0, heads 2 and 3 group 1.
 
@@ -214,7 +216,7 @@ _, steps = ssd_chunked_ref(**as64, chunk_size=chunk, dt_softplus=True, return_in
 #
 # **The sums keep their low part.** Every weight the later kernels form is $e^{\ell_t - \ell_s}$ (or $e^{\ell_{\text{last}} - \ell_t}$, or $e^{\ell_t}$), and in a chunk that decays strongly $|\ell|$ grows into the hundreds. A float32 number between 256 and 512 is only good to half an {term}`ulp`, $1.5 \cdot 10^{-5}$, so the difference of two such sums is off by up to $3 \cdot 10^{-5}$ from the rounding of each sum alone, however small the difference is, and a sum accumulated in float32 adds to the difference $\ell_t - \ell_s$ the rounding of every addition between $s$ and $t$. The weights hit hardest are those near the chunk's end, which make up most of the chunk's state: on an H100 they came out $3.5 \cdot 10^{-5}$ off in relative terms, and the float32 final state six times further from float64 than mamba_ssm's (whose sums are float32 too; why ours fared worse was not pinned down).
 #
-# So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores each sum as two float32 numbers, $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest (scaled by $\log_2 e$ for `exp2`; `natural_sums` turns them back into float64 sums for the check below). No kernel does float64 arithmetic: a kernel subtracts $\ell^{hi}_t - \ell^{hi}_s$, which float32 does exactly where the two are within a factor 2 of each other (Sterbenz's lemma; where they are further apart, the difference is at least half the larger of the two, so its one rounding is small relative to the difference itself), takes the exponential per weight and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
+# So `chunk_cumsum` adds $\Delta_k A$ in float64 (the product of two float32 numbers is exact there) and stores each sum as two float32 numbers, $\ell = \ell^{hi} + \ell^{lo}$, the nearest float32 and the rest (scaled by $\log_2 e$ for `exp2`; `natural_sums` turns them back into float64 sums for the check below). No later kernel does float64 arithmetic (only `chunk_cumsum` does, once per step): a kernel that forms a weight subtracts $\ell^{hi}_t - \ell^{hi}_s$, which float32 does exactly where the two are within a factor 2 of each other (Sterbenz's lemma; where they are further apart, the difference is at least half the larger of the two, so its one rounding is small relative to the difference itself), takes the exponential per weight and folds $e^{\ell^{lo}_t}$ and $e^{-\ell^{lo}_s}$ into a row and a column it scales anyway (`mamba_annotated/ssd/log_decays.py`). The next cell measures what float32 sums lose on one such chunk.
 
 # %%
 show_source(add_or_restart, chunk_cumsum_kernel)
@@ -245,7 +247,7 @@ for name, sums in (("float32 sums", sums32.double()), ("float64 sums", sums64)):
 # %% [markdown]
 # ### 2. $C \cdot B$ inside each chunk, once per group
 #
-# The heads of a group share $B$ and $C$, so $CB_{ts} = C_t \cdot B_s$ is computed once per group, a $Q \times Q$ block per chunk. Not all of the block is written. Cut it into squares of 64 rows and columns (`SCAN_ROWS`): `chunk_cb` writes the squares on the diagonal whole, entries above the diagonal included, and every square left of them; it skips the squares right of the diagonal. The kernels that read $CB$ (the outputs' kernel and the backward pass's $dx$ kernel) work in row blocks of at most 64 rows, so they never read further right; they do read the diagonal squares whole, and the $dx$ kernel needs the entries above the diagonal to be finite numbers (section 5 says why). The figure after the check shows the pattern at $Q = 256$.
+# The heads of a group share $B$ and $C$, so $CB_{ts} = C_t \cdot B_s$ is computed once per group, a $Q \times Q$ block per chunk. Not all of the block is written. Cut it into squares of 64 rows and columns (`SCAN_ROWS`): `chunk_cb` writes the squares on the diagonal whole, entries above the diagonal included, and every square left of them; it skips the squares right of the diagonal. The kernels that read $CB$ (the outputs' kernel and the backward pass's $dx$ and $dCB$ kernels) work in row blocks of at most 64 rows, so they never read further right. They do read the diagonal squares whole: a select after the products discards the entries above the diagonal ("5. The outputs" below), so their values never matter, but they are written, so that no kernel reads memory nobody wrote (which compute-sanitizer's initcheck would report). The figure after the check shows the pattern at $Q = 256$.
 
 # %%
 show_source(chunk_cb_kernel)
@@ -314,7 +316,7 @@ show_fragment(chunk_state_kernel, "@lean_launch", "pid = tl.program_id(0)")
 show_fragment(chunk_state_kernel, "pid = tl.program_id(0)", "acc = tl.zeros")
 
 # %% [markdown]
-# Which tile the program owns, and what the weights need. The first grid axis counts (batch, chunk, head), head fastest; the second counts the tiles of the $P \times N$ state, `BLOCK_P` rows of headdim by `BLOCK_N` columns of dstate. Head `h` reads the $B$ of its group `g`. The batch offset is widened to 64 bits before it meets a stride, so tensors of more than $2^{31}$ elements are addressed correctly. `a_last` is $\ell_{\text{last}}$, the chunk's last slot of $\ell$: in a chunk cut short by the end of the sequence the missing slots have $\Delta = 0$, so that slot holds the decay of the whole chunk. With `seq_idx`, `seq_owner` is the sequence the state belongs to: for `TO_END` the sequence of the chunk's last position; otherwise the sequence of the state entering the chunk, that of the position before it (0 for the first chunk, as in mamba_ssm).
+# Which tile the program owns, and what the weights need. The first grid axis counts (batch, chunk, head), head fastest; the second counts the tiles of the $P \times N$ state, `BLOCK_P` rows of headdim by `BLOCK_N` columns of dstate. Head `h` reads the $B$ of its group `g`. The batch offset is widened to 64 bits before it meets a stride, so tensors of more than $2^{31}$ elements are addressed correctly. `hi_last` and `lo_last` are the two planes of $\ell_{\text{last}}$, the chunk's last slot of $\ell$: in a chunk cut short by the end of the sequence the missing slots have $\Delta = 0$, so that slot holds the decay of the whole chunk. With `seq_idx`, `seq_owner` is the sequence the state belongs to: for `TO_END` the sequence of the chunk's last position; otherwise the sequence of the state entering the chunk, that of the position before it (0 for the first chunk, as in mamba_ssm).
 
 # %%
 show_fragment(chunk_state_kernel, "acc = tl.zeros")
@@ -368,7 +370,7 @@ check("chunk_scan_simple = the whole forward pass (no D, z)", simple_y,
 #
 # **Why two launches.** Testing every such tile costs more than it seems. On an H100 the forward pass went from 0.570 to 0.660 ms with the test inside the loop (from 0.73 to 1.06 ms with `seq_idx`): with 64-row blocks and 32-wide steps at chunk 256, two of every five iterations of the column loop fall on a diagonal block, and the test sits between the load and the matmul, so the matmul waits for it. A second, checked copy of the loop compiled into the same kernel, used only when a tile comes out non-finite, was hardly better (0.64 ms): the kernel already uses 255 registers, and the copy made it spill. So the work is split across two launches. The kernel below computes every tile as if $x$ were finite and, for each row that comes out non-finite, sets a flag: the NaN may come from an $x_s$ the row sees, or from one it does not see, carried in as $0 \cdot \text{NaN}$. A second, light kernel reads the flags, a few hundred programs of 64 tiles each, and computes again, checked, only the tiles with a flagged row. Usual inputs pay a reduction along each row, a zeroed flag per row and that launch: the forward pass takes 0.599 against 0.570 ms without any containment, in the same run (0.874 against 0.809 ms with `seq_idx`). `book/data/nonfinite_check_cost.json` holds the measurements, from three A/B runs of `benchmarks/bench_package_ab.py`, each timing copies of the package against the code before the fix. The chunk-state kernel needs no second launch: a position outside the state's sequence adds nothing to it at all, so the kernel zeroes both operands of its product (a select on the weighted $x$, the mask of the load on $B$). The leak was found on the GPU by `scripts/reliability/nonfinite.py`, which puts a NaN or $\infty$ into one input and checks which outputs change: a NaN in $x$ at $t = 25$ had changed $y_{16}, \dots, y_{24}$.
 #
-# **Non-finite steps** need no test at all. The cumulative sums $\ell$ restart at every sequence boundary (kernel 1), so a non-finite step spoils the decays of its own sequence only; the weights that cross a boundary, whose exponents may now be large and positive, are dropped by the selects above, never multiplied by 0. (Before the restart, a NaN step reached the later sequences of its chunk.) The restart also spares a sequence the rounding of its neighbours' decay: $\ell_t - \ell_s$ keeps an absolute error of about $2^{-24} |\ell|$, and $|\ell|$ no longer includes an earlier sequence's.
+# **Non-finite steps** need no test at all. The cumulative sums $\ell$ restart at every sequence boundary (kernel 1), so a non-finite step spoils the decays of its own sequence only; the weights that cross a boundary, whose exponents may now be large and positive, are dropped by the selects above, never multiplied by 0. (Before the restart, a NaN step reached the later sequences of its chunk.) (Since the sums are kept in two planes, the restart no longer matters for rounding: each exponent $\ell_t - \ell_s$ is as exact as float32 can hold it, however large $|\ell|$ has grown; see "The sums keep their low part".)
 #
 # The backward pass's $dx$ kernel runs the same loop transposed, and it too selects after the products: its weights are `tl.where(keep, CBT * decay, 0.0)`, so a NaN in $CB$ or an overflowed decay above the diagonal stays out of the row. It still reads only entries `chunk_cb` wrote, as the forward kernel does: `chunk_cb` writes the diagonal squares whole (the figure of step 2), and the row blocks of both kernels are no taller than `SCAN_ROWS` (`check_row_blocks` in `chunk_state.py` enforces it for every tuned configuration), so no kernel reads memory that nobody wrote, which compute-sanitizer's initcheck would report. The Performance notes of the backward pass give the times of these choices.
 
@@ -379,7 +381,7 @@ check("chunk_scan_simple = the whole forward pass (no D, z)", simple_y,
 show_fragment(write_tile, "def write_tile(", "acc = output_rows(")
 
 # %% [markdown]
-# `output_rows` computes the tile before $D$ and the gate. It first loads each row's $\ell_t$ (`a_t`) and, with `seq_idx`, the row's sequence (`seq_t`) and that of the previous chunk's last position (`seq_carry`). Then the state entering the chunk, read out: $e^{\ell_t} H_c C_t$, a matmul over dstate in blocks of `BLOCK_N`. With `seq_idx`, a row of another sequence than the carried state's gets none of it:
+# `output_rows` computes the tile before $D$ and the gate. It first loads each row's $\ell_t$, as its planes `hi_t` and `lo_t`, and with `seq_idx`, the row's sequence (`seq_t`) and that of the previous chunk's last position (`seq_carry`). Then the state entering the chunk, read out: $e^{\ell_t} H_c C_t$, a matmul over dstate in blocks of `BLOCK_N`. With `seq_idx`, a row of another sequence than the carried state's gets none of it:
 
 # %%
 show_fragment(output_rows, "# off-diagonal blocks: C_t . H_c", "# diagonal block: sum over s <= t")
@@ -530,7 +532,7 @@ check("chunk_scan_dx_simple = d(diagonal blocks)/dx", chunk_scan_dx_simple(simpl
 show_fragment(chunk_scan_bwd_dcb_kernel, "@lean_launch", "pid = tl.program_id(0)")
 
 # %% [markdown]
-# The tuner varies only `HEAD_STAGES`, the depth of the software pipeline of the loop over the heads (the next heads' tiles load while one head computes), and, in one configuration, the warps. The row block `BLOCK_M` is fixed at launch, not tuned: the slots of the step gradients are laid out per tile, and every configuration must write the same slots. The second grid axis counts the tiles $(i, j)$ of the chunk (`pid_t`, `pid_s`: row tile $i$ of positions $t$, column tile $j$ of positions $s$), `n_m` by `n_m`. A tile above the diagonal returns at once: $dCB_{ts}$ for $s > t$ is never read.
+# The tuner varies `HEAD_STAGES`, the depth of the software pipeline of the loop over the heads (the next heads' tiles load while one head computes), and, in one configuration, the warps and `num_stages`. The row block `BLOCK_M` is fixed at launch, not tuned: the slots of the step gradients are laid out per tile, and every configuration must write the same slots. The second grid axis counts the tiles $(i, j)$ of the chunk (`pid_t`, `pid_s`: row tile $i$ of positions $t$, column tile $j$ of positions $s$), `n_m` by `n_m`. A tile above the diagonal returns at once: $dCB_{ts}$ for $s > t$ is never read.
 
 # %%
 show_fragment(chunk_scan_bwd_dcb_kernel, "pid = tl.program_id(0)", "dCB = tl.zeros")
@@ -542,7 +544,7 @@ show_fragment(chunk_scan_bwd_dcb_kernel, "pid = tl.program_id(0)", "dCB = tl.zer
 show_fragment(chunk_scan_bwd_dcb_kernel, "dCB = tl.zeros")
 
 # %% [markdown]
-# The loop over the heads of the group. For head $h$ it loads $dy_t$ (rows $t$) and $x_s^\top$ (columns $s$), and one `mm` gives the products $dy_t \cdot x_s$; times the decay and $\Delta_s$ they make that head's term $\Gamma_{ts} \Delta_s (dy_t \cdot x_s)$. The exponent is set to $-\infty$ before `tl.exp` wherever `keep` is false, so the entries above the diagonal, where $\ell_t - \ell_s > 0$, cannot overflow. The terms of all heads add up in `dCB`. Times $CB$, a head's term gives $W$, and the tile $(i, j)$ (row block $i$, column block $j$) stores its sums over the pairs that straddle each step $k$:
+# The loop over the heads of the group. For head $h$ it loads $dy_t$ (rows $t$) and $x_s^\top$ (columns $s$), and one `mm` gives the products $dy_t \cdot x_s$; times the decay and $\Delta_s$ they make that head's term $\Gamma_{ts} \Delta_s (dy_t \cdot x_s)$. The decay is `exp2` of the difference of the sums' hi planes, taken for every entry, so above the diagonal, where $\ell_t - \ell_s > 0$, it may overflow to $\infty$; as in the forward kernel, the select comes after the products (`tl.where(keep, mm(dyt, xsT, PRECISION) * weights * dt_s[None, :], 0.0)`), so an overflowed weight, or a NaN in $dy_t$ or $x_s$, never reaches a pair that is kept. The terms of all heads add up in `dCB`. Times $CB$, a head's term gives $W$, and the tile $(i, j)$ (row block $i$, column block $j$) stores its sums over the pairs that straddle each step $k$:
 #
 # - $k$ in the column block $j$: the pairs with $s < k$ and $t \ge k$. With $u = k - 1$, `tl.cumsum(W, axis=1)` holds $\sum_{s \le u} W_{ts}$ in column $u$, and the rows that count are those with $t > u$ on the diagonal tile, and all of them on a tile left of the diagonal ($t \ge k$ always), where the sum over rows can come first: the cumulative sum of the column sums, a vector rather than a tile. The branch is the same for every head of the program's loop. The sum over those rows belongs to $k = u + 1$, so it is stored one position on, and the block's first position, which no pair of this tile straddles, gets 0. Slot $i$.
 # - $k$ in the row block $i$ of a tile left of the diagonal: every column has $s < k$, so it is the row sums summed over $t \ge k$, a reverse `tl.cumsum`. Slot $j$.
@@ -736,7 +738,7 @@ else:
 #
 # Mamba-2's SSM is a multiplication by a semiseparable matrix. Cutting it into chunks turns most of the work into matmuls (the diagonal blocks, the chunk states, the state-to-output products), leaving a short sequential carry of $L/Q$ steps. Five forward kernels, and four backward ones beside the forward's chunk-state and state-passing kernels run again on gradients, implement it, each checked against a float64 reference; the gradient of the decays is $C \cdot dC - B \cdot dB$ reverse-summed, which the kernels compute as sums over the pairs and rows that straddle each step, so that nothing large cancels.
 #
-# [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional ({term}`quasiseparable`) SSMs of Hydra and Bi-Mamba2, both directions computed on one grid of chunks by one fused pipeline.
+# [Chapter 6](06_bidirectional.ipynb) adds a second semiseparable matrix that runs backwards in time: the bidirectional ({term}`quasiseparable`) SSMs of Hydra {cite}`hwang2024hydra` and Bi-Mamba2 {cite}`repo_bimamba2`, both directions computed on one grid of chunks by one fused pipeline.
 #
 # **Exercises.** Exercises 1 and 2 have no cell: each is a test in `tests/test_ssd.py`, which you can run or compare with your own answer. Exercise 3 has a stub below with a checker.
 #

@@ -21,8 +21,9 @@ Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, d
 heads, chunks, 2, Q) and (batch, heads, chunks, Q) float32 (the sums' planes, :mod:`.log_decays`,
 and the steps); out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
 groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
-are written, all that the chunk scan and the dx kernel read (their row blocks are no taller; they
-need every entry they read finite, the ones above the diagonal included).
+are written, all that the chunk scan and the dx and dCB kernels read (their row blocks are no
+taller). The entries above the diagonal are written too, though a select after the products drops
+them, so that no kernel reads memory nobody wrote.
 
 Bytes moved: chunk_state reads u and v once per (head, p-block) and writes headdim*dstate float32
 per chunk and head: with Q = 256 that is 2x smaller than u. chunk_cb reads B and C once per
