@@ -148,7 +148,7 @@ plt.show()
 # %% [markdown]
 # ## Walking time on a GPU
 #
-# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences (`dim` the model's channels $d$, each with $N$ states $n$). The kernels of chapters 1 to 4 flatten them into the rows of a `(channels, L)` array, one recurrence per row. This chapter calls a row a *channel*, after the model; from chapter 2 on, the text calls it a *row*, as the kernels' code does. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
+# The recurrence gives no parallelism along time, but there is plenty across channels: Mamba has `batch × dim × N` independent recurrences (`dim` the model's channels $d$, each with $N$ states $n$). The kernels of chapters 1 to 4 flatten them into the rows of a `(channels, L)` array, one recurrence per row. In this chapter's code and prose a *channel* means such a row, one (batch, $d$, $n$) recurrence, not a model channel $d$; from chapter 2 on, the text calls it a *row*, as the kernels' code does. The first kernel uses exactly that and nothing more. One {term}`program` owns a {term}`block` of `BLOCK_C` channels and loops over all $L$ steps, keeping its block of states $h$ in {term}`registers`. Each step loads one column of $a$ and $b$, does one multiply-add per channel, and stores one column of $h$.
 
 # %%
 def draw_sequential_schedule(channels=8, steps=12, block=4):
@@ -209,13 +209,13 @@ for dtype in (torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## The gradient is the same recurrence, run backwards
 #
-# Write $\mathcal{J}$ for the loss (the book keeps $\mathcal L$ for a matrix in chapter 6) and let $g_t = \partial \mathcal{J} / \partial h_t$ be the gradient arriving from above for each output. $h_t$ influences the loss directly and through $h_{t+1} = a_{t+1} h_t + b_{t+1}$, so the total derivative $\lambda_t = d\mathcal{J}/dh_t$ obeys
+# Write $\mathcal{J}$ for the loss (the book keeps $\mathcal L$ for a matrix in chapter 6) and let $g_t = \partial \mathcal{J} / \partial h_t$ be the gradient that autograd hands the scan for its output $h_t$ ("from above": it counts only the paths from $h_t$ to the loss through the layers above, not through $h_{t+1}$). $h_t$ also reaches the loss through the next step, $h_{t+1} = a_{t+1} h_t + b_{t+1}$, whose derivative in $h_t$ is $a_{t+1}$; so by the chain rule the total derivative $\lambda_t = d\mathcal{J}/dh_t$, the {term}`adjoint` of $h_t$, obeys
 #
 # $$
 # \lambda_t = g_t + a_{t+1}\,\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}:
 # $$
 #
-# the same first-order recurrence, walking from the end, with the decays shifted by one step. Since $h_t$ depends on $a_t$ and $b_t$ only through the one step $h_t = a_t h_{t-1} + b_t$,
+# the same first-order recurrence, walking from the end, with the decays shifted by one step ($\lambda_{L-1} = g_{L-1}$ because no step follows the last). The inputs $a_t$ and $b_t$ enter only step $t$, with $\partial h_t / \partial a_t = h_{t-1}$ and $\partial h_t / \partial b_t = 1$, and the initial state enters only step 0, with $\partial h_0 / \partial h_{-1} = a_0$; multiplying each by $\lambda_t$,
 #
 # $$
 # \begin{gathered}
@@ -225,13 +225,13 @@ for dtype in (torch.float16, torch.bfloat16):
 # \end{gathered}
 # $$
 #
-# So the backward pass needs the forward outputs $h$ (saved by autograd) and nothing else; for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop. In the listing, `a_next` starts at 0, which makes $\lambda_{L-1} = g_{L-1}$; it is loaded *after* its use, so at step $t$ it holds $a_{t+1}$, and after the loop it holds $a_0$, which gives $dh_{-1}$. `prev` is only clamped to keep the load in bounds, and `tl.where` (the elementwise select of `torch.where`) puts $h_{-1}$ in its place at the first step:
+# So besides the upstream gradients $g$, the backward pass needs the decays $a$, the forward outputs $h$ and the initial state $h_{-1}$ (autograd saves all three; $b$ is not needed); for `reverse=True` it walks forwards. The backward kernel fuses all three gradients into its one loop. In the listing, `a_next` starts at 0, which makes $\lambda_{L-1} = g_{L-1}$; it is loaded *after* its use, so at step $t$ it holds $a_{t+1}$, and after the loop it holds $a_0$, which gives $\partial\mathcal J / \partial h_{-1} = a_0 \lambda_0$. `prev` is only clamped to keep the load in bounds, and `tl.where` (the elementwise select of `torch.where`) puts $h_{-1}$ in its place at $t = 0$ (the forward pass's first step, the loop's last iteration):
 
 # %%
 show_source(sequential_scan_bwd_kernel)
 
 # %% [markdown]
-# We check all three gradients that the backward launcher returns against autograd through the float64 loop, with a random upstream gradient (never ones: they hide sign and index errors), in both directions and for 16-bit inputs. (The tests also check them through `sequential_scan`'s autograd Function.)
+# We check all three gradients that the backward launcher returns against autograd through the float64 loop, with a random upstream gradient (never ones: they hide sign and index errors), in both directions and for bfloat16 inputs. (The tests also check them through `sequential_scan`'s autograd Function.)
 
 # %%
 kernels = (sequential_scan_forward, sequential_scan_backward)
@@ -246,7 +246,7 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 #
 # The floor is a measured reference, not a hard bound, and a kernel that streams well can land a few percent above 100% of it (chapter 2's tuple scan does). The copy is itself a kernel, with its own inefficiencies, and it moves one read stream and one write stream of equal size, while the scans read two arrays for every one they write; DRAM most likely serves a read-heavy mix a little more efficiently, since every switch between reading and writing costs bus cycles. The cache does not explain it: the copy (1 GiB) and the problems timed here (150 MB and up) are all far larger than the L2 cache. The HBM peak itself (4.8 TB/s on the H200 these cells ran on; 3.35 TB/s on an H100 SXM) lies 13–14% above the measured copy bandwidth (4.24 TB/s in the stored benchmark, 4.22 TB/s in this page's run): the copy reaches about 88% of it.
 #
-# We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) on `8 × 1536` rows: batch 8 and 1536 channels, one state each. (A Mamba layer of that width with $N = 16$ states would have 16 times as many rows, and 16 times as many programs.)
+# We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) on `8 × 1536` = 12288 channels (batch 8 and 1536 model channels $d$, one state each). (A Mamba layer of that width with $N = 16$ states would have 16 times as many rows, and 16 times as many programs.)
 #
 # On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.53 ms, about 215 ns per step, several hundred cycles: the time scale of a trip to memory.
 #
@@ -279,7 +279,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes about 6.2 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (664–684 of 4219 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 94 to 99 times slower than the kernel (580 to 615 times the floor). Walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes 6.2 to 6.4 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (664–684 of 4219 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 94 to 99 times slower than the kernel (580 to 614 times the floor). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next

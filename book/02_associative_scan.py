@@ -56,7 +56,7 @@ runtime.describe()
 # %% [markdown]
 # ## One step is an affine map, and affine maps compose
 #
-# Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$, written as usual for functions: the map applied first stands on the right. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2$. For pairs we write the operator the other way round, with its own symbol $\bullet$: the earlier map on the left, the order in which a scan meets them,
+# Read one step of the recurrence as a function of the previous state: $f_t(h) = a_t h + b_t$. The whole scan is the composition $h_t = f_t \circ f_{t-1} \circ \dots \circ f_0\,(h_{-1})$, written as usual for functions: the map applied first stands on the right. Store an affine map as the pair $(a, b)$; applying $(a_1, b_1)$ and then $(a_2, b_2)$ gives $a_2(a_1 h + b_1) + b_2 = (a_1 a_2)\, h + (a_2 b_1 + b_2)$, the affine map with pair $(a_1 a_2,\; a_2 b_1 + b_2)$. For pairs we write the operator the other way round, with its own symbol $\bullet$: the earlier map on the left, the order in which a scan meets them,
 #
 # $$
 # \begin{gathered}
@@ -122,7 +122,7 @@ check("Triton combine vs PyTorch combine", left, torch.stack(first_order_combine
 # %% [markdown]
 # ## Two scan trees on eight elements
 #
-# *Hillis–Steele* {cite}`hillis1986data`: in round $k$ every element $i \ge 2^k$ combines with element $i - 2^k$. Depth $\log_2 L$, but every round touches almost every element: work $O(L \log L)$.
+# *Hillis–Steele* {cite}`hillis1986data`: in round $k = 1, \dots, \log_2 L$ (row $k$ of the figure below) every element $i \ge 2^{k-1}$ combines with element $i - 2^{k-1}$. Depth $\log_2 L$, but every round touches almost every element: work $O(L \log L)$.
 #
 # *Blelloch* {cite}`blelloch1990prefix`, drawn here in its inclusive form: every output includes its own element, as our scan needs, where Blelloch's original scan is exclusive (output $t$ combines elements $0..t-1$); this inclusive tree is also known as the Brent–Kung tree. An up-sweep builds a reduction tree (the pairs, the quadruples, ...), and a down-sweep pushes the partial results back down to the elements that still miss a prefix. Depth $2\log_2 L - 1$, work $2L - 2 - \log_2 L$ combines: $O(L)$, 11 for $L = 8$.
 #
@@ -234,7 +234,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # %% [markdown]
 # ## The backward pass is a reverse scan
 #
-# Chapter 1 derived the {term}`adjoint` $\lambda_t = \partial\mathcal J / \partial h_t$ (total derivative) from the upstream gradients $g_t$:
+# Chapter 1 derived the {term}`adjoint` $\lambda_t = d\mathcal J / dh_t$, the total derivative of the loss $\mathcal J$, from the upstream gradients $g_t = \partial\mathcal J / \partial h_t$:
 #
 # $$
 # \lambda_t = g_t + a_{t+1}\lambda_{t+1}, \qquad \lambda_{L-1} = g_{L-1}.
@@ -249,7 +249,7 @@ for dtype in (torch.float16, torch.bfloat16):
 # \end{gathered}
 # $$
 #
-# with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal J/\partial a_t = \lambda_t h_{t+1}$. The kernel reads $a$, $h$ and $g$ once and writes both gradients:
+# with $h_{-1}$ the initial state. For `reverse=True` every index mirrors: $\lambda_t = g_t + a_{t-1}\lambda_{t-1}$ runs forwards, $\partial\mathcal J/\partial a_t = \lambda_t h_{t+1}$ and $\partial\mathcal J/\partial h_{-1} = a_{L-1}\lambda_{L-1}$. The kernel reads $a$, $h$, $g$ and $h_{-1}$ once and writes all three gradients:
 
 # %%
 show_source(tuple_scan_bwd_kernel)
@@ -266,7 +266,7 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # %% [markdown]
 # ## Numerics: the tuple scan against the log-space scan
 #
-# A popular way to avoid writing a custom scan {cite}`heinsen2023efficient` rewrites the recurrence with library scans. With the running product $\pi_t = \prod_{s \le t} a_s$,
+# A popular way to avoid writing a custom scan {cite}`heinsen2023efficient` rewrites the recurrence with library scans. With the running product $\pi_t = \prod_{s \le t} a_s$, each product of decays in chapter 1's unrolled sum is a ratio, $\prod_{k=s+1}^{t} a_k = \pi_t / \pi_s$, so from a zero initial state
 #
 # $$
 # \begin{aligned}
@@ -277,7 +277,7 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 # \end{aligned}
 # $$
 #
-# (for positive $b$; signs need complex logarithms). The catch is the size of the numbers: $\log \pi_t$ grows like $t \cdot \overline{|\log a|}$, and a float32 number of that size carries an absolute error of about $|\log \pi_t| \cdot 2^{-24}$. The two large terms then cancel to give $\log h_t$, which is of order one, and their absolute error survives as a *relative* error of $h_t$ — growing linearly with the length. The tuple scan never forms a large number: every combine multiplies decays below one and adds bounded states, so its error stays near float32 resolution.
+# (for positive $b$; signs need complex logarithms). The catch is the size of the numbers: $\log \pi_t$ grows like $t$ times the mean of $|\log a|$, and a float32 number of that size carries an absolute error of about $|\log \pi_t| \cdot 2^{-24}$. The two large terms then cancel to give $\log h_t$, which is of order one, and their absolute error survives as a *relative* error of $h_t$ (an error $\delta$ in $\log h_t$ multiplies $h_t$ by $e^{\delta} \approx 1 + \delta$) — growing linearly with the length. The tuple scan never forms a large number: every combine multiplies decays below one and adds bounded states, so its error stays near float32 resolution.
 
 # %%
 show_source(log_space_scan)

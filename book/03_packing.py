@@ -21,7 +21,7 @@
 # - how to write a {term}`combine` that unpacks, composes and repacks, and why the float32 version agrees bit for bit with the tuple scan while the 16-bit version does not;
 # - whether packing still pays on today's Triton: what it does to the number of {term}`shuffles <shuffle>`, and its speed measured on the GPU against the tuple scan.
 #
-# It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\bullet(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ (earlier pair on the left) and the one-block tuple scan `tuple_scan_forward`.
+# It builds on [chapter 2](02_associative_scan.ipynb): the combine $(a_1, b_1)\bullet(a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$ (earlier pair on the left) and the one-{term}`block` tuple scan `tuple_scan_forward`.
 #
 # ```{admonition} Notation (as in chapter 2)
 # | symbol | meaning |
@@ -58,7 +58,7 @@ runtime.describe()
 # w = \underbrace{\text{bits}(a)}_{\text{high 32}} \;\|\; \underbrace{\text{bits}(b)}_{\text{low 32}},
 # $$
 #
-# scan the integers, and let the combine reinterpret the bits: unpack both words into floats, compose the maps, pack the result. Nothing is converted numerically on the way in or out; `x.to(tl.uint32, bitcast=True)` relabels the 32 bits of a float as an integer. For 16-bit inputs two values fit in one 32-bit word the same way.
+# where $\|$ is concatenation, the 32 bits of $a$ followed by the 32 bits of $b$ (in code, a shift and a bitwise OR). Scan the integers, and let the combine reinterpret the bits: unpack both words into floats, compose the maps, pack the result. Nothing is converted numerically on the way in or out; `x.to(tl.uint32, bitcast=True)` relabels the 32 bits of a float as an integer. For 16-bit inputs two values fit in one 32-bit word the same way.
 
 # %%
 def draw_word(ax, y, label, fields):
@@ -87,9 +87,9 @@ plt.show()
 # %% [markdown]
 # ## Pack, unpack, and the combine between them
 #
-# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` and `WORD` types and the field width `BITS` are compile-time constants (`HALF` is not float16: it is the unsigned integer type of one field, `uint32` for a float32 pair and `uint16` for a 16-bit one; `WORD` is `uint64` or `uint32`, `BITS` 32 or 16), so one pair of helpers serves both layouts.
+# Packing widens each field's bits to the word type and shifts $a$ into the high half; unpacking shifts back and lets the narrowing cast drop the high bits. The `FLOAT`, `HALF` and `WORD` types and the field width `BITS` are compile-time constants (`FLOAT` is the float type of one field, float32, bfloat16 or float16; `HALF` is not float16: it is the unsigned integer type of one field, `uint32` for a float32 pair and `uint16` for a 16-bit one; `WORD` is `uint64` or `uint32`, `BITS` 32 or 16), so one pair of helpers serves both layouts.
 #
-# Two kinds of cast do the work, and they differ. `x.to(HALF, bitcast=True)` is a *bitcast*: it relabels the bits of a float as an integer of the same width, changing none of them. `.to(WORD)` from an unsigned `HALF` widens with zeros on top, and `.to(HALF)` from a `WORD` is a *narrowing cast*: it keeps the low `BITS` bits and drops the rest, again without arithmetic. Only `a.to(FLOAT)` and `b.to(FLOAT)` at the start of `pack_pair` convert a value (rounding float32 to 16 bits in the 16-bit layout; nothing in the float32 one).
+# Two kinds of cast do the work, and they differ. `x.to(HALF, bitcast=True)` is a *bitcast*: it relabels the bits of a float as an integer of the same width, changing none of them. `.to(WORD)` from an unsigned `HALF` widens with zeros on top, and `.to(HALF)` from a `WORD` is a *narrowing cast*: it keeps the low `BITS` bits and drops the rest, again without arithmetic. Two conversions change a value rather than relabel its bits: `a.to(FLOAT)` and `b.to(FLOAT)` at the start of `pack_pair` round float32 to 16 bits in the 16-bit layout (and do nothing in the float32 one), and the final `.to(tl.float32)` in `unpack_pair` widens a 16-bit float to float32, exactly. Only the first can lose information.
 #
 # A worked word shows why the widening must fill with zeros. Take $a = 0.5$ and $b = -1.0$, whose float32 bits are `0x3F000000` and `0xBF800000`. Shifted and joined, $w$ = `0x3F000000BF800000`, and both halves come back unchanged. Had $b$'s bits been widened as a *signed* integer, its sign bit would have been copied into the whole top half (`0xFFFFFFFFBF800000`), and the `|` would have overwritten $a$ with all ones, a NaN. Bitcasting to an unsigned `HALF` before widening prevents that.
 
@@ -100,7 +100,7 @@ show_source(pack_pair)
 show_source(unpack_pair)
 
 # %% [markdown]
-# The combine unpacks both words into float32, applies the same `first_order_combine` as chapter 2, and packs the result. `tl.associative_scan` hands the combine only its two operands, so each layout gets a two-line wrapper that fixes the types (see `mamba_annotated/scan/packed.py`).
+# The combine unpacks both words into float32, applies the same `first_order_combine` as chapter 2, and packs the result. `tl.associative_scan` hands the combine only its two operands, so each float type (float32, bfloat16, float16) gets a two-line wrapper that fixes the types (see `mamba_annotated/scan/packed.py`).
 
 # %%
 show_source(combine_words)
@@ -187,7 +187,7 @@ print_table([dict(L=n, tuple_scan=t, packed=p) for n, t, p in zip(lengths, *erro
 # %% [markdown]
 # ## Does packing still pay?
 #
-# Packing was a necessity; was it also faster? The hardware's exchange between threads, the warp {term}`shuffle` (`shfl.sync`), moves 32 bits per thread. The tuple scan keeps $a$ and $b$ as float32 {term}`registers`, even for 16-bit inputs, and so needs two shuffles per exchange. A 64-bit word also needs two, so a float32 pair saves nothing by packing. A 16-bit pair in one 32-bit word needs one, half the tuple scan's, but pays integer shifts and casts and two roundings on every combine. Both scans read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
+# Packing was a necessity; was it also faster? The hardware's exchange between threads, the {term}`warp` {term}`shuffle` (`shfl.sync`), moves 32 bits per thread. The tuple scan keeps $a$ and $b$ as float32 {term}`registers`, even for 16-bit inputs, and so needs two shuffles per exchange. A 64-bit word also needs two, so a float32 pair saves nothing by packing. A 16-bit pair in one 32-bit word needs one, half the tuple scan's, but pays integer shifts and casts and two roundings on every combine. Both scans read and write the same bytes. We time both on identical inputs in the same run (`8 × 1536` rows, one block per row).
 
 # %% tags=["nbval-ignore-output"]
 rows = runtime.size(gpu=8 * 1536, cpu=4)
@@ -214,12 +214,12 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# The verdict: in float32 the two scans take the same time: the same bytes, the same shuffles, and the packed scan's shifts cost nothing visible. In bfloat16 they are level at $L = 1024$ (both at about 72% of the floor); from $L = 4096$ on the packed scan is slower, at about 65% of the floor against the tuple scan's 93% at $L = 4096$ and 84% at $L = 16384$: the shuffles it saves do not pay for its integer work and its two roundings per combine. That work most likely weighs more here than in float32 because a bfloat16 element brings half the bytes, so the same arithmetic per element has half the memory time to hide behind. In the stored H200 benchmark (`book/data/linear_scan_bench.json`) the float32 scans are within 2% of each other and the packed bfloat16 scan is 29–46% slower at $L \ge 4096$; the table above gives this GPU's numbers. Packing no longer pays.
+# The verdict: in float32 the two scans take the same time to within 2%: the same bytes, the same shuffles, and the packed scan's shifts cost nothing visible. In bfloat16 they are level at $L = 1024$ (both at about 72% of the {term}`memory floor`, the time their bytes take at the measured copy bandwidth); from $L = 4096$ on the packed scan is slower, at about 65% of the floor against the tuple scan's 93% at $L = 4096$ and 84% at $L = 16384$: the shuffles it saves do not pay for its integer work and its two roundings per combine. That work most likely weighs more here than in float32 because a bfloat16 element brings half the bytes, so the same arithmetic per element has half the memory time to hide behind. In the stored H200 benchmark (`book/data/linear_scan_bench.json`) the float32 scans are within 2% of each other and the packed bfloat16 scan is 29–46% slower at $L \ge 4096$; the table above gives this GPU's numbers. Packing no longer pays.
 
 # %% [markdown]
 # ## What we have, and what comes next
 #
-# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it is exact — the very same arithmetic as the tuple scan, and the same two shuffles per exchange — so it gains nothing. For 16-bit inputs, packing a pair into one 32-bit word halves the shuffles but keeps the scan's state in 16 bits, less accurate than the tuple scan's float32 state, and it is slower anyway; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, but then needs two shuffles, like the tuple scan. The tuple scan stays our building block.
+# Packing turns a pair scan into a single-tensor scan with nothing but bitcasts and shifts. For float32 it gives bit for bit the tuple scan's result: the same arithmetic, and the same two shuffles per exchange, so it gains nothing. For 16-bit inputs, packing a pair into one 32-bit word halves the shuffles but keeps the scan's state in 16 bits, less accurate than the tuple scan's float32 state, and it is slower anyway; packing the pair as two float32 halves of a 64-bit word (as the float32 path does) keeps float32 accuracy, but then needs two shuffles, like the tuple scan. The tuple scan stays our building block.
 #
 # Both one-block kernels stop at `MAX_LENGTH` = 65536 steps, the package's cap: one program holds the whole row, and 65536 pairs are already 131072 32-bit values, twice the register file of an H100's or H200's {term}`SM`, so such a block {term}`spills <spill>` to local memory. Chapter 4 chains blocks with {term}`carries <carry>` to scan any length.
 #

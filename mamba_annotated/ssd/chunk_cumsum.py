@@ -16,8 +16,8 @@ Algorithm
     through any runs of negative ids before it, the launcher hands the kernel negative ids as 0,
     so those runs and id 0's share one sum from the first chunk's start.)
     The restart keeps a non-finite step out of the later sequences of its chunk (mamba_ssm's sums
-    run across), and a long, strongly decaying sequence no longer costs the next one digits (a_t -
-    a_s rounds to 2^-24 |a|, and |a| no longer carries the earlier sequences' decay).
+    run across). (It once also spared a sequence the rounding of the earlier ones' decay; with the
+    two planes below, a_t - a_s is as exact as float32 holds it however large |a| grows.)
     The softplus is the identity past 20 (as in torch and mamba_ssm) and accurate to float32
     rounding below (:func:`..triton_ops.softplus`): a step of 1e-5 is 1e-5, not 1e-5 give or take
     6e-3 of it.
