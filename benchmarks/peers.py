@@ -1,12 +1,14 @@
 """Import the peer implementations the benchmarks time against, where they are installed.
 
-On the offline GPU box the peers come as wheels (.whl, installed by .device/activate.sh).
-mamba_ssm's package __init__ imports its CUDA extension, which the pure-Python wheel lacks, so its
-Triton kernels are imported without running that __init__ (.device/import_peer.py).
-Each loader returns None, with a printed reason, when its peer is missing.
+Install them with pip (mamba-ssm==2.3.2.post1, accelerated-scan, mambapy, flash-linear-attention);
+on the offline GPU box they come as wheels. mamba_ssm's package __init__ imports its CUDA
+extensions, which its pure-Python wheel lacks (and which the benchmarks do not need: they time its
+Triton kernels), so mamba_ssm is registered as a package whose __init__ is not run, and its
+submodules are imported from it. Each loader returns None, with a printed reason, when its peer is
+missing.
 """
 import importlib
-import pathlib
+import importlib.util
 import sys
 import types
 
@@ -22,14 +24,15 @@ def _import(name):
 def mamba_ssm_module(submodule: str):
     """e.g. mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")."""
     if "mamba_ssm" not in sys.modules:
-        device_dir = pathlib.Path(__file__).resolve().parent.parent / ".device"
-        sys.path.insert(0, str(device_dir))
-        try:
-            from import_peer import import_without_init
-            import_without_init("mamba_ssm")
-        except Exception as e:
-            print(f"peer mamba_ssm unavailable: {type(e).__name__}: {e}")
+        spec = importlib.util.find_spec("mamba_ssm")
+        if spec is None:
+            print("peer mamba_ssm unavailable: not installed")
             return None
+        # the package's module without its __init__: a submodule import finds its files through
+        # __path__, and Python runs no __init__ for a package already in sys.modules
+        package = types.ModuleType("mamba_ssm")
+        package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["mamba_ssm"] = package
     return _import(submodule)
 
 

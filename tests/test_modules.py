@@ -2,13 +2,11 @@
 block's forward pass and every parameter's gradient against a float64 plain-PyTorch computation of
 the same block, what is not implemented; on a GPU with mamba_ssm, its Mamba2 and Mamba with their
 weights copied into ours."""
-import importlib
-import importlib.util
 import inspect
 import itertools
 import math
+import pathlib
 import sys
-import types
 
 import pytest
 import torch
@@ -414,23 +412,17 @@ def test_unimplemented_arguments_raise():
 # --- mamba_ssm itself, on a GPU ---------------------------------------------------------------------------
 
 def mamba_ssm_module(name):
-    """A mamba_ssm submodule, imported without running mamba_ssm/__init__.py (which imports the
-    CUDA extension that a pure-Python build lacks): a bare package object with mamba_ssm's search
-    path goes into sys.modules first (the technique of .device/import_peer.py). Skips the test when
-    mamba_ssm or anything the submodule imports is missing."""
+    """A mamba_ssm submodule through benchmarks/peers.py's loader, which imports it without running
+    mamba_ssm/__init__.py (that imports the CUDA extension a pure-Python build lacks). Skips the test
+    when mamba_ssm or anything the submodule imports is missing (peers.py prints why)."""
     pytest.importorskip("einops")
-    if "mamba_ssm" not in sys.modules:
-        spec = importlib.util.find_spec("mamba_ssm")
-        if spec is None:
-            pytest.skip("mamba_ssm is not installed")
-        package = types.ModuleType("mamba_ssm")
-        package.__path__ = list(spec.submodule_search_locations)
-        package.__spec__ = spec
-        sys.modules["mamba_ssm"] = package
-    try:
-        return importlib.import_module(name)
-    except Exception as e:  # e.g. selective_scan_cuda, the compiled extension, when it is not built
-        pytest.skip(f"{name} does not import: {type(e).__name__}: {e}")
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import peers
+
+    module = peers.mamba_ssm_module(name)
+    if module is None:
+        pytest.skip(f"{name} does not import")
+    return module
 
 
 PEER_TOL = 1e-2
