@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ssd import make_inputs as causal_inputs, peak_mb, report_tunings  # noqa: E402
+from bench_ssd import make_inputs as causal_inputs, peak_mb, tune_peer  # noqa: E402
 from costs import CHUNK, bidirectional_flops as flops, bidirectional_min_bytes as min_bytes  # noqa: E402
 from costs import ssd_flops as causal_flops, ssd_min_bytes as causal_min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
@@ -41,7 +41,7 @@ from mamba_annotated.bidirectional.forward import bidirectional_forward  # noqa:
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
-from peers import autotuners, row_time, tune_fastest  # noqa: E402
+from peers import row_time  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1
     (4, 4096, 80, 64, 128),
@@ -155,11 +155,8 @@ def run_shape(shape, impls):
 
         tuned = {}
         if name in (NAIVE, HYDRA):
-            picks = []
-            case = report_tunings(f"{shape}, {name}",
-                                  tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm."), picks=picks), picks)
+            case, tuned = tune_peer(f"{shape}, {name}", (fwd, fwd_bwd))
             tunings += case
-            tuned = {t["pass_"]: t["tunings_ms"] for t in case}
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
             times = row_time(bench.median_ms(f), tuned.get(what))
             ms = times["ms"]

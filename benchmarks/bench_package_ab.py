@@ -9,8 +9,8 @@ copy ahead of the one under test. The processes take turns, ``--rounds`` times, 
 the GPU's clocks shows up as a spread between rounds rather than as a difference between copies;
 the first round also compiles and tunes. Times are ``triton.testing.do_bench`` medians (ms), except in
 the cases named "host ...": at those shapes the GPU waits on Python, so their time is the host's per
-call (a loop of calls, one synchronisation after it; the median of seven loops), as in
-bench_host_cost.py, whose shapes they take.
+call, taken by bench_host_cost.py's own cases and timing (a loop of calls, one synchronisation after
+it; the median of seven loops).
 """
 import argparse
 import json
@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))  # bench_host_cost.py and peers.py, for the workers
 
 # (name, code building `fn`, a zero-argument call); the code runs with torch and the package imported
 CASES = {
@@ -45,16 +47,15 @@ CASES = {
     **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
        for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
                              ("bfloat16", 100000))},
-    # host-bound: bench_host_cost.py's shapes, timed per call on the host
-    "host selective_scan fwd (1, 64, 16, 256)": "selective_host_case(False)",
-    "host selective_scan fwd+bwd (1, 64, 16, 256)": "selective_host_case(True)",
-    "host attention fwd causal (1, 128, 4, 64)": "attention_host_case(False)",
-    "host attention fwd+bwd causal (1, 128, 4, 64)": "attention_host_case(True)",
+    # host-bound: bench_host_cost.py's cases, timed per call on the host
+    **{f"host {op} {'fwd+bwd' if backward else 'fwd'}": f"host_case({op!r}, {backward})"
+       for op in ("selective_scan (1, 64, 16, 256)", "attention (1, 128, 4, 64) causal") for backward in (False, True)},
 }
 
 WORKER = r'''
 import json, sys
 sys.path.insert(0, sys.argv[1])
+sys.path.append(sys.argv[3])  # benchmarks/, after the copy under test
 import torch, triton.testing
 import mamba_annotated as ma
 assert ma.__file__.startswith(sys.argv[1]), ma.__file__
@@ -152,45 +153,16 @@ def bidirectional_bar_case(shift, backward):  # with D, dt_bias and softplus, as
             return torch.autograd.grad(out, inputs, dy) if backward else out
     return step
 
-def through_autograd(op, inputs, backward):  # fwd alone, or fwd and the gradients of every input
-    out = op(**inputs)
-    if not backward:
-        return out
-    return torch.autograd.grad(out, list(inputs.values()), torch.ones_like(out))
-
-def selective_host_case(backward):
-    bf = dict(device=dev, dtype=torch.bfloat16)
-    inputs = dict(u=torch.randn(1, 64, 256, **bf), delta=0.5 * torch.randn(1, 64, 256, **bf),
-                  A=-torch.rand(64, 16, device=dev) - 0.5, B=torch.randn(1, 16, 256, **bf),
-                  C=torch.randn(1, 16, 256, **bf), D=torch.randn(64, device=dev), z=torch.randn(1, 64, 256, **bf),
-                  delta_bias=torch.randn(64, device=dev))
-    inputs = {k: t.requires_grad_(backward) for k, t in inputs.items()}
-    op = lambda **i: ma.selective_scan(**i, delta_softplus=True)
-    return lambda: through_autograd(op, inputs, backward)
-
-def attention_host_case(backward):
-    inputs = {k: torch.randn(1, 128, 4, 64, device=dev, dtype=torch.bfloat16).requires_grad_(backward) for k in "qkv"}
-    return lambda: through_autograd(lambda **i: ma.attention(**i, causal=True), inputs, backward)
-
-def host_ms(fn, calls=200, loops=7):  # the host's time per call: a loop, one synchronisation after it
-    import statistics, time
-    for _ in range(20):
-        fn()
-    per_call = []
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - start) * 1e3 / calls)
-    return statistics.median(per_call)
+def host_case(op, backward):  # bench_host_cost.py's case ``op``, ours: its forward, or forward and backward
+    import bench_host_cost as host
+    _, _, make_inputs, ours, _ = next(case for case in host.cases() if case[0] == op)
+    return (host.forward_backward if backward else host.forward_only)(ours, make_inputs(backward))
 
 times = {}
 for name, make in json.loads(sys.argv[2]).items():
     if name.startswith("host"):
-        with torch.enable_grad():
-            times[name] = host_ms(eval(make))
+        import bench_host_cost
+        times[name] = bench_host_cost.per_call_us(eval(make), calls=200) / 1e3
         continue
     with torch.no_grad():
         fn = eval(make)
@@ -217,9 +189,9 @@ def main():
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
                     "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and os.path.abspath(p) != os.getcwd())}
-                run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases)], cwd=neutral, env=env,
-                                     capture_output=True, text=True,
-                                     preexec_fn=None if args.pin is None else lambda: os.sched_setaffinity(0, {args.pin}))
+                pin = None if args.pin is None else lambda: os.sched_setaffinity(0, {args.pin})
+                run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases), BENCHMARKS], cwd=neutral,
+                                     env=env, capture_output=True, text=True, preexec_fn=pin)
                 if run.returncode:
                     sys.exit(f"{d} failed:\n{run.stderr[-3000:]}")
                 times = json.loads(run.stdout.strip().splitlines()[-1])

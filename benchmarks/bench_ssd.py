@@ -110,6 +110,15 @@ def report_tunings(case, times, picks=None):
     return records
 
 
+def tune_peer(case, timed):
+    """Tune mamba_ssm's kernels over ``timed`` (its forward, then its forward and backward) by
+    :func:`peers.tune_fastest`, keeping every tuning's picks, and print the tunings. Returns (the
+    records for the JSON, each pass's times after its tunings by pass, for :func:`peers.row_time`)."""
+    picks = []
+    records = report_tunings(case, tune_fastest(timed, autotuners("mamba_ssm."), picks=picks), picks)
+    return records, {record["pass_"]: record["tunings_ms"] for record in records}
+
+
 def packed_seq_idx(shape, packed):
     """seq_idx marking ``packed`` sequences of equal length in every row of ``shape``."""
     batch, length = shape[:2]
@@ -156,11 +165,8 @@ def run_variants(shape, peer_fn, packed=8):
             timed = passes(fn, inp, leaves, dy, chunk_size=chunk, seq_idx=marks)
             tuned = {}
             if name == "mamba_ssm":
-                picks = []
-                case = report_tunings(f"{shape}, chunk {chunk}, {1 if marks is None else packed} sequence(s)",
-                                      tune_fastest(timed, autotuners("mamba_ssm."), picks=picks), picks)
+                case, tuned = tune_peer(f"{shape}, chunk {chunk}, {1 if marks is None else packed} sequence(s)", timed)
                 tunings += case
-                tuned = {t["pass_"]: t["tunings_ms"] for t in case}
             for pass_, f in zip(("fwd", "fwd+bwd"), timed):
                 rows.append(dict(shape=str(shape), chunk=chunk, packed=1 if marks is None else packed, impl=name,
                                  pass_=pass_, **row_time(bench.median_ms(f), tuned.get(pass_))))
@@ -188,10 +194,7 @@ def run_shape(shape, peer_fn):
         fwd, fwd_bwd = passes(fn, inp, leaves, dy, chunk_size=CHUNK)
         tuned = {}
         if name == "mamba_ssm":
-            picks = []
-            tunings = report_tunings(f"{shape}, chunk {CHUNK}",
-                                     tune_fastest((fwd, fwd_bwd), autotuners("mamba_ssm."), picks=picks), picks)
-            tuned = {t["pass_"]: t["tunings_ms"] for t in tunings}
+            tunings, tuned = tune_peer(f"{shape}, chunk {CHUNK}", (fwd, fwd_bwd))
         outs[name] = fwd()
         outs[name + "_grads"] = dict(zip(leaves, fwd_bwd()))
         for what, f, fl, by in (("fwd", fwd, f_fwd, b_fwd), ("fwd+bwd", fwd_bwd, f_all, b_all)):
