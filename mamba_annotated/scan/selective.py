@@ -34,8 +34,8 @@ carry to the earlier chunk goes through two buffers as in the forward kernel. Th
     dx_t = lam_t,   dLoss/da_t * a_t = lam_t * g_t,
 summed over n into du and ddelta (written per element, like dz); dA, dD, ddelta_bias are summed over
 time in registers and over batch by the caller; dB, dC (shared by all channels of a group) are
-summed over the program's channels and written as per-program partial sums that the caller adds
-up: no atomics, so gradients are deterministic.
+summed over the program's channels and written as per-program partial sums, which a second kernel
+adds up in a fixed order and casts to B's dtype: no atomics, so gradients are deterministic.
 
 Shapes: u, delta, z, y (batch, dim, L) contiguous; A (dim, N); B, C (batch, groups, N, L); D and
 delta_bias (dim,). BLOCK_D divides dim // groups, so every program reads a single group's B and C.
@@ -76,6 +76,7 @@ FWD_NUM_WARPS = 4
 BWD_BLOCK_L = 16 if INTERPRETED else 64
 BWD_MAX_BLOCK_D = 16
 BWD_NUM_WARPS = 2
+SUM_BLOCK = 1024  # columns per program of the dB/dC sum (not tuned)
 
 
 @triton.jit
@@ -301,6 +302,29 @@ def selective_scan_bwd_kernel(
     tl.store(grad_bias_part_ptr + batch * dim + channels, grad_bias)
 
 
+@lean_launch
+@triton.jit
+def sum_group_partials_kernel(grad_B_part_ptr, grad_C_part_ptr, grad_B_ptr, grad_C_ptr, parts, columns,
+                              BLOCK: tl.constexpr):
+    """dB and dC from the backward kernel's partial sums, in B's dtype: for each row r (a batch row
+    and group) and column c (a state and step), grad[r, c] = sum over p of part[r, p, c], the
+    ``parts`` channel blocks of the group added in order (so the bits do not change from run to
+    run). One launch for both, where summing and casting with PyTorch took four."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < columns
+    part = row.to(tl.int64) * parts * columns + cols
+    grad_B = tl.zeros([BLOCK], dtype=tl.float32)
+    grad_C = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(parts):
+        grad_B += tl.load(grad_B_part_ptr + part, mask=mask, other=0.0)
+        grad_C += tl.load(grad_C_part_ptr + part, mask=mask, other=0.0)
+        part += columns
+    out = row.to(tl.int64) * columns + cols
+    tl.store(grad_B_ptr + out, grad_B.to(grad_B_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_C_ptr + out, grad_C.to(grad_C_ptr.dtype.element_ty), mask=mask)
+
+
 def channel_block(channels_per_group, largest):
     """The largest power of two <= ``largest`` dividing ``channels_per_group`` (a block stays in one group)."""
     block = 1
@@ -346,7 +370,7 @@ def selective_scan_forward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplu
 def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softplus, chunk_states,
                             grad_y, grad_last_state):
     """Gradients of every input of :func:`selective_scan_forward` (None for absent ones), float32
-    for A, D, delta_bias, B, C (the caller casts) and u's dtype for u, delta, z."""
+    for A, D, delta_bias (the caller casts), B's dtype for B and C, u's dtype for u, delta, z."""
     batch, dim, length = u.shape
     groups, dstate = B.shape[1], B.shape[2]
     block_d = channel_block(dim // groups, BWD_MAX_BLOCK_D)
@@ -371,19 +395,22 @@ def selective_scan_backward(u, delta, A, B, C, D, z, delta_bias, *, delta_softpl
         DELTA_SOFTPLUS=delta_softplus, HAS_GRAD_LAST_STATE=grad_last_state is not None,
         BLOCK_D=block_d, BLOCK_N=next_power_of_2(dstate), BLOCK_L=BWD_BLOCK_L, num_warps=BWD_NUM_WARPS,
     )
-    # sum the per-program partials: over batch for A, D, delta_bias; over a group's blocks for B, C
-    per_group = (batch, groups, blocks // groups, dstate, length)
+    # sum the per-program partials: over a group's blocks for B and C (one launch, cast included),
+    # over batch for A, D, delta_bias
+    grad_B = outputs.empty(B.shape, B.dtype, u.device)
+    grad_C = outputs.empty(C.shape, C.dtype, u.device)
+    columns = dstate * length
+    sum_group_partials_kernel[(cdiv(columns, SUM_BLOCK), batch * groups)](
+        grad_B_part, grad_C_part, grad_B, grad_C, blocks // groups, columns, BLOCK=SUM_BLOCK)
     return dict(
-        u=grad_u, delta=grad_delta, z=grad_z,
+        u=grad_u, delta=grad_delta, z=grad_z, B=grad_B, C=grad_C,
         A=sum_over(grad_A_part, 0),
         D=sum_over(grad_D_part, 0) if D is not None else None,
         delta_bias=sum_over(grad_bias_part, 0) if delta_bias is not None else None,
-        B=sum_over(grad_B_part.view(per_group), 2),
-        C=sum_over(grad_C_part.view(per_group), 2),
     )
 
 
 def sum_over(partials, dim):
-    """``partials.sum(dim)``, without a launch when that dimension has one element (one batch row,
-    or one program per group): at small shapes a launch costs the host more than the sum the GPU."""
+    """``partials.sum(dim)``, without a launch when that dimension has one element (one batch row):
+    at small shapes a launch costs the host more than the sum the GPU."""
     return partials.squeeze(dim) if partials.shape[dim] == 1 else partials.sum(dim)
