@@ -30,7 +30,6 @@ from mamba_annotated import bench  # noqa: E402
 from mamba_annotated.figures import python_function  # noqa: E402
 from mamba_annotated.runtime import DEVICE, device_name  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
-from peak_memory import peak_mib  # noqa: E402
 from mamba_annotated.ssd.backward import chunk_gradients, ssd_backward  # noqa: E402
 from mamba_annotated.ssd.forward import ssd_forward  # noqa: E402
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum, dt_backward  # noqa: E402
@@ -41,6 +40,7 @@ from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_state  # noqa: E402
 from mamba_annotated.ssd.state_passing import state_passing, state_passing_backward  # noqa: E402
 from mamba_annotated.ssd.teaching import dt_backward_flip, ssd_backward_flip  # noqa: E402
 from mamba_annotated.testing import rel_error  # noqa: E402
+from peak_memory import peak_mib  # noqa: E402
 from peers import autotuners, row_time, tune_fastest  # noqa: E402
 
 SHAPES = [  # (batch, L, heads, headdim, dstate), groups 1

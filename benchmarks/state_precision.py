@@ -48,10 +48,10 @@ from mamba_annotated.bidirectional import backward as bidirectional_backward  # 
 from mamba_annotated.bidirectional import bidirectional_chunk_scan  # noqa: E402
 from mamba_annotated.bidirectional import forward as bidirectional_forward  # noqa: E402
 from mamba_annotated.runtime import INTERPRETED, device_name  # noqa: E402
-from peak_memory import peak_mib  # noqa: E402
 from mamba_annotated.ssd import backward as ssd_backward  # noqa: E402
 from mamba_annotated.ssd import forward as ssd_forward  # noqa: E402
 from mamba_annotated.ssd import ssd_chunk_scan  # noqa: E402
+from peak_memory import peak_mib  # noqa: E402
 from sweep import recorded_reproducers  # noqa: E402
 from test_ssd import mamba_ssm_combined  # noqa: E402
 

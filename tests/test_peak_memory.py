@@ -23,16 +23,15 @@ def test_the_peak_counts_what_the_call_allocates():
 def test_garbage_freed_during_the_call_does_not_hide_its_peak():
     """64 MiB held only by a reference cycle: the call collects it, then allocates 32 MiB. Counted
     from a baseline that still held the garbage, the peak would be 0; it must be 32."""
-    cycle = [torch.empty(64 * MIB, dtype=torch.uint8, device=DEVICE)]
-    cycle.append(cycle)
-    del cycle
-
     def collect_then_allocate():
         gc.collect()
         return torch.empty(32 * MIB, dtype=torch.uint8, device=DEVICE)
 
     gc.disable()  # the cycle must survive until peak_mib's own collection
     try:
+        cycle = [torch.empty(64 * MIB, dtype=torch.uint8, device=DEVICE)]
+        cycle.append(cycle)
+        del cycle
         assert peak_mib(collect_then_allocate) == pytest.approx(32, abs=1)
     finally:
         gc.enable()
