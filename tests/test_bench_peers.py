@@ -84,7 +84,6 @@ def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
     assert "fwd 0.998, 0.711; fwd+bwd 4.098, 3.403; rows: the fastest" in capsys.readouterr().out
 
 
-
 def test_tuning_the_peer_keeps_every_tunings_picks_and_hands_each_pass_its_times(monkeypatch, capsys):
     """bench_ssd.tune_peer (the SSD and bidirectional benchmarks' one way to tune mamba_ssm) with a
     stand-in autotuner: the records carry the picks, and the times by pass are the records' own."""
@@ -98,6 +97,7 @@ def test_tuning_the_peer_keeps_every_tunings_picks_and_hands_each_pass_its_times
     assert records[1]["picks"] == [{"kernel": [kernel.cache["key"]]}] * 3   # the forward's autotuner stays tuned
     assert tuned == {r["pass_"]: r["tunings_ms"] for r in records} and all(len(t) == 3 for t in tuned.values())
     assert "case: mamba_ssm after each tuning" in capsys.readouterr().out
+
 
 def test_a_row_takes_the_fastest_tuning_where_putting_its_picks_back_did_not_bring_its_time_back():
     # the H200 case of session 67: the time after the picks were put back is kept beside the row's

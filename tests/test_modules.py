@@ -416,7 +416,9 @@ def mamba_ssm_module(name):
     mamba_ssm/__init__.py (that imports the CUDA extension a pure-Python build lacks). Skips the test
     when mamba_ssm or anything the submodule imports is missing (peers.py prints why)."""
     pytest.importorskip("einops")
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
     import peers
 
     module = peers.mamba_ssm_module(name)
