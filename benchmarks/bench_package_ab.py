@@ -47,6 +47,10 @@ CASES = {
     **{f"linear_scan bwd {dtype} (12288, {length})": f"linear_scan_backward_case({length}, '{dtype}')"
        for dtype, length in (("float32", 4096), ("float32", 65536), ("float32", 100000), ("bfloat16", 65536),
                              ("bfloat16", 100000))},
+    # bench_decoding.py's step (one query, 32 heads over 8, head dim 128, a full bfloat16 cache): the
+    # public call, and its CUDA graph's replay (the kernels alone, the host taken out)
+    **{f"decoding b{batch} N{length}{' graph' if graph else ''}": f"decoding_case({batch}, {length}, {graph})"
+       for batch, length in ((1, 4096), (1, 131072), (4, 131072)) for graph in (False, True)},
     # host-bound: bench_host_cost.py's cases, timed per call on the host
     **{f"host {op} {'fwd+bwd' if backward else 'fwd'}": f"host_case({op!r}, {backward})"
        for op in ("selective_scan (1, 64, 16, 256)", "attention (1, 128, 4, 64) causal") for backward in (False, True)},
@@ -65,6 +69,17 @@ dev = "cuda"
 def attention_case(seqlen, head_dim, causal, batch=4, heads=16):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(3))
     return lambda: ma.attention(q, k, v, causal=causal)
+
+def decoding_case(batch, length, graph, heads=32, kv_heads=8, head_dim=128):
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    q = torch.randn(batch, 1, heads, head_dim, **bf)
+    k_cache, v_cache = (torch.randn(batch, length, kv_heads, head_dim, **bf) for _ in range(2))
+    seqlens = torch.full((batch,), length, dtype=torch.int32, device=dev)
+    step = lambda: ma.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    if not graph:
+        return step
+    from mamba_annotated.bench import capture_graph
+    return capture_graph(step)[0].replay
 
 def ssd_inputs(batch=4, length=4096, heads=80, headdim=64, dstate=128):
     bf = dict(device=dev, dtype=torch.bfloat16)
