@@ -5,8 +5,9 @@
 Each DIR holds a ``mamba_annotated/`` (``git archive <commit> mamba_annotated | tar x -C DIR`` makes
 one). Every copy runs in its own process, started from a neutral working folder with DIR first on
 ``sys.path``: run from the repository, a script's own folder would otherwise put the repository's
-copy ahead of the one under test. The processes take turns, ``--rounds`` times, so that a drift of
-the GPU's clocks shows up as a spread between rounds rather than as a difference between copies;
+copy ahead of the one under test. The processes take turns, ``--rounds`` times, each round starting
+with the next copy, so that a drift of the GPU's clocks, or a cost of running first, shows up as a
+spread between rounds rather than as a difference between copies;
 the first round also compiles and tunes. Times are ``triton.testing.do_bench`` medians (ms), except in
 the cases named "host ...": at those shapes the GPU waits on Python, so their time is the host's per
 call, taken by bench_host_cost.py's own cases and timing (a loop of calls, one synchronisation after
@@ -199,8 +200,11 @@ def main():
     dirs = [os.path.abspath(d) for d in args.dirs]
     results = {d: {name: [] for name in cases} for d in dirs}
     with tempfile.TemporaryDirectory() as neutral:
-        for _ in range(args.rounds):
-            for d in dirs:
+        for round_ in range(args.rounds):
+            # each round starts with the next copy: a copy that always ran first (or second) would
+            # carry whatever running in that place does to its times (seen: host times of copies of
+            # the same code 7-22 % apart, book/data/host_path_ab.json)
+            for d in dirs[round_ % len(dirs):] + dirs[:round_ % len(dirs)]:
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
                     "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and os.path.abspath(p) != os.getcwd())}
