@@ -193,8 +193,11 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
     parser.add_argument("--json", help="write {dir: {case: [ms per round]}} here, after every round")
-    parser.add_argument("--pin", type=int, help="run every copy's process on this one CPU core, as taskset -c "
-                        "would (what that does to host-bound times: book/data/host_cost_pinning_probe.json)")
+    parser.add_argument("--pin", type=lambda s: {int(c) for c in s.split(",")},
+                        help="run every copy's process on these CPU cores (comma-separated), as taskset -c would; "
+                        "on one core a worker died at start on an H200 host, twice ('terminate called without an "
+                        "active exception'), on two it ran (book/data/host_path_ab.json). What pinning does to "
+                        "host-bound times: book/data/host_cost_pinning_probe.json")
     args = parser.parse_args()
     cases = {k: v for k, v in CASES.items() if not args.cases or any(c in k for c in args.cases.split(","))}
     dirs = [os.path.abspath(d) for d in args.dirs]
@@ -208,7 +211,7 @@ def main():
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
                     "PYTHONPATH": os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                   if p and os.path.abspath(p) != os.getcwd())}
-                pin = None if args.pin is None else lambda: os.sched_setaffinity(0, {args.pin})
+                pin = None if args.pin is None else lambda: os.sched_setaffinity(0, args.pin)
                 run = subprocess.run([sys.executable, "-c", WORKER, d, json.dumps(cases), BENCHMARKS], cwd=neutral,
                                      env=env, capture_output=True, text=True, preexec_fn=pin)
                 if run.returncode:
