@@ -26,7 +26,8 @@ their first tuned configuration. The ``backward`` family compiles the kernels of
 backward passes that read dy with x (the dx kernels and their checked second launches, the dCB/dG
 and dB/dC kernels), as launched, with and without ``seq_idx``.
 The ``outputs`` family compiles chapter 6's output kernel as launched, with and without the shift,
-D and ``seq_idx``.
+D and ``seq_idx``. The ``selective`` family compiles chapter 4.9's selective-scan forward and backward
+kernels as launched, plain and with Mamba's D, z, delta_bias and softplus.
 For every kernel compiled, the report also counts in its TTGIR
 where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
@@ -320,8 +321,36 @@ def outputs_cases():
                     module.chunk_outputs_kernel, args, dict(kwargs, **config)))
 
 
+def selective_cases():
+    """(name, compile) of chapter 4.9's selective-scan kernels at bench_selective_scan_cuda.py's
+    "Mamba-130M training" shape in bfloat16 ((16, 1536, 2048), N = 16, one group), as their launchers
+    launch them, with and without D, z and delta_bias (softplus on where delta_bias is given, as
+    Mamba calls it)."""
+    from mamba_annotated.scan import selective as module
+
+    batch, dim, length, dstate = 16, 1536, 2048, 16
+    u = torch.empty(batch, dim, length, dtype=torch.bfloat16)
+    A, D, bias = torch.empty(dim, dstate), torch.empty(dim), torch.empty(dim)
+    B = torch.empty(batch, 1, dstate, length, dtype=torch.bfloat16)
+    chunk_states = torch.empty(module.chunk_states_shape(batch, dim, dstate, length))
+    for gated in (False, True):
+        options = dict(D=D, z=u, delta_bias=bias, delta_softplus=True) if gated else \
+            dict(D=None, z=None, delta_bias=None, delta_softplus=False)
+        inputs = (u, u, A, B, B, options["D"], options["z"], options["delta_bias"])
+        tag = "D, z, delta_bias, softplus" if gated else "plain"
+        forward = launched_arguments(module, "selective_scan_fwd_kernel", module.selective_scan_forward, *inputs,
+                                     delta_softplus=options["delta_softplus"], store_chunk_states=True)
+        backward = launches_of(module, ("selective_scan_bwd_kernel", "sum_group_partials_kernel"),
+                               module.selective_scan_backward, *inputs, delta_softplus=options["delta_softplus"],
+                               chunk_states=chunk_states, grad_y=u, grad_last_state=None)
+        backward = backward["selective_scan_bwd_kernel"][0]
+        for name, (args, kwargs) in (("selective_scan_fwd_kernel", forward), ("selective_scan_bwd_kernel", backward)):
+            yield (f"{name} {tag}", lambda name=name, args=args, kwargs=kwargs: compile_as_launched(
+                getattr(module, name), args, kwargs))
+
+
 FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases,
-            "backward": backward_cases, "outputs": outputs_cases}
+            "backward": backward_cases, "outputs": outputs_cases, "selective": selective_cases}
 
 
 def main(argv=None):
