@@ -52,6 +52,7 @@ CASES = {
     # public call, and its CUDA graph's replay (the kernels alone, the host taken out)
     **{f"decoding b{batch} N{length}{' graph' if graph else ''}": f"decoding_case({batch}, {length}, {graph})"
        for batch, length in ((1, 4096), (1, 131072), (4, 131072)) for graph in (False, True)},
+    "selective_scan fwd+bwd gated (16, 1536, 16, 2048)": "selective_training_case()",
     # host-bound: bench_host_cost.py's cases, timed per call on the host
     **{f"host {op} {'fwd+bwd' if backward else 'fwd'}": f"host_case({op!r}, {backward})"
        for op in ("selective_scan (1, 64, 16, 256)", "attention (1, 128, 4, 64) causal") for backward in (False, True)},
@@ -167,6 +168,19 @@ def bidirectional_bar_case(shift, backward):  # with D, dt_bias and softplus, as
             out = ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, D=D, dt_bias=dt_bias, dt_softplus=True,
                                               shift=shift, **extra)
             return torch.autograd.grad(out, inputs, dy) if backward else out
+    return step
+
+def selective_training_case(batch=16, dim=1536, dstate=16, length=2048):
+    # bench_selective_scan_cuda.py's "Mamba-130M training" shape and inputs, bfloat16, with z, D,
+    # delta_bias and softplus, forward and backward through autograd
+    import bench_selective_scan_cuda as peer_bench
+    inputs, flags = peer_bench.make_inputs(batch, dim, dstate, length, torch.bfloat16, True)
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    dy = torch.randn(batch, dim, length, device=dev, dtype=torch.bfloat16)
+
+    def step():
+        with torch.enable_grad():
+            return torch.autograd.grad(ma.selective_scan(**leaves, **flags), list(leaves.values()), dy)
     return step
 
 def host_case(op, backward):  # bench_host_cost.py's case ``op``, ours: its forward, or forward and backward
