@@ -340,10 +340,10 @@ def selective_cases():
         tag = "D, z, delta_bias, softplus" if gated else "plain"
         forward = launched_arguments(module, "selective_scan_fwd_kernel", module.selective_scan_forward, *inputs,
                                      delta_softplus=options["delta_softplus"], store_chunk_states=True)
+        # the backward launcher launches the partial sums' kernel too: recorded, not compiled
         backward = launches_of(module, ("selective_scan_bwd_kernel", "sum_group_partials_kernel"),
                                module.selective_scan_backward, *inputs, delta_softplus=options["delta_softplus"],
-                               chunk_states=chunk_states, grad_y=u, grad_last_state=None)
-        backward = backward["selective_scan_bwd_kernel"][0]
+                               chunk_states=chunk_states, grad_y=u, grad_last_state=None)["selective_scan_bwd_kernel"][0]
         for name, (args, kwargs) in (("selective_scan_fwd_kernel", forward), ("selective_scan_bwd_kernel", backward)):
             yield (f"{name} {tag}", lambda name=name, args=args, kwargs=kwargs: compile_as_launched(
                 getattr(module, name), args, kwargs))
