@@ -19,14 +19,14 @@ from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum
 from mamba_annotated.ssd.chunk_scan import chunk_scan_kernel
 from mamba_annotated.ssd.chunk_scan_bwd import (chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel,
                                                 chunk_scan_bwd_dx_kernel)
-from mamba_annotated.ssd.chunk_state import chunk_state_kernel
+from mamba_annotated.ssd.chunk_state import SCAN_ROWS, cb_length, chunk_cb, chunk_state_kernel, unpacked_cb
 from mamba_annotated.ssd.log_decays import decay, decay_between, load_sums, natural_sums
 from mamba_annotated.triton_ops import LN2
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref,
                                            ssd_varlen_states_ref)
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close,
                                      assert_refused_on_the_device, assert_within_same_computation, every_other,
-                                     gradients, randn, tolerance, uniform)
+                                     gradients, poisoned_outputs, randn, tolerance, uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
 ALL_GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -69,6 +69,30 @@ def check_all_gradients(fn, ref_fn, inputs, dtype, skip=()):
         if name not in skip:
             assert err < grad_tol(name, dtype), f"grad {name}: relative error {err:.3e}"
     return errors
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_chunk_cb_stores_the_squares_on_and_below_the_diagonal(chunk):
+    """CB keeps only what its readers read: the squares (of SCAN_ROWS, or one of the whole chunk)
+    on the diagonal and left of it, cb_length floats per chunk and group, every float written
+    (outputs start as NaN here), C_t . B_s on and below the diagonal; laid out as matrices again,
+    the squares right of the diagonal are the fill (nothing there is stored)."""
+    length, groups = 2 * chunk + 5, 2
+    C, B = randn(1, length, groups, 32), randn(1, length, groups, 32)
+    with poisoned_outputs():
+        CB = chunk_cb(C, B, chunk)
+    side = min(SCAN_ROWS, chunk)
+    assert CB.shape == (1, 3, groups, cb_length(chunk))
+    assert cb_length(chunk) == (chunk // side) * (chunk // side + 1) // 2 * side * side
+    assert not CB.isnan().any()
+    padded = [F.pad(t.double(), (0, 0, 0, 0, 0, 3 * chunk - length)) for t in (C, B)]
+    expected = torch.einsum("bctgn,bcsgn->bcgts", *(t.view(1, 3, chunk, groups, 32) for t in padded))
+    full = unpacked_cb(CB, chunk)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=CB.device).tril()
+    assert_close(full[..., lower], expected[..., lower], tolerance(torch.float32), "CB")
+    squares = torch.arange(chunk, device=CB.device) // side
+    assert full[..., squares[None, :] > squares[:, None]].isnan().all()
+    assert not full[..., squares[None, :] <= squares[:, None]].isnan().any()
 
 
 def test_three_references_agree():
