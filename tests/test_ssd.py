@@ -13,6 +13,8 @@ import triton.language as tl
 import triton.runtime.interpreter
 
 from mamba_annotated.runtime import DEVICE, INTERPRETED, size
+from mamba_annotated.ssd import chunk_scan as scan_module, chunk_scan_bwd as backward_module
+from mamba_annotated.ssd import chunk_state as state_module
 from mamba_annotated.ssd import ssd_chunk_scan
 from mamba_annotated.ssd.api import ssd_chunk_scan_op
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum
@@ -182,6 +184,32 @@ def test_gradients_whatever_the_tuner_tried_first(monkeypatch, D_shape):
     inputs = make_inputs(batch=1, length=64 + 37, heads=2, groups=1, D_shape=D_shape, seq_idx=True)
     kw = dict(dt_softplus=True)
     check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=64, **kw),
+                        lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
+
+
+# (BLOCK_M, BLOCK_K) of the chunk scan, dx and dB/dC kernels: configurations of their GPU lists
+GPU_BLOCKS = [((64, 32), (64, 32), (64, 64)), ((32, 32), (32, 32), (32, 64))]
+
+
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("blocks", GPU_BLOCKS)
+def test_gpu_block_sizes_at_chunks_of_several_squares(monkeypatch, chunk, blocks):
+    """The interpreter's 16-wide blocks read CB tiles unlike the GPU's. Here the kernels run with
+    GPU block sizes: chunk_cb's 64, dCB's 64 rows, the checked passes' GPU blocks, and one
+    configuration of each of the chunk scan's, dx's and dB/dC's lists. At chunks of two and four of
+    CB's squares, every tile's place in the stored squares (chunk_state.cb_offsets) is computed as
+    on a GPU, forward and backward, with packed sequences."""
+    for module in (state_module, scan_module, backward_module):
+        monkeypatch.setattr(module, "INTERPRETED", False)
+    monkeypatch.setattr(backward_module, "DCB_ROWS", 64)
+    for kernel, (block_m, block_k) in zip((chunk_scan_kernel, chunk_scan_bwd_dx_kernel, chunk_scan_bwd_dbc_kernel),
+                                          blocks):
+        meta = dict(kernel.configs[0].kwargs, BLOCK_M=block_m, BLOCK_K=block_k)
+        monkeypatch.setattr(kernel, "configs", [triton.Config(meta, num_warps=4, num_stages=2)])
+        monkeypatch.setattr(kernel, "cache", {})
+    inputs = make_inputs(batch=1, length=chunk + 37, heads=2, groups=1, seq_idx=True)
+    kw = dict(dt_softplus=True)
+    check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=chunk, **kw),
                         lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
 
 

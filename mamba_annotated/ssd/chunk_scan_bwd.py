@@ -72,7 +72,7 @@ from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, rounded_product
 from .chunk_scan import flagged_row_blocks, is_flagged
-from .chunk_state import cb_chunk, cb_offsets, check_row_blocks
+from .chunk_state import SCAN_ROWS, cb_chunk, cb_offsets, check_row_blocks, check_square_blocks
 from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
@@ -266,6 +266,8 @@ def chunk_scan_bwd_dx_checked_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cu
 
 
 DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at the chunk), fixed at launch
+if SCAN_ROWS % DCB_ROWS:  # its (t, s) tiles of CB and dCB must each lie in one of CB's squares
+    raise AssertionError(f"the dCB kernel's row block ({DCB_ROWS}) must divide SCAN_ROWS = {SCAN_ROWS}")
 
 
 @lean_launch
@@ -356,6 +358,7 @@ DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
                config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
                config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=2)]
 DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
+check_square_blocks(DBC_CONFIGS + [DBC_CPU_CONFIG], "chunk_scan_bwd_dbc")  # (32, 64) is fine: one square
 
 
 @triton.jit

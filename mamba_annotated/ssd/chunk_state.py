@@ -45,7 +45,8 @@ from .tuning import autotune, config
 
 
 # the side of CB's squares, and the tallest row block of the kernels that read CB tiles whole
-# (chunk scan, dx, dCB, dB/dC): a tile of theirs stays in one square
+# (chunk scan, dx, dCB, dB/dC): their blocks divide it (check_square_blocks), so a tile of theirs
+# stays in one square
 SCAN_ROWS = 64
 CB_SQUARE = tl.constexpr(SCAN_ROWS)
 
@@ -185,12 +186,19 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
              mask=(p[:, None] < headdim) & (n[None, :] < dstate))
 
 
+def check_square_blocks(configs, kernel):
+    """Every row block and step (BLOCK_M, BLOCK_K) of ``kernel`` divides SCAN_ROWS, so each tile it
+    reads of CB (or dCB) lies in one of the squares they are stored in: a wider tile would read
+    part of another square, or of another chunk, as if it were its own."""
+    if any(SCAN_ROWS % c.kwargs[block] for c in configs for block in ("BLOCK_M", "BLOCK_K")):
+        raise AssertionError(f"{kernel}: row blocks and steps must divide SCAN_ROWS = {SCAN_ROWS}")
+
+
 def check_row_blocks(configs, kernel):
-    """Every row block (BLOCK_M) of ``kernel`` divides SCAN_ROWS, so it reads only CB that is stored,
-    and every step (BLOCK_K) of its loop over the diagonal block divides BLOCK_M, so a loop that
-    starts at a row block's edge ends at the chunk's (a wider step would read the next chunk's CB)."""
-    if any(SCAN_ROWS % c.kwargs["BLOCK_M"] for c in configs):
-        raise AssertionError(f"{kernel}: row blocks must divide SCAN_ROWS = {SCAN_ROWS}")
+    """:func:`check_square_blocks`, and every step (BLOCK_K) of ``kernel``'s loop over the diagonal
+    block divides its row block (BLOCK_M), so a loop that starts at a row block's edge ends at the
+    chunk's."""
+    check_square_blocks(configs, kernel)
     if any(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] for c in configs):
         raise AssertionError(f"{kernel}: steps (BLOCK_K) must divide the row block (BLOCK_M)")
 
