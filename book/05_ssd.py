@@ -55,7 +55,8 @@ from mamba_annotated.ssd.chunk_cumsum import (add_or_restart, chunk_cumsum, chun
                                               dt_backward_kernel, log_decay_step_gradient, spanned_tiles)
 from mamba_annotated.ssd.chunk_scan import chunk_scan, chunk_scan_checked_kernel, output_rows, write_tile
 from mamba_annotated.ssd.chunk_scan_bwd import chunk_scan_bwd_dcb_kernel, dbc_tile
-from mamba_annotated.ssd.chunk_state import chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel
+from mamba_annotated.ssd.chunk_state import (cb_offsets, chunk_cb, chunk_cb_kernel, chunk_state, chunk_state_kernel,
+                                              unpacked_cb)
 from mamba_annotated.ssd.forward import ssd_forward
 from mamba_annotated.ssd.log_decays import natural_sums
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_matrix, ssd_quadratic_ref,
@@ -247,7 +248,10 @@ for name, sums in (("float32 sums", sums32.double()), ("float64 sums", sums64)):
 # %% [markdown]
 # ### 2. $C \cdot B$ inside each chunk, once per group
 #
-# The heads of a group share $B$ and $C$, so $CB_{ts} = C_t \cdot B_s$ is computed once per group, a $Q \times Q$ block per chunk. Not all of the block is written. Cut it into squares of 64 rows and columns (`SCAN_ROWS`): `chunk_cb` writes the squares on the diagonal whole, entries above the diagonal included, and every square left of them; it skips the squares right of the diagonal. The kernels that read $CB$ (the outputs' kernel and the backward pass's $dx$ and $dCB$ kernels) work in row blocks of at most 64 rows, so they never read further right. They do read the diagonal squares whole: a select after the products discards the entries above the diagonal ("5. The outputs" below), so their values never matter, but they are written, so that no kernel reads memory nobody wrote (which compute-sanitizer's initcheck would report). The figure after the check shows the pattern at $Q = 256$.
+# The heads of a group share $B$ and $C$, so $CB_{ts} = C_t \cdot B_s$ is computed once per group, a $Q \times Q$ block per chunk. Not all of the block is needed. Cut it into squares of 64 rows and columns (`SCAN_ROWS`; one square when $Q$ is smaller). The kernels that read $CB$ (the outputs' kernel and the backward pass's $dx$, $dCB$ and $dB$/$dC$ kernels) work in row blocks of at most 64 rows, and a row never reads right of its diagonal square. So `chunk_cb` computes and stores the squares on the diagonal and every square left of them, and nothing else. The squares of a chunk lie one after another, a row of squares at a time, each square row by row, so square $(i, j)$ with $j \le i$ starts after the $i(i+1)/2$ squares of the rows above it and the $j$ squares left of it (`cb_offsets`, below). A tile of a reading kernel stays inside one square, so it is still a block of rows of contiguous floats. At $Q = 256$ that is 10 of the 16 squares: 40,960 floats per chunk and group instead of 65,536, which is 24 MiB less at the benchmark's second shape, (1, 65536, 32, 64, 128). The diagonal squares are stored whole. A select after the products discards their entries above the diagonal ("5. The outputs" below), so those values never matter, but they are written, so that no kernel reads memory nobody wrote (which compute-sanitizer's initcheck would report). The figure after the check shows the pattern at $Q = 256$.
+
+# %%
+show_source(cb_offsets)
 
 # %%
 show_source(chunk_cb_kernel)
@@ -255,34 +259,37 @@ show_source(chunk_cb_kernel)
 # %%
 CB = chunk_cb(inputs["C"], inputs["B"], chunk)
 lower = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
-check("chunk_cb (lower triangle)", CB[..., lower], steps["CB"][..., lower], tolerance(torch.float32))
+check("chunk_cb (lower triangle)", unpacked_cb(CB, chunk)[..., lower], steps["CB"][..., lower], tolerance(torch.float32))
 
 # %% [markdown]
-# Which entries `chunk_cb` writes, for one chunk of the benchmarks' size, $Q = 256$. Under `poisoned_outputs()` every output starts as NaN, so an entry that is still NaN afterwards was never written:
+# What `chunk_cb` stores, for one chunk of the benchmarks' size, $Q = 256$, laid out as a $Q \times Q$ matrix again by `unpacked_cb`, which fills the squares that are not stored with NaN. Under `poisoned_outputs()` every output starts as NaN too, so the print's count of NaN in the stored floats is the count of floats that were never written:
 
 # %%
 wide = make_inputs(batch=1, length=256, heads=1, groups=1)
 with poisoned_outputs():
-    CB_wide = chunk_cb(wide["C"], wide["B"], 256)[0, 0, 0].cpu()
+    CB_stored = chunk_cb(wide["C"], wide["B"], 256)
+print(f"stored: {CB_stored.shape[-1]} floats per chunk and group (of {256 * 256}); "
+      f"never written: {int(CB_stored.isnan().sum())}")
+CB_wide = unpacked_cb(CB_stored, 256)[0, 0, 0].cpu()
 below = torch.ones(256, 256, dtype=torch.bool).tril()
-written = ~torch.isnan(CB_wide)
-kind = written.long() + (written & below).long()  # 0 never written, 1 written above the diagonal, 2 used
+stored = ~torch.isnan(CB_wide)
+kind = stored.long() + (stored & below).long()  # 0 not stored, 1 stored above the diagonal, 2 used
 fig, ax = plt.subplots(figsize=(4.2, 3.8))
 shades = [(0.87, 0.87, 0.87, 1.0), (*plt.matplotlib.colors.to_rgb(COLORS["y"]), 0.35), COLORS["y"]]
 ax.imshow(kind, cmap=plt.matplotlib.colors.ListedColormap(shades), vmin=0, vmax=2)
 for k in range(64, 256, 64):
     ax.axhline(k - 0.5, color="white", lw=1)
     ax.axvline(k - 0.5, color="white", lw=1)
-labels = ("on or below the diagonal: used", "above it: written, weight 0", "not written")
+labels = ("on or below the diagonal: used", "above it: stored, weight 0", "not stored")
 ax.legend(handles=[plt.matplotlib.patches.Patch(color=c, label=label) for c, label in zip(shades[::-1], labels)],
           loc="upper right", fontsize="x-small")
 ax.set(title="CB of one chunk (Q = 256) after chunk_cb", xlabel="s", ylabel="t")
 plt.tight_layout()
 plt.show()
-print(f"written above the diagonal: {int((written & ~below).sum())} entries; never written: {int((~written).sum())}")
+print(f"stored above the diagonal: {int((stored & ~below).sum())} entries; not stored: {int((~stored).sum())}")
 
 # %% [markdown]
-# Of the sixteen $64 \times 64$ squares, the four on the diagonal and the six left of them are written; the six right of the diagonal (24576 entries) are not. The light triangles, $4 \cdot 64 \cdot 63 / 2 = 8064$ entries above the diagonal, are computed and read, and always meet a zero weight.
+# Of the sixteen $64 \times 64$ squares, the four on the diagonal and the six left of them are stored; the six right of the diagonal (24576 entries) are not. The light triangles, $4 \cdot 64 \cdot 63 / 2 = 8064$ entries above the diagonal, are computed, stored and read, and always meet a zero weight.
 
 # %% [markdown]
 # ### 3. The chunk states
@@ -731,7 +738,7 @@ else:
           f"(measured matmul rate {matmul_tflops():.0f} TFLOP/s)")
 
 # %% [markdown]
-# In the stored benchmark (H200, bfloat16, the host to itself) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.09× to 1.65×, the least at the first shape's forward pass), with less peak memory forward at the first shape (272 against 276 MiB) and 2 % more at the second (474 against 465 MiB), 12–17 % less forward + backward, and its floor is 13–16 % of its measured time (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound). mamba_ssm's kernels are tuned by Triton's autotuner, whose picks change from one tuning to the next, and with them its time: in that run its forward + backward at the first shape took 5.34, 4.28 and 5.29 ms after three tunings. The benchmark tunes the peer three times for each pass and its rows show the fastest time the peer was seen to take (`peer_tunings` in the JSON lists them all). Three tunings did not meet its fastest configurations in that run: earlier runs saw the same call take 3.08 ms (a probe that retuned it four times) and 3.24 ms (the previous stored run), against which ours would be 1.19× and 1.25×. So the first shape's forward + backward ratio is best read as 1.2× to 1.65×, its forward ratio as 1.09×. That run times the present kernels, and this page's own timings at the first shape agree with it to within 3 %: the forward pass takes 0.639 ms at $Q = 256$ in the table above (stored: 0.630), `chunk_scan` 0.424 ms (stored: 0.416), and the backward pass 2.02 ms (stored: 1.97). Set against the stored mamba_ssm times, 0.689 and 4.28 ms, they give 1.08× forward and 1.61× forward + backward, close to the stored run's 1.09× and 1.65×; times from different runs compare only roughly, so the stored run, which times both in one process, is the number to quote (with the range above for the first shape's forward + backward). In the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time. The forward pass keeps the final states only when they are asked for (`return_final_states`); mamba_ssm computes them at every call, 10 MiB at the first shape. What is alive at the forward's peak, while `chunk_scan` writes its output, is otherwise the same in both, tensor for tensor (the output, the states entering each chunk, $CB$, the sums themselves: our high plane, mamba_ssm's one plane, the steps), plus two of this chapter's own choices: the low plane of the sums (5 MiB at the first shape, 8 MiB at the second), which keeps every weight to float32 rounding, and the one flag byte per row of the non-finite check (1.25 and 2 MiB). At the second shape, where the final states weigh 1 MiB, those two put ours 9 MiB over mamba_ssm's. `benchmarks/ssd_memory_ledger.py` lists those tensors for both passes on a CPU, with the launches stubbed, and its peaks (272.25 and 474 MiB ours, 276 and 465 MiB mamba_ssm's) match the stored GPU run's.
+# In the stored benchmark (H200, bfloat16, the host to itself) ours is faster than mamba_ssm at both shapes, forward and forward + backward (the `speedup` column, 1.09× to 1.65×, the least at the first shape's forward pass), with less peak memory forward at the first shape (272 against 276 MiB) and 2 % more at the second (474 against 465 MiB), 12–17 % less forward + backward, and its floor is 13–16 % of its measured time (the `pct_floor` column: the time its FLOPs would take at the measured matmul rate, or its bytes at the measured copy bandwidth if that is longer; see {term}`memory floor`, a measured reference, not a hard bound). mamba_ssm's kernels are tuned by Triton's autotuner, whose picks change from one tuning to the next, and with them its time: in that run its forward + backward at the first shape took 5.34, 4.28 and 5.29 ms after three tunings. The benchmark tunes the peer three times for each pass and its rows show the fastest time the peer was seen to take (`peer_tunings` in the JSON lists them all). Three tunings did not meet its fastest configurations in that run: earlier runs saw the same call take 3.08 ms (a probe that retuned it four times) and 3.24 ms (the previous stored run), against which ours would be 1.19× and 1.25×. So the first shape's forward + backward ratio is best read as 1.2× to 1.65×, its forward ratio as 1.09×. That run times the present kernels, and this page's own timings at the first shape agree with it to within 3 %: the forward pass takes 0.639 ms at $Q = 256$ in the table above (stored: 0.630), `chunk_scan` 0.424 ms (stored: 0.416), and the backward pass 2.02 ms (stored: 1.97). Set against the stored mamba_ssm times, 0.689 and 4.28 ms, they give 1.08× forward and 1.61× forward + backward, close to the stored run's 1.09× and 1.65×; times from different runs compare only roughly, so the stored run, which times both in one process, is the number to quote (with the range above for the first shape's forward + backward). In the stage tables `chunk_scan` and the backward's $dx$ and $dB\,dC$ kernels take most of the time. The forward pass keeps the final states only when they are asked for (`return_final_states`); mamba_ssm computes them at every call, 10 MiB at the first shape. What is alive at the forward's peak, while `chunk_scan` writes its output, is otherwise the same in both, tensor for tensor (the output, the states entering each chunk, the sums themselves: our high plane, mamba_ssm's one plane, the steps), except $CB$, plus two of this chapter's own choices. mamba_ssm keeps $CB$ as whole $Q \times Q$ blocks; ours keeps only the squares its kernels read (section 2), 10 of 16 at $Q = 256$: 10 against 16 MiB at the first shape, 40 against 64 MiB at the second. The two choices are the low plane of the sums (5 MiB at the first shape, 8 MiB at the second), which keeps every weight to float32 rounding, and the one flag byte per row of the non-finite check (1.25 and 2 MiB). `benchmarks/ssd_memory_ledger.py` lists those tensors for both passes on a CPU, with the launches stubbed. Its peaks for ours are 266.25 and 450 MiB, against mamba_ssm's 276 and 465 MiB in the stored GPU run. The stored run's own peaks for ours, 272.25 and 474 MiB, are those of the ledger before $CB$ kept only its squares: that run is older than the change.
 
 # %% [markdown]
 # ## What we have, and what comes next

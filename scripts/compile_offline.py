@@ -265,6 +265,7 @@ def backward_cases():
     launch them (tuned kernels at their first configuration), with and without seq_idx."""
     from mamba_annotated.bidirectional import chunk_scan_bwd as bidirectional
     from mamba_annotated.ssd import chunk_scan_bwd as ssd
+    from mamba_annotated.ssd.chunk_state import cb_length
 
     batch, length, heads, headdim, dstate, chunk = 2, 1024, 8, 64, 128, 256
     n_chunks = length // chunk
@@ -272,6 +273,7 @@ def backward_cases():
     B = torch.empty(batch, length, 1, dstate, dtype=torch.bfloat16)
     dS = torch.empty(batch, n_chunks, heads, headdim, dstate, dtype=torch.bfloat16)
     scores, diagonal = torch.empty(batch, n_chunks, 1, chunk, chunk), torch.empty(batch, n_chunks, 1, chunk)
+    CB = torch.empty(batch, n_chunks, 1, cb_length(chunk))  # chapter 5's squares; chapter 6's scores are whole
     sums, steps = torch.empty(batch, heads, n_chunks, 2, chunk), torch.empty(batch, heads, n_chunks, chunk)
     A, D = torch.empty(heads), torch.empty(heads)
     dx_kernels = ("chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dx_checked_kernel")
@@ -279,7 +281,7 @@ def backward_cases():
         seq_idx = torch.zeros(batch, length, dtype=torch.int32) if packed else None
         tag = "seq_idx" if packed else "plain"
         for chapter, module, dx_inputs, dbc_inputs, dbc_kernels in (
-                ("ssd", ssd, (scores, x, x, B, dS, sums, steps), (x, x, B, B, scores, dS, dS, sums, steps),
+                ("ssd", ssd, (CB, x, x, B, dS, sums, steps), (x, x, B, B, CB, dS, dS, sums, steps),
                  ("chunk_scan_bwd_dcb_kernel", "chunk_scan_bwd_dbc_kernel", "chunk_scan_bwd_dbc_checked_kernel")),
                 ("bidirectional", bidirectional, (scores, diagonal, x, x, B, B, dS, dS, steps, steps, steps, steps, A),
                  (x, x, B, B, B, B, scores, dS, dS, dS, dS, steps, steps, steps, steps, A),

@@ -13,20 +13,22 @@ import triton.language as tl
 import triton.runtime.interpreter
 
 from mamba_annotated.runtime import DEVICE, INTERPRETED, size
+from mamba_annotated.ssd import chunk_scan as scan_module, chunk_scan_bwd as backward_module
+from mamba_annotated.ssd import chunk_state as state_module
 from mamba_annotated.ssd import ssd_chunk_scan
 from mamba_annotated.ssd.api import ssd_chunk_scan_op
 from mamba_annotated.ssd.chunk_cumsum import chunk_cumsum
 from mamba_annotated.ssd.chunk_scan import chunk_scan_kernel
 from mamba_annotated.ssd.chunk_scan_bwd import (chunk_scan_bwd_dbc_kernel, chunk_scan_bwd_dcb_kernel,
                                                 chunk_scan_bwd_dx_kernel)
-from mamba_annotated.ssd.chunk_state import chunk_state_kernel
+from mamba_annotated.ssd.chunk_state import SCAN_ROWS, cb_length, chunk_cb, chunk_state_kernel, unpacked_cb
 from mamba_annotated.ssd.log_decays import decay, decay_between, load_sums, natural_sums
 from mamba_annotated.triton_ops import LN2
 from mamba_annotated.ssd.reference import (process_dt, ssd_chunked_ref, ssd_quadratic_ref, ssd_recurrent_ref,
                                            ssd_varlen_states_ref)
 from mamba_annotated.testing import (FLOAT_DTYPES, assert_close, assert_gradients_close,
                                      assert_refused_on_the_device, assert_within_same_computation, every_other,
-                                     gradients, randn, tolerance, uniform)
+                                     gradients, poisoned_outputs, randn, tolerance, uniform)
 
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="large sizes need compiled kernels")
 ALL_GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -69,6 +71,30 @@ def check_all_gradients(fn, ref_fn, inputs, dtype, skip=()):
         if name not in skip:
             assert err < grad_tol(name, dtype), f"grad {name}: relative error {err:.3e}"
     return errors
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+def test_chunk_cb_stores_the_squares_on_and_below_the_diagonal(chunk):
+    """CB keeps only what its readers read: the squares (of SCAN_ROWS, or one of the whole chunk)
+    on the diagonal and left of it, cb_length floats per chunk and group, every float written
+    (outputs start as NaN here), C_t . B_s on and below the diagonal; laid out as matrices again,
+    the squares right of the diagonal are the fill (nothing there is stored)."""
+    length, groups = 2 * chunk + 5, 2
+    C, B = randn(1, length, groups, 32), randn(1, length, groups, 32)
+    with poisoned_outputs():
+        CB = chunk_cb(C, B, chunk)
+    side = min(SCAN_ROWS, chunk)
+    assert CB.shape == (1, 3, groups, cb_length(chunk))
+    assert cb_length(chunk) == (chunk // side) * (chunk // side + 1) // 2 * side * side
+    assert not CB.isnan().any()
+    padded = [F.pad(t.double(), (0, 0, 0, 0, 0, 3 * chunk - length)) for t in (C, B)]
+    expected = torch.einsum("bctgn,bcsgn->bcgts", *(t.view(1, 3, chunk, groups, 32) for t in padded))
+    full = unpacked_cb(CB, chunk)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=CB.device).tril()
+    assert_close(full[..., lower], expected[..., lower], tolerance(torch.float32), "CB")
+    squares = torch.arange(chunk, device=CB.device) // side
+    assert full[..., squares[None, :] > squares[:, None]].isnan().all()
+    assert not full[..., squares[None, :] <= squares[:, None]].isnan().any()
 
 
 def test_three_references_agree():
@@ -158,6 +184,32 @@ def test_gradients_whatever_the_tuner_tried_first(monkeypatch, D_shape):
     inputs = make_inputs(batch=1, length=64 + 37, heads=2, groups=1, D_shape=D_shape, seq_idx=True)
     kw = dict(dt_softplus=True)
     check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=64, **kw),
+                        lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
+
+
+# (BLOCK_M, BLOCK_K) of the chunk scan, dx and dB/dC kernels: configurations of their GPU lists
+GPU_BLOCKS = [((64, 32), (64, 32), (64, 64)), ((32, 32), (32, 32), (32, 64))]
+
+
+@pytest.mark.parametrize("chunk", [128, 256])
+@pytest.mark.parametrize("blocks", GPU_BLOCKS)
+def test_gpu_block_sizes_at_chunks_of_several_squares(monkeypatch, chunk, blocks):
+    """The interpreter's 16-wide blocks read CB tiles unlike the GPU's. Here the kernels run with
+    GPU block sizes: chunk_cb's 64, dCB's 64 rows, the checked passes' GPU blocks, and one
+    configuration of each of the chunk scan's, dx's and dB/dC's lists. At chunks of two and four of
+    CB's squares, every tile's place in the stored squares (chunk_state.cb_offsets) is computed as
+    on a GPU, forward and backward, with packed sequences."""
+    for module in (state_module, scan_module, backward_module):
+        monkeypatch.setattr(module, "INTERPRETED", False)
+    monkeypatch.setattr(backward_module, "DCB_ROWS", 64)
+    for kernel, (block_m, block_k) in zip((chunk_scan_kernel, chunk_scan_bwd_dx_kernel, chunk_scan_bwd_dbc_kernel),
+                                          blocks):
+        meta = dict(kernel.configs[0].kwargs, BLOCK_M=block_m, BLOCK_K=block_k)
+        monkeypatch.setattr(kernel, "configs", [triton.Config(meta, num_warps=4, num_stages=2)])
+        monkeypatch.setattr(kernel, "cache", {})
+    inputs = make_inputs(batch=1, length=chunk + 37, heads=2, groups=1, seq_idx=True)
+    kw = dict(dt_softplus=True)
+    check_all_gradients(lambda **a: ssd_chunk_scan(**a, chunk_size=chunk, **kw),
                         lambda **a: ssd_quadratic_ref(**a, **kw), inputs, torch.float32)
 
 

@@ -12,7 +12,7 @@ the kernels that read it mask weights, not scores.
 Parallelism: one program per (batch, chunk, group) x (row tile, column tile). Shapes: C, B, C', B'
 (batch, L, groups, dstate), any strides; G (batch, chunks, groups, Q, Q) float32; Gd (batch,
 chunks, groups, Q) float32. Bytes moved: B and C once per tile pair (mostly from L2); writes Q*Q
-float32 per chunk and group, as chapter 5's chunk_cb, which writes only the lower half.
+float32 per chunk and group (chapter 5's chunk_cb stores only the squares on and below the diagonal).
 """
 import torch
 import triton

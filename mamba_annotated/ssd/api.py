@@ -8,6 +8,7 @@ from ..library import absent, contiguous, define_op, last_dim_contiguous, traced
 from ..validation import check_same, check_same_device, check_tensor, refuse_unless
 from ..triton_ops import cdiv
 from .backward import ssd_backward
+from .chunk_state import cb_length
 from .forward import Saved, ssd_forward
 from .gate import gate_backward
 
@@ -126,7 +127,7 @@ def forward_outputs(x, B, chunk_size, z, cu_seqlens, state_dtype, return_final_s
             make((cu_seqlens.shape[0] - 1, heads, headdim, dstate), stored) if cu_seqlens is not None else absent(x),
             make((batch, heads, n_chunks, 2, chunk_size), torch.float32),  # the sums' planes (.log_decays)
             make(chunk_shape, torch.float32),                               # the steps
-            make((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32),
+            make((batch, n_chunks, groups, cb_length(chunk_size)), torch.float32),        # CB (.chunk_state)
             make((batch, n_chunks, heads, headdim, dstate), stored))
 
 

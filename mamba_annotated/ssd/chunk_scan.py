@@ -19,7 +19,8 @@ for 16-bit inputs; float32 inputs multiply as torch.get_float32_matmul_precision
 by default; :func:`..triton_ops.dot_precision`).
 
 Shapes: x, z (batch, L, heads, headdim), any strides; out, y the same, contiguous; C (batch, L,
-groups, dstate), any strides; CB (batch, chunks, groups, Q, Q) float32; H_in (batch, chunks, heads,
+groups, dstate), any strides; CB (batch, chunks, groups, cb_length(Q)) float32, its squares on and
+below the diagonal (:mod:`.chunk_state`); H_in (batch, chunks, heads,
 headdim, dstate) in the state dtype; dA_cumsum (batch, heads, chunks, 2, Q) float32, the planes of
 :mod:`.log_decays`; dt_out (batch, heads, chunks, Q) float32.
 
@@ -34,15 +35,15 @@ from .. import outputs
 from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, sigmoid
-from .chunk_state import check_row_blocks
+from .chunk_state import cb_chunk, cb_offsets, check_row_blocks
 from .log_decays import load_sums
 from .tuning import autotune, config
 
 
 # Steps of the diagonal loop smaller than BLOCK_M come first: the tuner picks steps of 32 with 3
 # stages on an H200 (bfloat16, chunk 256, headdim 64, dstate 128); chapter 5's performance notes
-# give the measurements. Row blocks of 128 are not offered: they would read CB tiles that
-# chunk_cb does not write.
+# give the measurements. Row blocks of 128 are not offered: their CB tiles would span two of
+# the squares CB is stored in (.chunk_state).
 CONFIGS = [config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=3),
            config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=32, num_stages=4),
            config(BLOCK_M=64, BLOCK_P=64, BLOCK_N=64, BLOCK_K=64),
@@ -95,17 +96,18 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     # past the end are never stored. The select alone zeroes the weights above the diagonal, and
     # it comes after the products, so whatever the decay or CB is there (an overflowed exp2, a NaN
     # of a later position) never reaches row t. Those CB entries are still read, so they are
-    # written: chunk_cb writes all of each diagonal block of SCAN_ROWS rows, and BLOCK_M divides
+    # stored: chunk_cb stores each diagonal square of SCAN_ROWS rows whole, and BLOCK_M divides
     # SCAN_ROWS. The select cannot do the same for x, which enters through the product: a NaN in
     # x at a later step (or, with seq_idx, in another sequence) would give 0 x NaN in row t, so
     # in the checked pass (see chunk_scan_kernel) the blocks that hide some x from some row drop
     # non-finite x (drop_hidden_nonfinite) and the rows that do see one become NaN at the end.
     hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
-    CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    CB_base = cb_chunk(CB_ptr, (b * n_chunks + c) * groups + g, CHUNK)
     for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         s = c * CHUNK + k
-        CB = tl.load(CB_base + m[:, None] * CHUNK + k[None, :])
+        CB = tl.load(CB_base + cb_offsets(pid_m * BLOCK_M, k0, tl.arange(0, BLOCK_M)[:, None],
+                                          tl.arange(0, BLOCK_K)[None, :], CHUNK))
         hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
         keep = m[:, None] >= k[None, :]

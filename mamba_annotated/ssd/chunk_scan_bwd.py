@@ -52,11 +52,11 @@ choice is cached per process).
 
 Shapes as the forward kernels. Inputs x, dy, B, C are addressed by their own strides (they may be
 views); dx, dB, dC are allocated contiguous and addressed by theirs. Outputs: dx (x's dtype), d dt
-direct (batch, heads, chunks, Q) float32, dCB (batch, chunks, groups, Q, Q) float32 (tiles on or
-below the diagonal), dB, dC (B's shape and dtype), and the slots of the step gradients. H and dS (batch, chunks,
+direct (batch, heads, chunks, Q) float32, dCB laid out as CB (:mod:`.chunk_state`: the squares on
+and below the diagonal), dB, dC (B's shape and dtype), and the slots of the step gradients. H and dS (batch, chunks,
 heads, headdim, dstate) come in the inputs' dtype (or the state dtype): the matmuls round them to it.
 Bytes moved: dx reads x, dy, B, CB and dS; dCB reads x and dy once per tile (about (Q/BLOCK + 1)/2
-times, mostly from L2) and writes Q*Q float32 per chunk and group; dBC reads x, dy, H and dS once
+times, mostly from L2) and writes cb_length(Q) float32 per chunk and group; dBC reads x, dy, H and dS once
 per dstate block, dCB, B and C, and writes dB, dC. The slots of the step gradients are
 (Q / 64 + 2 dstate / 64) float32 values per (position, head) at chunk 256 on a GPU, a fraction of
 x's size.
@@ -72,7 +72,7 @@ from ..launch import lean_launch
 from ..runtime import INTERPRETED
 from ..triton_ops import block_size, cdiv, dot_precision, drop_hidden_nonfinite, is_nonfinite, mm, rounded_product
 from .chunk_scan import flagged_row_blocks, is_flagged
-from .chunk_state import check_row_blocks
+from .chunk_state import SCAN_ROWS, cb_chunk, cb_offsets, check_row_blocks, check_square_blocks
 from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
@@ -160,11 +160,12 @@ def dx_tile(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, 
     # (another sequence's, or an earlier step's) would give row s 0 x NaN: the checked pass drops
     # them (drop_hidden_nonfinite) and makes NaN the rows that do see one.
     hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
-    CB_base = CB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    CB_base = cb_chunk(CB_ptr, (b * n_chunks + c) * groups + g, CHUNK)
     for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
-        CBT = tl.load(CB_base + k[None, :] * CHUNK + m[:, None])            # CB[t, s], (s, t) tile
+        CBT = tl.load(CB_base + cb_offsets(k0, pid_m * BLOCK_M, tl.arange(0, BLOCK_K)[None, :],  # CB[t, s], (s, t) tile
+                                           tl.arange(0, BLOCK_M)[:, None], CHUNK))
         hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         keep = k[None, :] >= m[:, None]
         if HAS_SEQ_IDX:
@@ -265,6 +266,8 @@ def chunk_scan_bwd_dx_checked_kernel(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cu
 
 
 DCB_ROWS = 16 if INTERPRETED else 64  # the dCB kernel's row block (capped at the chunk), fixed at launch
+if SCAN_ROWS % DCB_ROWS:  # its (t, s) tiles of CB and dCB must each lie in one of CB's squares
+    raise AssertionError(f"the dCB kernel's row block ({DCB_ROWS}) must divide SCAN_ROWS = {SCAN_ROWS}")
 
 
 @lean_launch
@@ -307,8 +310,10 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-1)
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
         keep &= seq_t[:, None] == seq_s[None, :]
-    cb_tile = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK + mt[:, None] * CHUNK + ms[None, :]
-    CB = tl.where(keep, tl.load(CB_ptr + cb_tile), 0.0)
+    cb_tile = cb_offsets(pid_t * BLOCK_M, pid_s * BLOCK_M, tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_M)[None, :],
+                         CHUNK)
+    chunk_cb_index = (b * n_chunks + c) * groups + g
+    CB = tl.where(keep, tl.load(cb_chunk(CB_ptr, chunk_cb_index, CHUNK) + cb_tile), 0.0)
     off_diagonal = (mt * 0 + pid_t) > pid_s
     dCB = tl.zeros([BLOCK_M, BLOCK_M], dtype=tl.float32)
     for i in tl.range(0, heads_per_group, num_stages=HEAD_STAGES):
@@ -344,7 +349,7 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         # and for k in the row block of a tile left of the diagonal (s < k holds for all its columns)
         from_row = tl.cumsum(tl.sum(W, axis=1), axis=0, reverse=True)
         tl.store(slots + pid_s * CHUNK + mt, from_row, mask=off_diagonal)
-    tl.store(dCB_ptr + cb_tile, dCB)
+    tl.store(cb_chunk(dCB_ptr, chunk_cb_index, CHUNK) + cb_tile, dCB)
 
 
 DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
@@ -353,6 +358,7 @@ DBC_CONFIGS = [config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=64, num_stages=2),
                config(BLOCK_M=32, BLOCK_K=64, BLOCK_N=64),
                config(BLOCK_M=64, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=2)]
 DBC_CPU_CONFIG = config(BLOCK_M=16, BLOCK_K=16, BLOCK_N=16)
+check_square_blocks(DBC_CONFIGS + [DBC_CPU_CONFIG], "chunk_scan_bwd_dbc")  # (32, 64) is fine: one square
 
 
 @triton.jit
@@ -447,7 +453,7 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
     # B and C enter through the products, so a NaN in a B_s or C_t that row r does not read (a later
     # step, another sequence) would reach it as 0 x NaN: the checked launch drops those values and
     # makes NaN the rows that do read one (chapter 5's forward chunk scan does the same for x)
-    cb_base = dCB_ptr + ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
+    cb_base = cb_chunk(dCB_ptr, (b * n_chunks + c) * groups + g, CHUNK)
     hidden_C = tl.zeros([BLOCK_M], dtype=tl.int32)
     hidden_B = tl.zeros([BLOCK_M], dtype=tl.int32)
     for k0 in range(0, CHUNK, BLOCK_K):
@@ -460,7 +466,8 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
                 seq_u = tl.load(seq_row + u.to(tl.int64) * stride_seq_l, mask=u_ok, other=-2)
                 seen &= seq_r[:, None] == seq_u[None, :]
         if k0 < (pid_m + 1) * BLOCK_M:
-            tile = tl.load(cb_base + m[:, None] * CHUNK + k[None, :])
+            tile = tl.load(cb_base + cb_offsets(pid_m * BLOCK_M, k0, tl.arange(0, BLOCK_M)[:, None],
+                                                tl.arange(0, BLOCK_K)[None, :], CHUNK))
             tile = tl.where((k[None, :] <= m[:, None]) & u_ok[None, :], tile, 0.0)
             Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)
@@ -468,7 +475,8 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
                 Bu, hidden_C = drop_hidden_nonfinite(Bu, seen & (k[None, :] <= m[:, None]), hidden_C)
             dC += mm(tile.to(Bu.dtype), Bu, PRECISION)
         if k0 + BLOCK_K > pid_m * BLOCK_M:
-            tileT = tl.load(cb_base + k[None, :] * CHUNK + m[:, None])
+            tileT = tl.load(cb_base + cb_offsets(k0, pid_m * BLOCK_M, tl.arange(0, BLOCK_K)[None, :],
+                                                 tl.arange(0, BLOCK_M)[:, None], CHUNK))
             tileT = tl.where((k[None, :] >= m[:, None]) & u_ok[None, :], tileT, 0.0)
             Cu = tl.load(c_base + u[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)

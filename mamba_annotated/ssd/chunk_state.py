@@ -20,14 +20,17 @@ Algorithm
 Shapes: u (batch, L, heads, headdim); v (batch, L, groups, dstate); dA_cumsum, dt_out (batch,
 heads, chunks, 2, Q) and (batch, heads, chunks, Q) float32 (the sums' planes, :mod:`.log_decays`,
 and the steps); out (batch, chunks, heads, headdim, dstate) float32. CB (batch, chunks,
-groups, Q, Q) float32: only the diagonal blocks of SCAN_ROWS (64) rows and what lies left of them
-are written, all that the chunk scan and the dx and dCB kernels read (their row blocks are no
-taller). The entries above the diagonal are written too, though a select after the products drops
-them, so that no kernel reads memory nobody wrote.
+groups, cb_length(Q)) float32, stored in squares of SCAN_ROWS (64) rows and columns (or one square
+of Q where Q is smaller): only the squares on the diagonal and left of it, all that the chunk scan
+and the dx, dCB and dB/dC kernels read (their row blocks are no taller), one after another, a row
+of squares at a time, each square row by row (:func:`cb_offsets`; :func:`unpacked_cb` lays them
+out as a (Q, Q) matrix again). The entries of the diagonal squares above the diagonal are written
+too, though a select after the products drops them, so that no kernel reads memory nobody wrote.
 
 Bytes moved: chunk_state reads u and v once per (head, p-block) and writes headdim*dstate float32
 per chunk and head: with Q = 256 that is 2x smaller than u. chunk_cb reads B and C once per
-(t-block, s-block) pair and writes Q*Q float32 per chunk and group.
+(t-block, s-block) pair and writes cb_length(Q) float32 per chunk and group: 10 of the 16 squares
+at Q = 256.
 """
 import torch
 import triton
@@ -41,20 +44,51 @@ from .log_decays import decay, decay_between, load_sums
 from .tuning import autotune, config
 
 
+# the side of CB's squares, and the tallest row block of the kernels that read CB tiles whole
+# (chunk scan, dx, dCB, dB/dC): their blocks divide it (check_square_blocks), so a tile of theirs
+# stays in one square
+SCAN_ROWS = 64
+CB_SQUARE = tl.constexpr(SCAN_ROWS)
+
+
+@triton.jit
+def cb_chunk(CB_ptr, index, CHUNK: tl.constexpr):
+    """The start of chunk ``index`` of CB ((batch row * chunks + chunk) * groups + group): its
+    squares on and below the diagonal, cb_length(CHUNK) floats."""
+    SQUARE: tl.constexpr = CB_SQUARE if CHUNK > CB_SQUARE else CHUNK
+    SQUARES: tl.constexpr = CHUNK // SQUARE
+    return CB_ptr + index.to(tl.int64) * (SQUARES * (SQUARES + 1) // 2 * SQUARE * SQUARE)
+
+
+@triton.jit
+def cb_offsets(row0, col0, rows, cols, CHUNK: tl.constexpr):
+    """Offsets in a chunk's CB (:func:`cb_chunk`) of CB[row0 + rows, col0 + cols], for a tile that
+    starts at (row0, col0) on or below the diagonal square and stays in one square. ``rows`` and
+    ``cols`` broadcast to the tile: ``arange[:, None]`` and ``arange[None, :]`` for CB's own
+    layout, the other way round for its transpose. Square (i, j), j <= i, comes after the i rows
+    of squares above it (i (i + 1) / 2 squares) and the j squares left of it."""
+    SQUARE: tl.constexpr = CB_SQUARE if CHUNK > CB_SQUARE else CHUNK
+    i = row0 // SQUARE
+    j = col0 // SQUARE
+    start = (i * (i + 1) // 2 + j) * (SQUARE * SQUARE) + (row0 - i * SQUARE) * SQUARE + (col0 - j * SQUARE)
+    return start + rows * SQUARE + cols
+
+
 @lean_launch
 @triton.jit
 def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
                     stride_c_b, stride_c_l, stride_c_g, stride_c_n,
                     stride_b_b, stride_b_l, stride_b_g, stride_b_n,
-                    SCAN_ROWS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     g = pid % groups
     c = (pid // groups) % n_chunks
     b = pid // (groups * n_chunks)
     pid_m, pid_k = tl.program_id(1), tl.program_id(2)
-    if pid_k * BLOCK_K >= tl.cdiv((pid_m + 1) * BLOCK_M, SCAN_ROWS) * SCAN_ROWS:
-        return  # right of the diagonal block of SCAN_ROWS rows that holds these rows: never read
+    SQUARE: tl.constexpr = CB_SQUARE if CHUNK > CB_SQUARE else CHUNK
+    if pid_k * BLOCK_K >= tl.cdiv((pid_m + 1) * BLOCK_M, SQUARE) * SQUARE:
+        return  # right of the diagonal square that holds these rows: not stored
     t = c * CHUNK + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     s = c * CHUNK + pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     c_base = C_ptr + b.to(tl.int64) * stride_c_b + g * stride_c_g
@@ -67,10 +101,9 @@ def chunk_cb_kernel(C_ptr, B_ptr, CB_ptr, length, groups, n_chunks, dstate,
         Bs = tl.load(b_base + s[None, :].to(tl.int64) * stride_b_l + n[:, None] * stride_b_n,
                      mask=(s[None, :] < length) & (n[:, None] < dstate), other=0.0)
         acc += mm(Ct, Bs, PRECISION)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    out = ((b * n_chunks + c) * groups + g).to(tl.int64) * CHUNK * CHUNK
-    tl.store(CB_ptr + out + rows[:, None] * CHUNK + cols[None, :], acc)
+    tile = cb_offsets(pid_m * BLOCK_M, pid_k * BLOCK_K, tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_K)[None, :],
+                      CHUNK)
+    tl.store(cb_chunk(CB_ptr, (b * n_chunks + c) * groups + g, CHUNK) + tile, acc)
 
 
 # First the whole dstate (up to 128) in one tile with 4 warps and steps of 32, the tuner's pick on
@@ -153,28 +186,58 @@ def chunk_state_kernel(u_ptr, v_ptr, dA_cumsum_ptr, dt_ptr, seq_idx_ptr, out_ptr
              mask=(p[:, None] < headdim) & (n[None, :] < dstate))
 
 
-SCAN_ROWS = 64  # the tallest row block of the kernels that read CB tiles whole (chunk scan, dx)
+def check_square_blocks(configs, kernel):
+    """Every row block and step (BLOCK_M, BLOCK_K) of ``kernel`` divides SCAN_ROWS, so each tile it
+    reads of CB (or dCB) lies in one of the squares they are stored in: a wider tile would read
+    part of another square, or of another chunk, as if it were its own."""
+    if any(SCAN_ROWS % c.kwargs[block] for c in configs for block in ("BLOCK_M", "BLOCK_K")):
+        raise AssertionError(f"{kernel}: row blocks and steps must divide SCAN_ROWS = {SCAN_ROWS}")
 
 
 def check_row_blocks(configs, kernel):
-    """Every row block (BLOCK_M) of ``kernel`` divides SCAN_ROWS, so it reads only CB that is written,
-    and every step (BLOCK_K) of its loop over the diagonal block divides BLOCK_M, so a loop that
-    starts at a row block's edge ends at the chunk's (a wider step would read the next chunk's CB)."""
-    if any(SCAN_ROWS % c.kwargs["BLOCK_M"] for c in configs):
-        raise AssertionError(f"{kernel}: row blocks must divide SCAN_ROWS = {SCAN_ROWS}")
+    """:func:`check_square_blocks`, and every step (BLOCK_K) of ``kernel``'s loop over the diagonal
+    block divides its row block (BLOCK_M), so a loop that starts at a row block's edge ends at the
+    chunk's."""
+    check_square_blocks(configs, kernel)
     if any(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_K"] for c in configs):
         raise AssertionError(f"{kernel}: steps (BLOCK_K) must divide the row block (BLOCK_M)")
 
 
+def cb_square(chunk_size: int) -> int:
+    """The side of CB's squares: SCAN_ROWS, or the chunk where it is smaller."""
+    return min(SCAN_ROWS, chunk_size)
+
+
+def cb_length(chunk_size: int) -> int:
+    """Floats per chunk and group in CB: the squares on and below the diagonal."""
+    squares = chunk_size // cb_square(chunk_size)
+    return squares * (squares + 1) // 2 * cb_square(chunk_size) ** 2
+
+
+def unpacked_cb(CB: torch.Tensor, chunk_size: int, fill=float("nan")) -> torch.Tensor:
+    """CB (..., cb_length(Q)) as (..., Q, Q) matrices, ``fill`` in the squares right of the
+    diagonal, which are not stored (for the chapter and the tests; the kernels read the squares)."""
+    side = cb_square(chunk_size)
+    squares = chunk_size // side
+    out = CB.new_full((*CB.shape[:-1], chunk_size, chunk_size), fill)
+    for i in range(squares):
+        for j in range(i + 1):
+            start = (i * (i + 1) // 2 + j) * side * side
+            out[..., i * side:(i + 1) * side, j * side:(j + 1) * side] = \
+                CB[..., start:start + side * side].reshape(*CB.shape[:-1], side, side)
+    return out
+
+
 def chunk_cb(C, B, chunk_size):
-    """C, B (batch, L, groups, dstate), any strides -> CB (batch, chunks, groups, Q, Q) float32."""
+    """C, B (batch, L, groups, dstate), any strides -> CB (batch, chunks, groups, cb_length(Q))
+    float32: C_t . B_s in the squares on and below each chunk's diagonal (module docstring)."""
     batch, length, groups, dstate = C.shape
     n_chunks = cdiv(length, chunk_size)
-    CB = outputs.empty((batch, n_chunks, groups, chunk_size, chunk_size), torch.float32, C.device)
+    CB = outputs.empty((batch, n_chunks, groups, cb_length(chunk_size)), torch.float32, C.device)
     block = 16 if INTERPRETED else min(64, chunk_size)
     block_n = block_size(dstate, largest=16 if INTERPRETED else 64)
     grid = (batch * n_chunks * groups, chunk_size // block, chunk_size // block)
-    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(), *B.stride(), SCAN_ROWS=SCAN_ROWS,
+    chunk_cb_kernel[grid](C, B, CB, length, groups, n_chunks, dstate, *C.stride(), *B.stride(),
                           CHUNK=chunk_size, BLOCK_M=block, BLOCK_K=block, BLOCK_N=block_n,
                           PRECISION=dot_precision(C.dtype), num_warps=4)
     return CB

@@ -21,7 +21,7 @@ class Saved:
     """What the backward pass reads from the forward pass (:mod:`.backward`)."""
     dA_cumsum: torch.Tensor        # (batch, heads, chunks, 2, Q) float32: the sums' planes (.log_decays)
     dt_out: torch.Tensor           # (batch, heads, chunks, Q) float32
-    CB: torch.Tensor               # (batch, chunks, groups, Q, Q) float32
+    CB: torch.Tensor               # (batch, chunks, groups, cb_length(Q)) float32: the squares of .chunk_state
     states_in: torch.Tensor        # (batch, chunks, heads, headdim, dstate) the state dtype: H_c
 
     def tensors(self):
