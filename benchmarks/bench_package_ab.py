@@ -55,7 +55,8 @@ CASES = {
     "selective_scan fwd+bwd gated (16, 1536, 16, 2048)": "selective_training_case()",
     # host-bound: bench_host_cost.py's cases, timed per call on the host
     **{f"host {op} {'fwd+bwd' if backward else 'fwd'}": f"host_case({op!r}, {backward})"
-       for op in ("selective_scan (1, 64, 16, 256)", "attention (1, 128, 4, 64) causal") for backward in (False, True)},
+       for op in ("linear_scan (1, 64, 4096)", "selective_scan (1, 64, 16, 256)", "attention (1, 128, 4, 64) causal")
+       for backward in (False, True)},
 }
 
 WORKER = r'''
