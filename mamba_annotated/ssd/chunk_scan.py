@@ -106,8 +106,7 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         s = c * CHUNK + k
-        CB = tl.load(CB_base + cb_offsets(pid_m * BLOCK_M, k0, tl.arange(0, BLOCK_M)[:, None],
-                                          tl.arange(0, BLOCK_K)[None, :], CHUNK))
+        CB = tl.load(CB_base + cb_offsets(m[:, None], k[None, :], pid_m * BLOCK_M, k0, CHUNK))
         hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
         keep = m[:, None] >= k[None, :]

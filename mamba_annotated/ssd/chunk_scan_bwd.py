@@ -164,8 +164,7 @@ def dx_tile(CB_ptr, x_ptr, dy_ptr, B_ptr, dS_ptr, dA_cumsum_ptr, dt_ptr, D_ptr, 
     for k0 in range(pid_m * BLOCK_M, CHUNK, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         t = c * CHUNK + k
-        CBT = tl.load(CB_base + cb_offsets(k0, pid_m * BLOCK_M, tl.arange(0, BLOCK_K)[None, :],  # CB[t, s], (s, t) tile
-                                           tl.arange(0, BLOCK_M)[:, None], CHUNK))
+        CBT = tl.load(CB_base + cb_offsets(k[None, :], m[:, None], k0, pid_m * BLOCK_M, CHUNK))  # CB[t, s], (s, t) tile
         hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
         keep = k[None, :] >= m[:, None]
         if HAS_SEQ_IDX:
@@ -310,8 +309,7 @@ def chunk_scan_bwd_dcb_kernel(x_ptr, dy_ptr, CB_ptr, dA_cumsum_ptr, dt_ptr, seq_
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=t_ok, other=-1)
         seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s_ok, other=-2)
         keep &= seq_t[:, None] == seq_s[None, :]
-    cb_tile = cb_offsets(pid_t * BLOCK_M, pid_s * BLOCK_M, tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_M)[None, :],
-                         CHUNK)
+    cb_tile = cb_offsets(mt[:, None], ms[None, :], pid_t * BLOCK_M, pid_s * BLOCK_M, CHUNK)
     chunk_cb_index = (b * n_chunks + c) * groups + g
     CB = tl.where(keep, tl.load(cb_chunk(CB_ptr, chunk_cb_index, CHUNK) + cb_tile), 0.0)
     off_diagonal = (mt * 0 + pid_t) > pid_s
@@ -466,8 +464,7 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
                 seq_u = tl.load(seq_row + u.to(tl.int64) * stride_seq_l, mask=u_ok, other=-2)
                 seen &= seq_r[:, None] == seq_u[None, :]
         if k0 < (pid_m + 1) * BLOCK_M:
-            tile = tl.load(cb_base + cb_offsets(pid_m * BLOCK_M, k0, tl.arange(0, BLOCK_M)[:, None],
-                                                tl.arange(0, BLOCK_K)[None, :], CHUNK))
+            tile = tl.load(cb_base + cb_offsets(m[:, None], k[None, :], pid_m * BLOCK_M, k0, CHUNK))
             tile = tl.where((k[None, :] <= m[:, None]) & u_ok[None, :], tile, 0.0)
             Bu = tl.load(b_base + u[:, None].to(tl.int64) * stride_b_l + n[None, :] * stride_b_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)
@@ -475,8 +472,7 @@ def dbc_tile(x_ptr, dy_ptr, B_ptr, C_ptr, H_ptr, dS_ptr, dCB_ptr, dA_cumsum_ptr,
                 Bu, hidden_C = drop_hidden_nonfinite(Bu, seen & (k[None, :] <= m[:, None]), hidden_C)
             dC += mm(tile.to(Bu.dtype), Bu, PRECISION)
         if k0 + BLOCK_K > pid_m * BLOCK_M:
-            tileT = tl.load(cb_base + cb_offsets(k0, pid_m * BLOCK_M, tl.arange(0, BLOCK_K)[None, :],
-                                                 tl.arange(0, BLOCK_M)[:, None], CHUNK))
+            tileT = tl.load(cb_base + cb_offsets(k[None, :], m[:, None], k0, pid_m * BLOCK_M, CHUNK))
             tileT = tl.where((k[None, :] >= m[:, None]) & u_ok[None, :], tileT, 0.0)
             Cu = tl.load(c_base + u[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                          mask=u_ok[:, None] & n_ok[None, :], other=0.0)
