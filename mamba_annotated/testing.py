@@ -125,11 +125,11 @@ def seed_everything(seed: int) -> None:
 
 
 def randn(*shape, dtype=torch.float32, device=DEVICE, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=device) * scale).to(dtype)
+    return (torch.randn(shape, device=device) * scale).to(dtype)  # a tuple: () gives a 0-d tensor
 
 
 def uniform(*shape, low: float, high: float, dtype=torch.float32, device=DEVICE) -> torch.Tensor:
-    return (torch.rand(*shape, device=device) * (high - low) + low).to(dtype)
+    return (torch.rand(shape, device=device) * (high - low) + low).to(dtype)
 
 
 def every_other(t: torch.Tensor, between: torch.Tensor) -> torch.Tensor:

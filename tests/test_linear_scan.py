@@ -157,6 +157,21 @@ def test_empty_inputs_give_empty_outputs_and_gradients(scan, shape):
 
 
 @pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
+@pytest.mark.parametrize("shape", [(37,), (2, 3, 37)])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_leading_dimensions_forward_and_gradients(scan, shape, reverse):
+    """One row without a leading dimension (h0 a 0-d tensor) and rows over two leading dimensions
+    reach the launchers as they are, with outputs and gradients in the inputs' shapes."""
+    a, b, h0 = random_scan_inputs(shape, torch.float32, with_h0=True)
+    inputs = dict(a=a.requires_grad_(), b=b.requires_grad_(), h0=h0.requires_grad_())
+    h = scan(a, b, h0=h0, reverse=reverse)
+    assert h.shape == a.shape and h.is_contiguous()
+    assert_close(h, linear_scan_ref(a, b, h0, reverse), tolerance(torch.float32))
+    assert_gradients_close(lambda a, b, h0: scan(a, b, h0=h0, reverse=reverse),
+                           lambda a, b, h0: linear_scan_ref(a, b, h0, reverse), inputs, tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("scan", [sequential_scan, linear_scan])
 def test_extras_are_keyword_only(scan):
     a, b, h0 = random_scan_inputs((3, 10), torch.float32, with_h0=True)
     with pytest.raises(TypeError):

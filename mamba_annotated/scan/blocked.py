@@ -314,8 +314,10 @@ def launch_plan(rows, length, element_size, adjoint, descending, block, blocks_p
 
 def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
           block=None, blocks_per_segment=None, num_warps=None):
-    """Scan rows of (a, b) into ``out`` in the given direction, in one or three phases."""
-    rows, length = a.shape
+    """Scan rows of (a, b) into ``out`` in the given direction, in one or three phases. a, b (..., L)
+    contiguous: their leading dimensions are the rows."""
+    length = a.shape[-1]
+    rows = a.numel() // length
     block, blocks_per_segment, num_segments, num_warps = launch_plan(
         rows, length, a.element_size(), adjoint, descending, block, blocks_per_segment, num_warps)
     row = min(16 // a.element_size(), block)  # descending tiles: one 16-byte vector per row
@@ -342,7 +344,8 @@ def _scan(a, b, init, out, *, adjoint, descending, h=None, h0=None, grad_a=None,
 
 
 def linear_scan_forward(a, b, h0=None, reverse=False, block=None, blocks_per_segment=None, num_warps=None):
-    """a, b: (rows, L) contiguous, same dtype, any L; h0: (rows,) or None. Returns h like a.
+    """a, b: (..., L) contiguous, same dtype, any L, the leading dimensions taken as rows; h0: (...)
+    contiguous, or None. Returns h like a.
 
     ``block``, ``blocks_per_segment`` and ``num_warps`` override the plan (tests use them to reach
     every path, the benchmark to compare launch shapes)."""
@@ -360,5 +363,5 @@ def linear_scan_backward(a, h, h0, grad_h, reverse=False, block=None, blocks_per
     grad_h0 = None
     if h0 is not None:
         first = -1 if reverse else 0  # dh0 = a_first * lam_first: the first forward step's decay
-        grad_h0 = (a[:, first].float() * grad_b[:, first].float()).to(h0.dtype)
+        grad_h0 = (a[..., first].float() * grad_b[..., first].float()).to(h0.dtype)
     return grad_a, grad_b, grad_h0

@@ -87,8 +87,10 @@ def sequential_scan_bwd_kernel(a_ptr, h_ptr, h0_ptr, grad_h_ptr, grad_a_ptr, gra
 
 
 def sequential_scan_forward(a, b, h0=None, *, reverse=False):
-    """a, b: (channels, L) contiguous, same dtype; h0: (channels,) or None. Returns h like a."""
-    channels, length = a.shape
+    """a, b: (..., L) contiguous, same dtype, the leading dimensions taken as channels; h0: (...)
+    contiguous, or None. Returns h like a."""
+    length = a.shape[-1]
+    channels = a.numel() // length
     h = outputs.empty(a.shape, a.dtype, a.device)
     grid = (cdiv(channels, BLOCK_C),)
     sequential_scan_fwd_kernel[grid](
@@ -100,7 +102,8 @@ def sequential_scan_forward(a, b, h0=None, *, reverse=False):
 
 def sequential_scan_backward(a, h, h0, grad_h, *, reverse=False):
     """Gradients (da, db, dh0) of the forward pass that produced ``h``; dh0 is None without h0."""
-    channels, length = a.shape
+    length = a.shape[-1]
+    channels = a.numel() // length
     grad_a = outputs.empty(a.shape, a.dtype, a.device)
     grad_b = outputs.empty(a.shape, a.dtype, a.device)
     grad_h0 = outputs.empty(h0.shape, h0.dtype, h0.device) if h0 is not None else None
