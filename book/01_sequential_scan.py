@@ -248,7 +248,7 @@ check_scan_gradients("bfloat16 inputs", *kernels, a.bfloat16(), b.bfloat16(), h0
 #
 # We time the kernel (median of `triton.testing.do_bench`) beside the naive PyTorch loop (the same loop as the reference, in float32 on the device: one small launch per operation per step) on `8 × 1536` = 12288 channels (batch 8 and 1536 model channels $d$, one state each). (A Mamba layer of that width with $N = 16$ states would have 16 times as many rows, and 16 times as many programs.)
 #
-# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.52 ms, about 215 ns per step, several hundred cycles: the time scale of a trip to memory.
+# On a GPU the kernel's time grows with $L$ like the floor, but sits well above it. The multiply-add chain is not the reason: one multiply-add takes a few clock cycles. At $L = 16384$ the kernel takes 3.5 ms, about 214 ns per step, several hundred cycles: the time scale of a trip to memory.
 #
 # In each step the whole launch moves 384 programs × 3 arrays × 32 channels × 4 bytes = 147 KB, and 147 KB per 215 ns is the 0.69 TB/s in the table; to reach the copy bandwidth in the same time per step, about six times as many bytes would have to be in flight at once. Two things keep that number small. The launch has few, small programs: `8 × 1536` channels in blocks of 32 (`BLOCK_C`) give 384 programs of one warp each (`NUM_WARPS = 1`), about three warps per {term}`SM` on a 132-SM GPU, which can hold 64. And each step of a program loads a *column*: 32 elements, one per channel, $L$ elements apart in memory, and memory is read in 32-byte *sectors* (eight float32 numbers), so every load instruction touches 32 separate sectors to use 4 bytes of each (the rest of each sector serves the following seven steps, from cache). The PyTorch loop is far slower still, since each step costs several kernel launches.
 
@@ -279,7 +279,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes 6.2 to 6.3 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (665–686 of 4221 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 100 to 140 times slower than the kernel (637 to 853 times the floor; it is bound by the host's launches, so its time moves with whatever else the host is running). Walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes 6.15 to 6.3 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (673–690 of 4243 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 110 to 160 times slower than the kernel (690 to 997 times the floor; it is bound by the host's launches, so its time moves with whatever else the host is running). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next

@@ -496,9 +496,9 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# On the H200 that ran this page, the fused call took 1.03 ms: about 1.6 times one causal call (0.632 ms), and under a third of the two-call composition (3.23 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the same fused-to-causal ratio is 1.63.
+# On the H200 that ran this page, the fused call took 1.02 ms: about 1.7 times one causal call (0.598 ms), and under a third of the two-call composition (3.14 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the fused-to-causal ratio is 1.63.
 #
-# The benchmark below also has a "naive two calls (mamba_ssm)" row, faster than this cell's composition (1.94 against 3.23 ms, from two runs on H200s) although our causal kernel is faster than mamba_ssm's (chapter 5). The difference is outside the kernels: `bidirectional_two_calls` adds the two outputs and $D x$ in float32 and rounds once at the end, as the fused kernel does, each of those operations a full pass over an output-sized tensor at twice the bytes of $x$; the naive row passes $D$ to the first call, flips the second output back and adds the two in bfloat16.
+# The benchmark below also has a "naive two calls (mamba_ssm)" row, faster than this cell's composition (1.94 against 3.14 ms, from two runs on H200s) although our causal kernel is faster than mamba_ssm's (chapter 5). The difference is outside the kernels: `bidirectional_two_calls` adds the two outputs and $D x$ in float32 and rounds once at the end, as the fused kernel does, each of those operations a full pass over an output-sized tensor at twice the bytes of $x$; the naive row passes $D$ to the first call, flips the second output back and adds the two in bfloat16.
 #
 # The benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
 
