@@ -34,6 +34,7 @@ CASES = {
     "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(True)",
     "ssd chunk_scan kernel": "chunk_scan_case(False)",
     "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
+    "ssd chunk_scan kernel gated": "chunk_scan_case(False, gated=True)",
     "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case(False)",
     "bidirectional fwd packed (4, 4096, 80, 64, 128)": "bidirectional_case(True)",
     "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
@@ -98,13 +99,15 @@ def ssd_case(packed):
     seq_idx = packed_ids(x, packed)
     return lambda: ma.ssd_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
 
-def chunk_scan_case(packed):  # the output kernel alone, on the forward pass's own intermediates
+def chunk_scan_case(packed, gated=False):  # the output kernel alone, on the forward pass's own intermediates
     from mamba_annotated.ssd.forward import ssd_forward
     from mamba_annotated.ssd.chunk_scan import chunk_scan
     x, dt, A, B, C = ssd_inputs()
     seq_idx = packed_ids(x, packed)
     dA, dt_out, CB, H = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
-    return lambda: chunk_scan(CB, x, C, H, dA, dt_out, seq_idx=seq_idx)
+    # gated as a Mamba-2 block calls it: D and z
+    D, z = (torch.randn(x.shape[2], device=dev), torch.randn_like(x)) if gated else (None, None)
+    return lambda: chunk_scan(CB, x, C, H, dA, dt_out, z=z, D=D, seq_idx=seq_idx)
 
 def ssd_backward_case():  # the backward pass alone, from the forward pass's saved tensors
     from mamba_annotated.ssd.forward import ssd_forward

@@ -10,7 +10,7 @@ a call. Triton's compiler and its ptxas run without a GPU, so both can be checke
 
 Without the PYTHONPATH it compiles with the installed Triton. Each kernel is compiled at the
 configurations its launcher uses on the GPU (attention: ``forward_config``; SSD ``chunk_scan``: every
-autotuned configuration, and its checked kernel). STACK > 0 means ptxas spilled registers to local
+autotuned configuration, and its checked kernel, plain, with ``seq_idx`` and gated with D and z). STACK > 0 means ptxas spilled registers to local
 memory; compare it before and after a change (``--json`` keeps the report). The numbers are the
 compiler's, not measurements: speed still needs the GPU.
 
@@ -180,9 +180,10 @@ def ssd_cases():
     types = {n: "*bf16" for n in ("x_ptr", "z_ptr", "C_ptr", "out_ptr", "y_ptr", "H_ptr")} | {
         n: "*fp32" for n in ("CB_ptr", "dA_cumsum_ptr", "dt_ptr", "D_ptr")} | {
         "seq_idx_ptr": "*i32", "flags_ptr": "*i8"}
-    for packed in (False, True):
-        options = dict(HAS_D=True, D_PER_CHANNEL=False, HAS_Z=False, HAS_SEQ_IDX=packed, CHUNK=256, PRECISION="tf32")
-        tag = "seq_idx" if packed else "plain"
+    # plain and packed as the SSD benchmark launches them (D, no gate), and gated as a Mamba-2 block
+    # launches it (D and z, one sequence)
+    for tag, packed, gated in (("plain", False, False), ("seq_idx", True, False), ("gated", False, True)):
+        options = dict(HAS_D=True, D_PER_CHANNEL=False, HAS_Z=gated, HAS_SEQ_IDX=packed, CHUNK=256, PRECISION="tf32")
         for cfg in module.CONFIGS:
             name = f"chunk_scan_kernel {tag} " + " ".join(f"{k}={v}" for k, v in cfg.kwargs.items())
             yield (f"{name} w{cfg.num_warps} s{cfg.num_stages}",
