@@ -1,5 +1,5 @@
-"""benchmarks/ssd_memory_ledger.py: the ledger counts what is alive, and the SSD forward pass's peak
-is made of the tensors it names."""
+"""benchmarks/memory_ledger.py counts what is alive, and benchmarks/ssd_memory_ledger.py: the SSD
+forward pass's peak is made of the tensors it names."""
 import functools
 import pathlib
 import sys
@@ -10,11 +10,12 @@ from mamba_annotated import runtime, ssd_chunk_scan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import memory_ledger  # noqa: E402
 import ssd_memory_ledger as ledger_script  # noqa: E402
 
 
 def test_ledger_counts_live_storages_and_their_peak():
-    ledger = ledger_script.Ledger()
+    ledger = memory_ledger.Ledger()
     with ledger:
         first = torch.empty(1024)               # 4 KiB
         second = torch.empty(2048)              # 8 KiB: 12 KiB alive, the peak
