@@ -2,7 +2,8 @@
 
 usage: python scripts/execute_notebooks.py [--fill-missing | --stored-runs] book/01_sequential_scan.ipynb [...]
 Cells run from the book/ folder, as in Jupyter; no timing metadata is written, so a re-run
-changes only outputs.
+changes only outputs. The log names the files a notebook wrote in book/data (chapter 8 records its
+run in models_training.json): they belong with the executed notebook.
 
 --fill-missing runs every cell (later cells need the state of earlier ones) but writes back only
 the outputs of the code cells that had none: the cells a chapter gained since its last GPU run.
@@ -49,15 +50,25 @@ def execute(path: pathlib.Path, fill_missing: bool = False) -> None:
     client = NotebookClient(nb, timeout=1800, kernel_name="python3", record_timing=False,
                             resources={"metadata": {"path": str(path.parent)}},
                             on_cell_start=on_start, on_cell_executed=on_executed)
+    data_before = data_files(path)
     try:
         client.execute()
     finally:
+        written = sorted(name for name, stamp in data_files(path).items() if data_before.get(name) != stamp)
+        if written:  # a chapter's record of its run (chapter 8's models_training.json): it goes with the notebook
+            print(f"  {path.name} wrote {', '.join(written)} in data/: keep it with the notebook", flush=True)
         if fill_missing:
             filled = sum(1 for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and i not in stored)
             for i, (outputs, count) in stored.items():
                 nb.cells[i].outputs, nb.cells[i].execution_count = outputs, count
             print(f"  {path.name}: outputs written to {filled} cells that had none; {len(stored)} kept", flush=True)
         nbformat.write(nb, path)
+
+
+def data_files(path: pathlib.Path) -> dict:
+    """{name: modification time} of the files in the data/ folder beside the notebook ``path``."""
+    folder = path.parent / "data"
+    return {f.name: f.stat().st_mtime_ns for f in folder.iterdir() if f.is_file()} if folder.is_dir() else {}
 
 
 STORED_RUN = "_bench.json"  # in the source of a cell that reads a stored benchmark run

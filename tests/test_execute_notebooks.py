@@ -1,5 +1,6 @@
 """scripts/execute_notebooks.py --stored-runs: only the cells that read a stored benchmark run are
-re-run (each after the first code cell), and every other cell keeps the outputs it had."""
+re-run (each after the first code cell), and every other cell keeps the outputs it had. An execution
+names the files the notebook wrote in its data/ folder."""
 import json
 import pathlib
 import sys
@@ -34,3 +35,22 @@ def test_stored_runs_rerenders_only_the_cells_that_read_a_benchmark_file(tmp_pat
     assert [o["text"] for o in nb.cells[2].outputs] == ["imports ran 1.25\n"]
     assert [o["text"] for o in nb.cells[1].outputs] == ["gpu output\n"]
     assert [o["text"] for o in nb.cells[0].outputs] == ["the GPU machine\n"]
+
+
+def test_execution_names_the_data_files_a_notebook_wrote(tmp_path, capsys):
+    """A chapter that records its run in data/ (chapter 8's models_training.json) must have that file
+    kept with the notebook; a device run that copies back the notebook alone loses it, so the
+    execution says which files were written, and says nothing when none was."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "old.json").write_text("{}")
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    writes = tmp_path / "writes.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        'import pathlib\npathlib.Path("data/record.json").write_text("{}")')], metadata={"kernelspec": kernel}), writes)
+    quiet = tmp_path / "quiet.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")],
+                                            metadata={"kernelspec": kernel}), quiet)
+    assert execute_notebooks.main([str(writes)]) == 0
+    assert "writes.ipynb wrote record.json in data/" in capsys.readouterr().out
+    assert execute_notebooks.main([str(quiet)]) == 0
+    assert " wrote " not in capsys.readouterr().out
