@@ -20,12 +20,6 @@ def check_scan_inputs(a, b, h0):
         check_same_device("h0", h0, "a", a)
 
 
-def dense(x):
-    """``x`` in row-major order, as the launchers read it: (..., L) stands for (rows, L). The test
-    comes first because it is cheaper than ``contiguous()`` on a tensor that already is."""
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def first_order_scan_op(name, forward_launcher, backward_launcher):
     """The op h = scan(a, b) for one family of launchers. Both families share one contract:
     forward(a, b, h0, *, reverse) -> h and backward(a, h, h0, grad_h, *, reverse) -> (grad_a, grad_b,
@@ -35,7 +29,7 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
     def forward(a: torch.Tensor, b: torch.Tensor, h0: Optional[torch.Tensor], reverse: bool) -> torch.Tensor:
         if a.numel() == 0:
             return torch.empty_like(a, memory_format=torch.contiguous_format)
-        return forward_launcher(dense(a), dense(b), dense(h0) if h0 is not None else None, reverse=reverse)
+        return forward_launcher(contiguous(a), contiguous(b), contiguous(h0), reverse=reverse)
 
     def fake_forward(a, b, h0, reverse):
         return torch.empty_like(a, memory_format=torch.contiguous_format)
@@ -45,8 +39,8 @@ def first_order_scan_op(name, forward_launcher, backward_launcher):
         if a.numel() == 0:
             grad_h0 = h0.new_zeros(h0.shape) if h0 is not None else absent(a)
             return a.new_zeros(a.shape), a.new_zeros(a.shape), grad_h0
-        grad_a, grad_b, grad_h0 = backward_launcher(dense(a), dense(h), dense(h0) if h0 is not None else None,
-                                                    dense(grad_h), reverse=reverse)
+        grad_a, grad_b, grad_h0 = backward_launcher(contiguous(a), contiguous(h), contiguous(h0), contiguous(grad_h),
+                                                    reverse=reverse)
         return grad_a, grad_b, grad_h0 if h0 is not None else absent(a)
 
     def fake_backward(a, h, h0, grad_h, reverse):
