@@ -62,12 +62,23 @@ def mamba_ssm_selective_scan():
 
 def autotuners(prefix: str) -> dict:
     """Every Triton autotuner of the imported modules whose name starts with ``prefix`` (for
-    mamba_ssm's: "mamba_ssm."), by module and name."""
+    mamba_ssm's: "mamba_ssm."), by module and name; ours also where ``@lean_launch``
+    (:mod:`mamba_annotated.launch`) wraps one, as it does on a GPU."""
     from triton.runtime.autotuner import Autotuner
 
-    return {f"{name}.{attr}": obj for name, module in list(sys.modules.items())
+    from mamba_annotated.launch import LeanLaunch
+    return {f"{name}.{attr}": tuner for name, module in list(sys.modules.items())
             if name.startswith(prefix) and module is not None
-            for attr, obj in list(vars(module).items()) if isinstance(obj, Autotuner)}
+            for attr, obj in list(vars(module).items())
+            for tuner in (obj.kernel if isinstance(obj, LeanLaunch) else obj,) if isinstance(tuner, Autotuner)}
+
+
+def cached_configs(tuners: dict) -> dict:
+    """The configuration each autotuner of ``tuners`` (:func:`autotuners`) keeps for each key it has
+    met, by autotuner and key (the key as Triton forms it: the values of the tuning key's arguments,
+    then the dtype of every tensor argument), as strings: which configuration ran in which case."""
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
+            for name, tuner in tuners.items() if tuner.cache}
 
 
 def row_time(timed_ms: float, tunings_ms=None) -> dict:

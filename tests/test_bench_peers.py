@@ -72,6 +72,35 @@ def test_autotuners_finds_the_triton_autotuners_of_imported_modules_by_prefix():
     assert peers.autotuners("no_such_peer.") == {}
 
 
+def test_our_autotuners_are_found_inside_lean_launch_and_their_configurations_kept_by_key():
+    """On a GPU our kernels are LeanLaunch wrappers around the autotuner (mamba_annotated.launch):
+    autotuners unwraps them, and cached_configs records every key's configuration, so a benchmark
+    stores which configuration ran in which case (an SSD kernel with and without seq_idx)."""
+    import triton
+    from mamba_annotated.launch import LeanLaunch
+
+    @triton.autotune([triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])
+    @triton.jit
+    def kernel(x, n, BLOCK: triton.language.constexpr):
+        pass
+
+    wrapped = LeanLaunch.__new__(LeanLaunch)  # its constructor needs a compiled JITFunction, not the interpreter's
+    wrapped.kernel = kernel
+    module = types.ModuleType("mamba_annotated_for_test.ops")
+    module.kernel, module.plain = wrapped, kernel.fn
+    sys.modules["mamba_annotated_for_test.ops"] = module
+    try:
+        found = peers.autotuners("mamba_annotated_for_test.")
+    finally:
+        del sys.modules["mamba_annotated_for_test.ops"]
+    assert found == {"mamba_annotated_for_test.ops.kernel": kernel}
+    assert peers.cached_configs(found) == {}                          # nothing tuned yet: nothing to record
+    kernel.cache[(64, "torch.int32")] = kernel.configs[1]
+    kernel.cache[(64, "torch.float32")] = kernel.configs[0]
+    assert peers.cached_configs(found) == {"mamba_annotated_for_test.ops.kernel": {
+        "(64, 'torch.int32')": str(kernel.configs[1]), "(64, 'torch.float32')": str(kernel.configs[0])}}
+
+
 def test_the_peers_tunings_are_printed_and_kept_for_the_json(capsys):
     import bench_ssd
 
