@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_ssd import make_inputs as causal_inputs, tune_peer  # noqa: E402
+from bench_ssd import make_inputs as causal_inputs, our_configs, tune_peer  # noqa: E402
 from costs import CHUNK, bidirectional_flops as flops, bidirectional_min_bytes as min_bytes  # noqa: E402
 from costs import ssd_flops as causal_flops, ssd_min_bytes as causal_min_bytes  # noqa: E402
 from mamba_annotated import bench  # noqa: E402
@@ -250,12 +250,14 @@ def main():
     verdicts = bars(all_rows)
     print("bars:")
     bench.print_table(verdicts)
+    configs = our_configs()  # this process's shapes only, with --merge too
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         # the rates the floors divide by, for the scoreboard's roofline (benchmarks/scoreboard.py)
         args.json.write_text(json.dumps(dict(device=device_name(), copy_GBps=bench.copy_bandwidth_gbps(),
                                              matmul_TFLOPs=bench.matmul_tflops(), chunk=CHUNK, rows=all_rows,
-                                             bars=verdicts, stages=all_stages, peer_tunings=all_tunings), indent=1))
+                                             bars=verdicts, stages=all_stages, configs=configs,
+                                             peer_tunings=all_tunings), indent=1))
 
 
 if __name__ == "__main__":
