@@ -67,6 +67,7 @@ def autotuners(prefix: str) -> dict:
     from triton.runtime.autotuner import Autotuner
 
     from mamba_annotated.launch import LeanLaunch
+
     return {f"{name}.{attr}": tuner for name, module in list(sys.modules.items())
             if name.startswith(prefix) and module is not None
             for attr, obj in list(vars(module).items())

@@ -10,9 +10,10 @@ a call. Triton's compiler and its ptxas run without a GPU, so both can be checke
 
 Without the PYTHONPATH it compiles with the installed Triton. Each kernel is compiled at the
 configurations its launcher uses on the GPU (attention: ``forward_config``; SSD ``chunk_scan``: every
-autotuned configuration, and its checked kernel, plain, with ``seq_idx`` and gated with D and z). STACK > 0 means ptxas spilled registers to local
-memory; compare it before and after a change (``--json`` keeps the report). The numbers are the
-compiler's, not measurements: speed still needs the GPU.
+autotuned configuration, and its checked kernel, plain, with ``seq_idx`` and gated with D and z).
+STACK > 0 means ptxas spilled registers to local memory; compare it before and after a change
+(``--json`` keeps the report). The numbers are the compiler's, not measurements: speed still needs
+the GPU.
 
 The ``scores`` family compiles the bidirectional scores kernel as the launcher launches it (its
 arguments specialized by Triton's own binder: an integer equal to 1 becomes a constant, pointers
