@@ -279,7 +279,7 @@ ax.legend(fontsize="small")
 plt.show()
 
 # %% [markdown]
-# The verdict: on the GPU the sequential kernel takes 6.14 to 6.31 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (672–691 of 4243 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 165 to 190 times slower than the kernel (1010 to 1190 times the floor; it is bound by the host's launches, so its time moves with whatever else the host is running). Walking time in order leaves most of the memory system idle.
+# The verdict: on the GPU the sequential kernel takes 6.14 to 6.31 times the memory floor at every length. The `x_floor` column is the measured time divided by the floor, so 6.2 means the kernel moves its bytes at about 16% of the copy bandwidth (672–691 of 4243 GB/s); the stored H200 benchmark, `book/data/linear_scan_bench.json`, records the same 16% at shape `(8, 1536, 4096)` (batch × channels × L) in float32. The PyTorch loop is 165 to 188 times slower than the kernel (1010 to 1190 times the floor; it is bound by the host's launches, so its time moves with whatever else the host is running). Walking time in order leaves most of the memory system idle.
 
 # %% [markdown]
 # ## What we have, and what comes next
