@@ -3,7 +3,9 @@
 usage: python scripts/execute_notebooks.py [--fill-missing | --stored-runs] book/01_sequential_scan.ipynb [...]
 Cells run from the book/ folder, as in Jupyter; no timing metadata is written, so a re-run
 changes only outputs. The log names the files a notebook wrote in book/data (chapter 8 records its
-run in models_training.json): they belong with the executed notebook.
+run in models_training.json): they belong with the executed notebook. It goes by the files'
+modification times, so a file another process wrote meanwhile is named too (a chapter executing
+on a second GPU from the same tree: chapter 5 was once named for chapter 8's record).
 
 --fill-missing runs every cell (later cells need the state of earlier ones) but writes back only
 the outputs of the code cells that had none: the cells a chapter gained since its last GPU run.
