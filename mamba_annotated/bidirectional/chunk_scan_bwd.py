@@ -69,7 +69,11 @@ DIRECT, DIRECT_REV, STATE_COLUMN, STATE_COLUMN_REV = range(4)
 # the dG kernel's slots: the sums over the pairs that straddle each step (forward, reverse), and
 # the row sums of its tile (forward, reverse; written and read with the shift only)
 PAIRS, PAIRS_REV, ROW, ROW_REV = range(4)
-TILE = 16 if INTERPRETED else 64  # the dG and dBC kernels' row blocks (capped at the chunk): fixed at launch
+TILE = 16 if INTERPRETED else 64  # the dG kernel's row blocks (capped at the chunk): fixed at launch
+# the dBC kernel's launch for 16-bit inputs of headdim <= 64 (a Mamba-2 layer's): rows and dstate
+# columns per program, warps, pipeline stages; read at each call, so that
+# benchmarks/sweep_bidirectional_dbc.py can set them in turn
+DBC_ROWS, DBC_BLOCK_N, DBC_WARPS, DBC_STAGES = 64, 64, 8, 3
 
 
 def row_sum_planes(diag, shift):
@@ -870,10 +874,19 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
                 *x.stride(), *dy.stride(), *seq_strides, HAS_SEQ_IDX=seq_idx is not None, SHIFT=int(shift),
                 OFF_DIAGONAL=off_diagonal, CHUNK=chunk_size, BLOCK_M=tile, BLOCK_P=block_p,
                 PRECISION=dot_precision(x.dtype))
-    # float32 tiles of a headdim above 64 overflowed shared memory with the loops pipelined in three
-    # stages (327 KB asked of an H100's 227 KB at chunk 256): one stage and narrower state slots there
+    # The dBC launch. For 16-bit inputs of headdim <= 64, 64 rows keep four float32 accumulators
+    # (two with ONE_PAIR) and two query tiles in registers through the loops; float32 tiles or a
+    # wider headdim spilled 17 KB per thread there (ptxas, sm_90), so they take 32 rows; float32
+    # tiles of a headdim above 64 overflowed shared memory with the loops pipelined in three stages
+    # (327 KB asked of an H100's 227 KB at chunk 256): one stage and narrower state slots there
     wide_float32 = x.element_size() == 4 and headdim > 64
-    block_n = block_size(dstate, largest=16 if INTERPRETED else 32 if wide_float32 else 64)
+    if INTERPRETED:
+        rows, widest_n, warps, stages = tile, 16, 8, 3
+    elif x.element_size() == 2 and headdim <= 64:
+        rows, widest_n, warps, stages = min(DBC_ROWS, chunk_size), DBC_BLOCK_N, DBC_WARPS, DBC_STAGES
+    else:
+        rows, widest_n, warps, stages = min(32, chunk_size), 32 if wide_float32 else 64, 8, 1 if wide_float32 else 3
+    block_n = block_size(dstate, largest=widest_n)
     n_slots = cdiv(dstate, block_n)
     state = outputs.empty((2,) + tuple(a.shape[:3]) + (n_slots, chunk_size), torch.float32, x.device)
     query_dtype = torch.float32 if shift else C.dtype
@@ -882,9 +895,6 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
     dC = outputs.empty(C.shape, query_dtype, C.device)
     dB_rev = None if shared_b else outputs.empty(B.shape, B.dtype, B.device)
     dC_rev = None if shared_c and not shift else outputs.empty(C.shape, query_dtype, C.device)
-    # 64 rows keep four float32 accumulators and two query tiles in registers for 16-bit inputs of
-    # headdim <= 64; float32 tiles or a wider headdim spilled 17 KB per thread (ptxas, sm_90) there
-    rows = tile if INTERPRETED or (x.element_size() == 2 and headdim <= 64) else min(32, chunk_size)
     flags = outputs.empty((batch, groups, length, n_slots), torch.int8, x.device)  # the first launch writes each
     args = (x, dy, B, C, B_rev, C_rev, H, H_rev, dS, dS_rev, dG, dGd if dGd is not None else dG, a, dt_out, b,
             dt_rev_out, A, *seq_args, dB, dC, dB_rev if dB_rev is not None else dB,
@@ -896,11 +906,7 @@ def chunk_scan_bwd_dbc(x, dy, B, C, B_rev, C_rev, G, H, H_rev, dS, dS_rev, a, dt
                    ONE_PAIR=shared_b and shared_c and not shift, CHUNK=chunk_size, BLOCK_M=rows, BLOCK_P=block_p,
                    BLOCK_N=block_n, PRECISION=dot_precision(x.dtype))
     grid = (batch * n_chunks * groups, (chunk_size // rows) * n_slots)
-    chunk_scan_bwd_dbc_kernel[grid](
-        *args, **options,
-        num_warps=8,  # four accumulators (two with ONE_PAIR) and two query tiles live through the loops
-        num_stages=1 if wide_float32 else 3,
-    )
+    chunk_scan_bwd_dbc_kernel[grid](*args, **options, num_warps=warps, num_stages=stages)
     # the row blocks with a row that came out non-finite again, checked (chapter 5's two launches)
     chunk_scan_bwd_dbc_checked_kernel[grid](*args, **options, num_warps=8, num_stages=1)
     return dB, dC, dB_rev, dC_rev, (diag, state)
