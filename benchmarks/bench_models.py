@@ -4,7 +4,8 @@ on mamba_ssm 2.3.2.post1's ``Mamba2`` module, same weights, same batches, in one
     training   tokens/s of forward + backward + AdamW step (bf16 autocast), sequence 2048 and 8192
                (the bar: ours at least 1.2x the peer's)
     decoding   tokens/s of greedy generation through the recurrent step, batch 1 and 64, after a
-               prefill (the bar: ours at least the peer's)
+               prefill (the bar: ours at least the peer's); each model also decodes from a captured
+               CUDA graph (generate's cg=True, rows "..., CUDA graph", beside each other)
     compile    tokens/s of our model under torch.compile(fullgraph=True) against eager (the bar:
                not slower)
 
@@ -89,8 +90,12 @@ def decoding_rows(ours, theirs, config, runs):
     g = torch.Generator(device=DEVICE).manual_seed(2)
     for run in runs:
         prompt = torch.randint(0, config.vocab_size, (run["batch"], run["prompt_len"]), device=DEVICE, generator=g)
-        for name, model in [("ours", ours)] + ([("mamba_ssm Mamba2", theirs)] if theirs is not None else []):
-            record = decode_benchmark(model, prompt, run["new_tokens"])
+        # each also with generate's CUDA-graph decoding (cg=True), which replays a captured step
+        variants = [("ours", ours, False), ("ours, CUDA graph", ours, True)]
+        if theirs is not None:
+            variants += [("mamba_ssm Mamba2", theirs, False), ("mamba_ssm Mamba2, CUDA graph", theirs, True)]
+        for name, model, cg in variants:
+            record = decode_benchmark(model, prompt, run["new_tokens"], cg=cg)
             rows.append(dict(pass_="decode", impl=name, batch=run["batch"], seq_len=run["prompt_len"],
                              tokens_per_s=record["decode_tokens_per_s"],
                              prefill_tokens_per_s=record["prefill_tokens_per_s"]))

@@ -270,11 +270,12 @@ def timed(fn, repeats):
     return statistics.median(times)
 
 
-def decode_benchmark(model, prompt, new_tokens, *, repeats=3):
+def decode_benchmark(model, prompt, new_tokens, *, repeats=3, cg=False):
     """Prefill against decoding through :meth:`LMHeadModel.generate` (greedy): ``prompt`` (batch, P)
     int64. The prefill is timed as ``generate`` to P + 1 tokens (the chunked forward pass over
     the prompt and one sampled token); decoding as the extra time of ``generate`` to
-    P + new_tokens, which adds new_tokens - 1 steps of one token per row.
+    P + new_tokens, which adds new_tokens - 1 steps of one token per row. ``cg``: generate's
+    CUDA-graph decoding, whose capture (after the first step) counts in the decoding time.
 
     Returns a dict for JSON: ``batch``, ``prompt_len``, ``new_tokens``, ``prefill_s``,
     ``decode_s`` (all the steps), ``prefill_tokens_per_s`` (prompt tokens), ``decode_tokens_per_s``
@@ -286,7 +287,7 @@ def decode_benchmark(model, prompt, new_tokens, *, repeats=3):
     model.eval()
     with autocast():
         prefill_s = timed(lambda: model.generate(prompt, max_length=prompt_len + 1), repeats)
-        total_s = timed(lambda: model.generate(prompt, max_length=prompt_len + new_tokens), repeats)
+        total_s = timed(lambda: model.generate(prompt, max_length=prompt_len + new_tokens, cg=cg), repeats)
     # medians of separate runs: the difference can dip below zero when steps cost next to nothing
     decode_s = max(total_s - prefill_s, 1e-9)
     return {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "prefill_s": prefill_s,

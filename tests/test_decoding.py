@@ -3,6 +3,7 @@ token-by-token step equal to its chunked forward pass (from an empty cache, and 
 prefill, packed sequences included); the bidirectional blocks refuse to step; the language model's
 generate (greedy equals the argmax of the full forward pass; sampling is reproducible and stays in
 the top k)."""
+import inspect
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from mamba_annotated.ssd.step import ssd_state_update
 from mamba_annotated.testing import assert_close, every_other, randn, tolerance, uniform
 
 TOL = tolerance(torch.float32)
+gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
 OPTIONS = [dict(dt_bias=True, dt_softplus=True, D=True, z=True), dict(dt_bias=False, dt_softplus=False, D=False, z=False),
            dict(dt_bias=True, dt_softplus=False, D=True, z=False), dict(dt_bias=False, dt_softplus=True, D=False, z=True)]
 OPTION_IDS = ["all", "none", "bias-D", "softplus-z"]
@@ -434,6 +436,100 @@ def test_generate_stops_once_every_row_has_produced_eos(monkeypatch):
     monkeypatch.setattr(lm_module, "sample", lambda logits, **_: torch.tensor(next(script), device=DEVICE))
     out = hybrid_lm().generate(torch.randint(0, 37, (2, 3), device=DEVICE), max_length=9, eos_token_id=5)
     assert out[:, 3:].tolist() == [[5, 9], [7, 5]]
+
+
+def ssm_lm():
+    config = LMConfig(d_model=32, vocab_size=37, layer_types=["mamba2", "mamba", "mamba2"], d_intermediate=48,
+                      mixer_cfg={"mamba2": dict(d_state=8, headdim=16, chunk_size=16), "mamba": dict(d_state=4)})
+    return LMHeadModel(config).to(DEVICE).eval()
+
+
+MAMBA_SSM_POSITIONAL = ["input_ids", "max_length", "top_k", "top_p", "min_p", "temperature", "return_dict_in_generate",
+                        "output_scores"]
+
+
+def test_generate_takes_mamba_ssm_positional_order():
+    """mamba_ssm's MambaLMHeadModel.generate(input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0,
+    temperature=1.0, return_dict_in_generate=False, output_scores=False, **decode's keywords): a
+    positional call means the same here (min_p before temperature)."""
+    parameters = list(inspect.signature(LMHeadModel.generate).parameters.values())[1:]
+    positional = [p for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == MAMBA_SSM_POSITIONAL
+    assert [p.default for p in positional[2:]] == [1, 0.0, 0.0, 1.0, False, False]
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (2, 3), device=DEVICE)
+
+    def seeded():
+        return torch.Generator(device=DEVICE).manual_seed(3)
+    by_position = lm.generate(prompt, 9, 3, 0.0, 0.0, 0.5, True, True, generator=seeded())
+    by_name = lm.generate(prompt, max_length=9, top_k=3, temperature=0.5, return_dict_in_generate=True,
+                          output_scores=True, generator=seeded())
+    assert torch.equal(by_position.sequences, by_name.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(by_position.scores, by_name.scores))
+
+
+def test_generate_positional_order_is_mamba_ssm_s():
+    generation = pytest.importorskip("mamba_ssm.utils.generation")
+    theirs = list(inspect.signature(generation.GenerationMixin.generate).parameters.values())[1:]
+    assert [p.name for p in theirs if p.kind == p.POSITIONAL_OR_KEYWORD] == MAMBA_SSM_POSITIONAL
+    ours = inspect.signature(LMHeadModel.generate).parameters
+    assert all(ours[p.name].default == p.default for p in theirs if p.kind == p.POSITIONAL_OR_KEYWORD)
+    decode = inspect.signature(generation.decode).parameters
+    for name in decode:  # every keyword decode takes is a keyword of ours (or one of its positional ones)
+        if name not in ("input_ids", "model"):
+            assert name in ours, name
+
+
+@pytest.mark.parametrize("name, value", [("min_p", 0.05), ("repetition_penalty", 1.2),
+                                         ("teacher_outputs", "tokens"), ("streamer", object())])
+def test_generate_refuses_by_name_what_it_does_not_implement(name, value):
+    prompt = torch.randint(0, 37, (1, 3), device=DEVICE)
+    if value == "tokens":
+        value = torch.randint(0, 37, (1, 6), device=DEVICE)
+    with pytest.raises(NotImplementedError, match=name):
+        hybrid_lm().generate(prompt, max_length=6, **{name: value})
+
+
+def test_generate_vocab_size_and_timing(capsys):
+    """vocab_size cuts the logits (scores and draws) there; enable_timing prints mamba_ssm's line."""
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 30, (2, 3), device=DEVICE)
+    out = lm.generate(prompt, max_length=7, return_dict_in_generate=True, output_scores=True, vocab_size=30,
+                      enable_timing=True)
+    assert [s.shape for s in out.scores] == [(2, 30)] * 4
+    assert (out.sequences[:, 3:] < 30).all()
+    assert "Prompt processing + decoding time:" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's refusal")
+def test_generate_cg_needs_cuda():
+    with pytest.raises(NotImplementedError, match="cg=True needs CUDA"):
+        ssm_lm().generate(torch.randint(0, 37, (1, 3)), max_length=6, cg=True)
+
+
+@gpu_only
+def test_generate_cg_refuses_attention_layers():
+    with pytest.raises(NotImplementedError, match="attn"):
+        hybrid_lm().generate(torch.randint(0, 37, (1, 3), device=DEVICE), max_length=6, cg=True)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 5])
+def test_generate_cg_replays_the_eager_steps(dtype, top_k):
+    """A captured step replays the eager step's kernels: the same logits, bit for bit, so the same
+    tokens, greedy and sampled from the same seed; and the states the warm-up steps advanced were
+    put back (otherwise the second token would differ)."""
+    lm = ssm_lm().to(dtype)
+    prompt = torch.randint(0, 37, (3, 5), device=DEVICE)
+
+    def run(cg):
+        return lm.generate(prompt, max_length=17, top_k=top_k, return_dict_in_generate=True, output_scores=True,
+                           cg=cg, generator=torch.Generator(device=DEVICE).manual_seed(11))
+    eager, replayed = run(False), run(True)
+    assert torch.equal(replayed.sequences, eager.sequences)
+    assert len(replayed.scores) == len(eager.scores) == 12
+    assert all(torch.equal(a, b) for a, b in zip(replayed.scores, eager.scores))
 
 
 def test_sample_top_p_and_temperature():

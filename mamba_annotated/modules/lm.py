@@ -8,6 +8,7 @@ whose layers are Mamba, Mamba2 and MHA loads into the model of the same configur
 """
 import copy
 import math
+import time
 from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Optional
@@ -216,26 +217,59 @@ class LMHeadModel(nn.Module):
         return CausalLMOutput(logits=self.lm_head(hidden_states))
 
     @torch.inference_mode()
-    def generate(self, input_ids, max_length, top_k=1, top_p=0.0, temperature=1.0, eos_token_id=None,
-                 return_dict_in_generate=False, output_scores=False, generator: Optional[torch.Generator] = None):
-        """Continue each row of input_ids (batch, L) up to ``max_length`` tokens in all (fewer when
-        every row has produced ``eos_token_id`` at some step; mamba_ssm stops only when all rows
-        produce it at the same step): the prompt goes through the chunked kernels
-        once (the prefill, which leaves every layer's state or KV cache), then each new token
-        through the blocks' decoding steps. Greedy with top_k=1 (the default); sampling otherwise
-        (:func:`sample`; ``generator`` makes it reproducible). Returns the sequences (batch, L + new
-        tokens), or ``GenerationOutput(sequences, scores)`` with ``return_dict_in_generate`` (scores:
-        the logits of each step when ``output_scores``, else None)."""
+    def generate(self, input_ids, max_length, top_k=1, top_p=0.0, min_p=0.0, temperature=1.0,
+                 return_dict_in_generate=False, output_scores=False, *, eos_token_id=None, cg=False,
+                 vocab_size=None, enable_timing=False, repetition_penalty=1.0, teacher_outputs=None, streamer=None,
+                 generator: Optional[torch.Generator] = None):
+        """Continue each row of input_ids (batch, L) up to ``max_length`` tokens in all: the prompt
+        goes through the chunked kernels once (the prefill, which leaves every layer's state or KV
+        cache), then each new token through the blocks' decoding steps. mamba_ssm's
+        ``MambaLMHeadModel.generate``, same positional order and defaults; the keywords it passes
+        on to its ``decode`` are keywords here. Greedy with top_k=1 (the default); sampling
+        otherwise (:func:`sample`; ``generator``, an extra, makes it reproducible). Returns the
+        sequences (batch, L + new tokens), or ``GenerationOutput(sequences, scores)`` with
+        ``return_dict_in_generate`` (scores: the logits of each step when ``output_scores``, else None).
+
+        ``cg=True`` captures one decoding step in a CUDA graph after the prefill and replays it
+        for every further token, as mamba_ssm does: at batch 1 a step is mostly the host's Python
+        and launches, which a replay skips. CUDA only, and only for models whose layers are all
+        Mamba or Mamba-2 blocks (an attention layer's cache position is a host integer here, which
+        a graph would freeze). The replay runs the eager step's kernels, so it gives the same tokens.
+
+        Where this differs from mamba_ssm: the logits are cut to the configuration's vocabulary
+        (``vocab_size``, when given, cuts them there instead), so no padding id is ever drawn,
+        where mamba_ssm samples over the padded vocabulary unless given ``vocab_size``; and
+        generation stops once every row has produced ``eos_token_id`` at some step (mamba_ssm stops
+        only when all rows produce it at the same step). Not implemented, and refused by name:
+        ``min_p`` > 0, ``repetition_penalty`` != 1, ``teacher_outputs``, ``streamer``."""
+        unsupported = {"min_p": min_p > 0, "repetition_penalty": repetition_penalty != 1.0,
+                       "teacher_outputs": teacher_outputs is not None, "streamer": streamer is not None}
+        for name, given in unsupported.items():
+            if given:
+                raise NotImplementedError(f"generate: {name} is not implemented")
         batch, prompt_length = input_ids.shape
         if not 0 < prompt_length < max_length:
             raise ValueError(f"max_length ({max_length}) must exceed the prompt's length ({prompt_length}), "
                              f"which must be at least 1")
-        vocab = self.config.vocab_size
+        if cg:
+            self.check_graph_decoding(input_ids.device)
+        vocab = self.config.vocab_size if vocab_size is None else vocab_size
+
+        def now():  # for enable_timing: the time once the device has done what was queued
+            if input_ids.is_cuda:
+                torch.cuda.synchronize(input_ids.device)
+            return time.perf_counter()
+
+        start = now() if enable_timing else None
         params = InferenceParams(max_seqlen=max_length, max_batch_size=batch)
         tokens, scores, sequences = input_ids, [], [input_ids]
         done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
+        replay = None  # the captured step, with cg=True, from the second step on
         while True:
-            logits = self(tokens, inference_params=params, num_last_tokens=1).logits[:, -1, :vocab]
+            if replay is None:
+                logits = self(tokens, inference_params=params, num_last_tokens=1).logits[:, -1, :vocab]
+            else:
+                logits = replay(tokens)
             params.seqlen_offset += tokens.shape[1]
             if output_scores:
                 scores.append(logits.clone())
@@ -245,7 +279,47 @@ class LMHeadModel(nn.Module):
                 done |= tokens[:, 0] == eos_token_id
             if params.seqlen_offset + 1 >= max_length or bool(done.all()):
                 break
+            if cg and replay is None:
+                replay = self.capture_decoding_step(tokens, params, vocab)
         sequences = torch.cat(sequences, dim=1)
+        if enable_timing:  # mamba_ssm's line
+            print(f"Prompt processing + decoding time: {1e3 * (now() - start):.0f}ms")
         if not return_dict_in_generate:
             return sequences
         return GenerationOutput(sequences=sequences, scores=tuple(scores) if output_scores else None)
+
+    def check_graph_decoding(self, device):
+        """Refuse ``cg=True`` where a captured step could not be replayed."""
+        if device.type != "cuda":
+            raise NotImplementedError(f"generate: cg=True needs CUDA tensors; input_ids are on {device}")
+        others = sorted(set(self.config.layer_types) - {"mamba", "mamba2"})
+        if others:
+            raise NotImplementedError(f"generate: cg=True decodes models of Mamba and Mamba-2 layers only; this one "
+                                      f"has {others} layers (an attention layer's cache position is a host integer)")
+
+    def capture_decoding_step(self, tokens, params, vocab):
+        """One decoding step captured in a CUDA graph, after the prefill: returns ``replay(tokens)
+        -> logits`` (batch, vocab), a view that the next replay overwrites. The first launches of
+        a kernel compile it and allocate, which a capture cannot hold, so two warm-up steps run
+        first, on a side stream (as torch.cuda.graph asks), from the prefill's states; the states
+        they advance are then put back. Capturing records the step without running it."""
+        static_tokens = tokens.clone()
+        states = [t for entry in params.key_value_memory_dict.values() for t in entry if t is not None]
+        before = [t.clone() for t in states]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self(static_tokens, inference_params=params, num_last_tokens=1)
+        torch.cuda.current_stream().wait_stream(side)
+        for state, saved in zip(states, before):
+            state.copy_(saved)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self(static_tokens, inference_params=params, num_last_tokens=1).logits[:, -1, :vocab]
+
+        def replay(new_tokens):
+            static_tokens.copy_(new_tokens)
+            graph.replay()
+            return logits
+        return replay
