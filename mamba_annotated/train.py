@@ -275,7 +275,7 @@ def decode_benchmark(model, prompt, new_tokens, *, repeats=3, cg=False):
     int64. The prefill is timed as ``generate`` to P + 1 tokens (the chunked forward pass over
     the prompt and one sampled token); decoding as the extra time of ``generate`` to
     P + new_tokens, which adds new_tokens - 1 steps of one token per row. ``cg``: generate's
-    CUDA-graph decoding, whose capture (after the first step) counts in the decoding time.
+    CUDA-graph decoding, whose capture (after the prefill) counts in the decoding time.
 
     Returns a dict for JSON: ``batch``, ``prompt_len``, ``new_tokens``, ``prefill_s``,
     ``decode_s`` (all the steps), ``prefill_tokens_per_s`` (prompt tokens), ``decode_tokens_per_s``

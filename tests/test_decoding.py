@@ -512,8 +512,19 @@ def test_generate_refuses_by_name_what_it_does_not_implement(name, value):
     prompt = torch.randint(0, 37, (1, 3), device=DEVICE)
     if value == "tokens":
         value = torch.randint(0, 37, (1, 6), device=DEVICE)
-    with pytest.raises(NotImplementedError, match=name):
-        hybrid_lm().generate(prompt, max_length=6, **{name: value})
+    with pytest.raises(NotImplementedError, match=name):  # top_k=0: the one case where mamba_ssm reads min_p
+        hybrid_lm().generate(prompt, max_length=6, top_k=0, **{name: value})
+
+
+def test_generate_takes_min_p_where_mamba_ssm_ignores_it():
+    """mamba_ssm's sample reads min_p only with top_k = 0: greedy and top-k calls with a min_p run
+    as without it."""
+    lm = hybrid_lm()
+    prompt = torch.randint(0, 37, (2, 3), device=DEVICE)
+    assert torch.equal(lm.generate(prompt, 8, 1, 0.0, 0.05), lm.generate(prompt, 8))
+    drawn = [lm.generate(prompt, 8, 4, 0.0, min_p, generator=torch.Generator(device=DEVICE).manual_seed(5))
+             for min_p in (0.0, 0.3)]
+    assert torch.equal(*drawn)
 
 
 def test_generate_vocab_size_and_timing(capsys):
@@ -539,23 +550,60 @@ def test_generate_cg_refuses_attention_layers():
         hybrid_lm().generate(torch.randint(0, 37, (1, 3), device=DEVICE), max_length=6, cg=True)
 
 
-@gpu_only
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("top_k", [1, 5])
-def test_generate_cg_replays_the_eager_steps(dtype, top_k):
-    """A captured step replays the eager step's kernels: the same logits, bit for bit, so the same
-    tokens, greedy and sampled from the same seed; and the states the warm-up steps advanced were
-    put back (otherwise the second token would differ)."""
-    lm = ssm_lm().to(dtype)
-    prompt = torch.randint(0, 37, (3, 5), device=DEVICE)
+def counted_replays(monkeypatch):
+    """A list that gets one entry per CUDA-graph replay from now on."""
+    replays, replay = [], torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(graph), replay(graph))[1])
+    return replays
 
-    def run(cg):
-        return lm.generate(prompt, max_length=17, top_k=top_k, return_dict_in_generate=True, output_scores=True,
-                           cg=cg, generator=torch.Generator(device=DEVICE).manual_seed(11))
-    eager, replayed = run(False), run(True)
+
+@gpu_only
+@pytest.mark.parametrize("case", ["float32", "bfloat16", "autocast", "sampled", "eos"])
+def test_generate_cg_replays_the_eager_steps(monkeypatch, case):
+    """A captured step replays the eager step's kernels: the same logits, bit for bit, so the same
+    tokens (greedy; sampled from the same seed; in bfloat16 weights or under bfloat16 autocast, as
+    bench_models decodes; stopped at eos). Every step after the prefill's is a replay: a capture
+    that recorded nothing would replay stale logits. And the states that the warm-up steps
+    advanced were put back, or the first replayed token would differ."""
+    lm = ssm_lm().to(torch.bfloat16 if case == "bfloat16" else torch.float32)
+    prompt = torch.randint(0, 37, (1 if case == "eos" else 3, 5), device=DEVICE)
+
+    def run(cg, eos_token_id=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=case == "autocast"):
+            return lm.generate(prompt, 17, 5 if case == "sampled" else 1, return_dict_in_generate=True,
+                               output_scores=True, cg=cg, eos_token_id=eos_token_id,
+                               generator=torch.Generator(device=DEVICE).manual_seed(11))
+    eos = None
+    if case == "eos":  # a token the eager run produces late, so that both runs stop there
+        eos = int(run(False).sequences[0, 12])
+    eager = run(False, eos)
+    replays = counted_replays(monkeypatch)
+    replayed = run(True, eos)
     assert torch.equal(replayed.sequences, eager.sequences)
-    assert len(replayed.scores) == len(eager.scores) == 12
+    assert len(replayed.scores) == len(eager.scores) == eager.sequences.shape[1] - 5
     assert all(torch.equal(a, b) for a, b in zip(replayed.scores, eager.scores))
+    assert len(replays) == len(eager.scores) - 1 and len(set(map(id, replays))) <= 1
+
+
+@gpu_only
+@pytest.mark.parametrize("new_tokens", [1, 2])
+def test_generate_cg_with_one_or_two_new_tokens(monkeypatch, new_tokens):
+    """One new token comes from the prefill (no step, no capture); two need one replayed step."""
+    lm = ssm_lm()
+    prompt = torch.randint(0, 37, (2, 4), device=DEVICE)
+    eager = lm.generate(prompt, 4 + new_tokens)
+    replays = counted_replays(monkeypatch)
+    assert torch.equal(lm.generate(prompt, 4 + new_tokens, cg=True), eager)
+    assert len(replays) == new_tokens - 1
+
+
+def test_generate_cg_needs_the_inputs_gpu_current(monkeypatch):
+    """The graph and its stream are the current device's: inputs on another GPU are refused (their
+    kernels would run outside the capture, and every replay would return the same stale logits)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(NotImplementedError, match="current device"):
+        ssm_lm().check_graph_decoding(torch.device("cuda", 1))
+    ssm_lm().check_graph_decoding(torch.device("cuda", 0))  # accepted
 
 
 def test_sample_top_p_and_temperature():

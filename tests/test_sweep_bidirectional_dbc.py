@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 from triton.runtime.errors import OutOfResources
 
 from mamba_annotated import bench
@@ -46,3 +47,44 @@ def test_sweep_case_times_every_launch_and_restores_the_constants(monkeypatch, s
     assert rows[0]["rel_diff"] == 0
     assert rows[2]["error"] == "out of shared memory"
     assert rows[2]["dbc_ms"] is None and rows[2]["backward_ms"] is None and rows[2]["rel_diff"] is None
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: records each launch's grid, block sizes, warps and stages."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M=None, BLOCK_N=None, num_warps=None, num_stages=None, **options):
+            self.launches.append((grid, BLOCK_M, BLOCK_N, num_warps, num_stages))
+        return launch
+
+
+@pytest.mark.parametrize("dtype, headdim, launch", [
+    (torch.bfloat16, 64, (32, 32, 4, 2)),   # a Mamba-2 layer's: the module's constants, set here to another launch
+    (torch.float32, 64, (32, 64, 8, 3)),    # the others as before the constants: 32 rows, 8 warps
+    (torch.float32, 128, (32, 32, 8, 1)),   # float32 of a wide head: narrower slots, one stage
+    (torch.bfloat16, 128, (32, 64, 8, 3)),
+])
+def test_the_dbc_launch_on_a_gpu_reads_the_constants_for_16_bit_heads_of_64(monkeypatch, dtype, headdim, launch):
+    """What chunk_scan_bwd_dbc launches on a GPU (the kernels replaced by recorders, the interpreter's
+    own blocks switched off): (rows, dstate columns, warps, stages), and the checked relaunch on the
+    same grid with 8 warps and one stage."""
+    monkeypatch.setattr(chunk_scan_bwd, "INTERPRETED", False)
+    for name, value in zip(sweep.CONSTANTS, (32, 32, 4, 2)):
+        monkeypatch.setattr(chunk_scan_bwd, name, value)
+    dbc, checked = LaunchRecorder(), LaunchRecorder()
+    monkeypatch.setattr(chunk_scan_bwd, "chunk_scan_bwd_dbc_kernel", dbc)
+    monkeypatch.setattr(chunk_scan_bwd, "chunk_scan_bwd_dbc_checked_kernel", checked)
+    monkeypatch.setattr(chunk_scan_bwd, "chunk_scan_bwd_dscores_kernel", LaunchRecorder())
+    batch, length, heads, dstate, chunk = 1, 512, 2, 128, 256
+    x = torch.zeros(batch, length, heads, headdim, dtype=dtype)
+    B = torch.zeros(batch, length, 1, dstate, dtype=dtype)
+    a = torch.zeros(batch, heads, length // chunk, chunk)
+    G = torch.zeros(batch, length // chunk, 1, chunk, chunk)
+    chunk_scan_bwd.chunk_scan_bwd_dbc(x, x, B, B, B, B, G, None, None, None, None, a, a, a, a, a)
+    rows, block_n = launch[:2]
+    grid = (batch * (length // chunk), (chunk // rows) * (dstate // block_n))
+    assert dbc.launches == [(grid, *launch)]
+    assert checked.launches == [(grid, rows, block_n, 8, 1)]

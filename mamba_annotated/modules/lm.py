@@ -232,17 +232,20 @@ class LMHeadModel(nn.Module):
 
         ``cg=True`` captures one decoding step in a CUDA graph after the prefill and replays it
         for every further token, as mamba_ssm does: at batch 1 a step is mostly the host's Python
-        and launches, which a replay skips. CUDA only, and only for models whose layers are all
-        Mamba or Mamba-2 blocks (an attention layer's cache position is a host integer here, which
-        a graph would freeze). The replay runs the eager step's kernels, so it gives the same tokens.
+        and launches, which a replay skips. CUDA only, on the current device, and only for models
+        whose layers are all Mamba or Mamba-2 blocks (an attention layer's cache position is a host
+        integer here, which a graph would freeze). The replay runs the eager step's kernels, so it
+        gives the same tokens. Each call captures afresh (mamba_ssm keeps its graph on the model):
+        two eager warm-up steps and the capture, and a copy of the states meanwhile.
 
         Where this differs from mamba_ssm: the logits are cut to the configuration's vocabulary
         (``vocab_size``, when given, cuts them there instead), so no padding id is ever drawn,
         where mamba_ssm samples over the padded vocabulary unless given ``vocab_size``; and
         generation stops once every row has produced ``eos_token_id`` at some step (mamba_ssm stops
         only when all rows produce it at the same step). Not implemented, and refused by name:
-        ``min_p`` > 0, ``repetition_penalty`` != 1, ``teacher_outputs``, ``streamer``."""
-        unsupported = {"min_p": min_p > 0, "repetition_penalty": repetition_penalty != 1.0,
+        ``min_p`` > 0 with ``top_k`` <= 0 (the only case in which mamba_ssm's ``sample`` reads it),
+        ``repetition_penalty`` != 1, ``teacher_outputs``, ``streamer``."""
+        unsupported = {"min_p": min_p > 0 and top_k <= 0, "repetition_penalty": repetition_penalty != 1.0,
                        "teacher_outputs": teacher_outputs is not None, "streamer": streamer is not None}
         for name, given in unsupported.items():
             if given:
@@ -275,10 +278,12 @@ class LMHeadModel(nn.Module):
                 scores.append(logits.clone())
             tokens = sample(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator)[:, None]
             sequences.append(tokens)
-            if eos_token_id is not None:
-                done |= tokens[:, 0] == eos_token_id
-            if params.seqlen_offset + 1 >= max_length or bool(done.all()):
+            if params.seqlen_offset + 1 >= max_length:
                 break
+            if eos_token_id is not None:  # reading done back waits for the step: only when it can stop early
+                done |= tokens[:, 0] == eos_token_id
+                if bool(done.all()):
+                    break
             if cg and replay is None:
                 replay = self.capture_decoding_step(tokens, params, vocab)
         sequences = torch.cat(sequences, dim=1)
@@ -292,6 +297,11 @@ class LMHeadModel(nn.Module):
         """Refuse ``cg=True`` where a captured step could not be replayed."""
         if device.type != "cuda":
             raise NotImplementedError(f"generate: cg=True needs CUDA tensors; input_ids are on {device}")
+        if device.index is not None and device.index != torch.cuda.current_device():
+            # the graph and its stream would be the current device's, while the step's kernels run on
+            # the inputs' device: nothing would be captured
+            raise NotImplementedError(f"generate: cg=True needs the inputs' GPU to be the current device "
+                                      f"({device}; current cuda:{torch.cuda.current_device()}): torch.cuda.set_device")
         others = sorted(set(self.config.layer_types) - {"mamba", "mamba2"})
         if others:
             raise NotImplementedError(f"generate: cg=True decodes models of Mamba and Mamba-2 layers only; this one "
@@ -304,7 +314,7 @@ class LMHeadModel(nn.Module):
         first, on a side stream (as torch.cuda.graph asks), from the prefill's states; the states
         they advance are then put back. Capturing records the step without running it."""
         static_tokens = tokens.clone()
-        states = [t for entry in params.key_value_memory_dict.values() for t in entry if t is not None]
+        states = [t for entry in params.key_value_memory_dict.values() for t in entry]  # (conv, ssm) per layer
         before = [t.clone() for t in states]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
