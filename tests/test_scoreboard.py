@@ -169,6 +169,39 @@ def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_
     assert not scoreboard.changed_since(run, "pkg/scan.py")
 
 
+def test_model_code_dates_the_model_run_and_not_the_host_cost_run(tmp_path, monkeypatch):
+    """bench_host_cost.py times the four ops, not the model blocks or the training and decoding
+    loops: a change there makes the model run older than its code and leaves the host-cost run as
+    it was; a change to an op's code dates both (the runs' own pathspecs, in a repository of its own)."""
+    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    for key in [k for k in os.environ if k.startswith("GIT_")]:
+        monkeypatch.delenv(key)
+
+    def commit(files):
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
+                        "-qm", "c"], cwd=tmp_path, check=True, env=git_env)
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
+    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+    code = "def f(x):\n    return 2 * x\n"
+    files = ("mamba_annotated/modules/lm.py", "mamba_annotated/train.py", "mamba_annotated/scan/api.py")
+    commit({name: code for name in files})
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout.strip()
+
+    def older(name):
+        return scoreboard.changed_since(run, *scoreboard.MEASURED_CODE[name])
+    for changed in files:
+        commit({changed: code.replace("2 * x", "3 * x")})
+        assert older("models_bench.json")
+        assert older("host_cost_bench.json") == changed.startswith("mamba_annotated/scan"), changed
+        commit({changed: code})
+
+
 def write(folder, name, data):
     (folder / name).write_text(json.dumps(data))
 
