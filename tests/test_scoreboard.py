@@ -69,28 +69,42 @@ def test_code_of_is_blind_to_docstrings_and_comments_only():
     assert not scoreboard.changes_what_runs("a.py", before, reworded)
 
 
+def repository(tmp_path, monkeypatch):
+    """A git repository of its own in tmp_path, holding the scoreboard's book/data, and a function
+    that writes files there and commits them (``day``: the commit's date in November 2026);
+    returns ``commit(files, message="c", day=None) -> the commit's id``."""
+    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # not the project's index
+    for key in [k for k in os.environ if k.startswith("GIT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
+
+    def commit(files, message="c", day=None):
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
+        dated = {}
+        if day is not None:
+            date = f"2026-11-{day:02d}T12:00:00+00:00"
+            dated = {"GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date}
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
+                        "-qm", message], cwd=tmp_path, check=True, env={**git_env, **dated})
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                              check=True, env=git_env).stdout.strip()
+    return commit
+
+
 def test_the_code_is_compared_with_the_runs_commit_docstrings_and_comments_aside(tmp_path, monkeypatch):
     """A run is older than its code only when the code differs from the code at the run's commit:
     in a repository of its own, a commit that rewords a docstring does not make it older; one that
     changes a line does, and so does such a change not yet committed, or a new file not yet added
     (named with an accent, which git quotes unless told not to); a change reverted later does not
     (dating the code by its newest commit said it did). A run not yet committed is the code's own."""
-    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # not the project's index
+    dated_commit = repository(tmp_path, monkeypatch)
 
     def commit(day, files, message):
-        for name, text in files.items():
-            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / name).write_text(text)
-        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
-        date = f"2026-11-{day:02d}T12:00:00+00:00"
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
-                        "-qm", message], cwd=tmp_path, check=True,
-                       env={**git_env, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_DATE": date})
-
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
-    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
-    for key in [k for k in os.environ if k.startswith("GIT_")]:
-        monkeypatch.delenv(key)
+        dated_commit(files, message, day)
     code = 'def f(x):\n    """Doubles."""\n    return 2 * x\n'
     commit(1, {"pkg/a.py": code}, "code")
     commit(2, {"book/data/run.json": "{}"}, "a run")
@@ -130,27 +144,12 @@ def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_
     its change reaches a definition the run's code names: directly, through another definition of
     the shared files, or by a change outside the definitions. A helper added or changed for another
     kernel does not."""
-    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    for key in [k for k in os.environ if k.startswith("GIT_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
-
-    def commit(files):
-        for name, text in files.items():
-            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / name).write_text(text)
-        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
-                        "-qm", "c"], cwd=tmp_path, check=True, env=git_env)
-
+    commit = repository(tmp_path, monkeypatch)
     helpers = ("import math\n\n\ndef used(x):\n    return inner(x)\n\n\ndef inner(x):\n    return x + 1\n\n\n"
                "def other(x):\n    return x * 2\n")
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
-    commit({"pkg/helpers.py": helpers, "pkg/scan.py": "from .helpers import used\n\n\ndef scan(x):\n"
-            "    return used(x)\n", "pkg/ssd.py": "from . import helpers\n\n\ndef ssd(x):\n"
-            "    return helpers.other(x)\n"})
-    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    run = commit({"pkg/helpers.py": helpers, "pkg/scan.py": "from .helpers import used\n\n\ndef scan(x):\n"
+                  "    return used(x)\n", "pkg/ssd.py": "from . import helpers\n\n\ndef ssd(x):\n"
+                  "    return helpers.other(x)\n"})
 
     def older(path):
         return scoreboard.changed_since(run, path, shared=("pkg/helpers.py",))
@@ -173,25 +172,10 @@ def test_model_code_dates_the_model_run_and_not_the_host_cost_run(tmp_path, monk
     """bench_host_cost.py times the four ops, not the model blocks or the training and decoding
     loops: a change there makes the model run older than its code and leaves the host-cost run as
     it was; a change to an op's code dates both (the runs' own pathspecs, in a repository of its own)."""
-    git_env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    for key in [k for k in os.environ if k.startswith("GIT_")]:
-        monkeypatch.delenv(key)
-
-    def commit(files):
-        for name, text in files.items():
-            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / name).write_text(text)
-        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True, env=git_env)
-        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "commit",
-                        "-qm", "c"], cwd=tmp_path, check=True, env=git_env)
-
-    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True, env=git_env)
-    monkeypatch.setattr(scoreboard, "DATA", tmp_path / "book" / "data")
+    commit = repository(tmp_path, monkeypatch)
     code = "def f(x):\n    return 2 * x\n"
     files = ("mamba_annotated/modules/lm.py", "mamba_annotated/train.py", "mamba_annotated/scan/api.py")
-    commit({name: code for name in files})
-    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
-                         check=True).stdout.strip()
+    run = commit({name: code for name in files})
 
     def older(name):
         return scoreboard.changed_since(run, *scoreboard.MEASURED_CODE[name])
