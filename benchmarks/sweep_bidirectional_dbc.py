@@ -117,9 +117,9 @@ def main():
                 print(f"{shape} shift={shift}: no launch ran and agreed with the default")
                 continue
             best = min(case, key=lambda r: r["backward_ms"])
+            default = next((f"{r['backward_ms']} ms" for r in case if r["default"]), "not run")
             print(f"{shape} shift={shift}: fastest backward {best['backward_ms']} ms with (rows, block_n, warps, "
-                  f"stages) = {best['rows'], best['block_n'], best['warps'], best['stages']}; default "
-                  f"{next((r['backward_ms'] for r in case if r['default']), 'not run')} ms")
+                  f"stages) = {best['rows'], best['block_n'], best['warps'], best['stages']}; default {default}")
 
 
 if __name__ == "__main__":

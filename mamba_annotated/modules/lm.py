@@ -232,10 +232,10 @@ class LMHeadModel(nn.Module):
 
         ``cg=True`` captures one decoding step in a CUDA graph after the prefill and replays it
         for every further token, as mamba_ssm does: at batch 1 a step is mostly the host's Python
-        and launch code, which a replay skips (it runs the recorded kernels from one call). CUDA only, on the current device, and only for models
-        whose layers are all Mamba or Mamba-2 blocks (an attention layer's cache position is a host
-        integer here, which a graph would freeze). The replay runs the eager step's kernels, so it
-        gives the same tokens. Each call captures afresh (mamba_ssm keeps its graph on the model),
+        and launch code, which a replay skips (it runs the recorded kernels from one call). CUDA
+        only, on the current device, and only for models whose layers are all Mamba or Mamba-2
+        blocks (an attention layer's cache position is a host integer here, which a graph would
+        freeze). The replay runs the eager step's kernels, so it gives the same tokens. Each call captures afresh (mamba_ssm keeps its graph on the model),
         which costs about three eager steps: two warm-up steps, whose state updates are undone from
         a copy of the states, and the capture.
 
