@@ -18,8 +18,12 @@ strict nbval run that follows re-runs every cell against the stored outputs, old
 ``*_bench.json`` of book/data), each after the notebook's first code cell (its imports) and nothing
 else, and writes back their outputs alone. Those cells print and plot the files
 scripts/gpu_benchmarks.sh writes on a GPU and launch no kernel, so after a benchmark run their
-outputs can be brought up to date on any machine; every other cell keeps its GPU outputs.
+outputs can be brought up to date on any machine; every other cell keeps its GPU outputs. A code
+cell that comes right after such a cell (markdown between them aside) and reads a name the cell
+before it defines, without defining it itself, runs with it: the primer's roofline figure is drawn
+in the cell after the one that reads the runs, from that cell's points.
 """
+import ast
 import copy
 import pathlib
 import sys
@@ -76,20 +80,59 @@ def data_files(path: pathlib.Path) -> dict:
 STORED_RUN = "_bench.json"  # in the source of a cell that reads a stored benchmark run
 
 
-def render_stored_runs(path: pathlib.Path) -> None:
-    """Re-run the cells of ``path`` that read a stored benchmark run, each with the first code cell
-    before it in a notebook of two cells, and store their outputs (module docstring)."""
-    nb = nbformat.read(path, as_version=4)
+def defined_and_free(source: str) -> tuple[set, set]:
+    """(the names a cell's code binds, the names it reads without binding them itself); none for a
+    cell that is not plain Python (an IPython magic)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set(), set()
+    bound, read = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (read if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return bound, read - bound
+
+
+def stored_run_groups(nb) -> list[list[int]]:
+    """The cells to re-render, in groups that run together: a cell that reads a stored run, then each
+    following code cell that reads a name the group defines and does not define it itself."""
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
-    for i in (i for i in code[1:] if STORED_RUN in nb.cells[i].source):
+    groups = []
+    for position, i in enumerate(code[1:], start=1):
+        if STORED_RUN not in nb.cells[i].source:
+            continue
+        group, defined = [i], defined_and_free(nb.cells[i].source)[0]
+        for j in code[position + 1:]:
+            bound, free = defined_and_free(nb.cells[j].source)
+            if STORED_RUN in nb.cells[j].source or not free & defined:
+                break
+            group.append(j)
+            defined |= bound
+        groups.append(group)
+    return groups
+
+
+def render_stored_runs(path: pathlib.Path) -> None:
+    """Re-run the cells of ``path`` that read a stored benchmark run, and the cells that draw on
+    them, each group after the first code cell in a notebook of its own, and store their outputs
+    (module docstring)."""
+    nb = nbformat.read(path, as_version=4)
+    first = next(i for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
+    for group in stored_run_groups(nb):
         # copies: running a cell replaces its outputs, and the import cell keeps its GPU run's; running
         # also rewrites the kernel's language_info, and the notebook keeps its GPU run's
-        pair = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[code[0]], nb.cells[i]]),
-                                        metadata=copy.deepcopy(nb.metadata))
-        NotebookClient(pair, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,
+        alone = nbformat.v4.new_notebook(cells=copy.deepcopy([nb.cells[first]] + [nb.cells[i] for i in group]),
+                                         metadata=copy.deepcopy(nb.metadata))
+        NotebookClient(alone, timeout=600, kernel_name="python3", record_timing=False, allow_errors=False,
                        resources={"metadata": {"path": str(path.parent)}}).execute()
-        nb.cells[i].outputs = pair.cells[1].outputs
-        print(f"  {path.name} cell {i}: outputs re-rendered from the stored run", flush=True)
+        for i, cell in zip(group, alone.cells[1:]):
+            nb.cells[i].outputs = cell.outputs
+            print(f"  {path.name} cell {i}: outputs re-rendered from the stored run", flush=True)
     nbformat.write(nb, path)
 
 

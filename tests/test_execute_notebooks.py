@@ -37,6 +37,28 @@ def test_stored_runs_rerenders_only_the_cells_that_read_a_benchmark_file(tmp_pat
     assert [o["text"] for o in nb.cells[0].outputs] == ["the GPU machine\n"]
 
 
+def test_stored_runs_rerenders_the_cells_that_draw_on_a_stored_run_cell(tmp_path):
+    """The primer draws its roofline in the cell after the one that reads the runs, from that cell's
+    variables: the drawing must be re-rendered with it, and a later cell that binds the same name
+    itself (a GPU cell) must keep its outputs."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "toy_bench.json").write_text(json.dumps({"ms": 1.25}))
+    cells = [nbformat.v4.new_code_cell("import json\nimport pathlib"),
+             nbformat.v4.new_code_cell('ms = json.loads(pathlib.Path("data/toy_bench.json").read_text())["ms"]\nprint(ms)',
+                                       outputs=[stream("0.5\n")]),
+             nbformat.v4.new_markdown_cell("The figure:"),
+             nbformat.v4.new_code_cell("half = ms / 2\nprint('drawn', half)", outputs=[stream("drawn 0.25\n")]),
+             nbformat.v4.new_code_cell("print('drawn again', half)", outputs=[stream("drawn again 0.25\n")]),
+             nbformat.v4.new_code_cell("ms = 1 / 0\nprint(ms)", outputs=[stream("gpu output\n")])]
+    path = tmp_path / "toy.ipynb"
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernel}), path)
+    assert execute_notebooks.main(["--stored-runs", str(path)]) == 0
+    nb = nbformat.read(path, as_version=4)
+    assert [[o["text"] for o in nb.cells[i].outputs] for i in (1, 3, 4, 5)] == [
+        ["1.25\n"], ["drawn 0.625\n"], ["drawn again 0.625\n"], ["gpu output\n"]]
+
+
 def test_execution_names_the_data_files_a_notebook_wrote(tmp_path, capsys):
     """A chapter that records its run in data/ (chapter 8's models_training.json) must have that file
     kept with the notebook; a device run that copies back the notebook alone loses it, so the
