@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 
 from ..bidirectional import bidirectional_chunk_scan
-from .layers import RMSNormGated, depthwise_conv1d
+from ..conv1d import depthwise_conv1d
+from .layers import RMSNormGated
 from .mamba2 import inverse_softplus_steps
 
 
@@ -66,8 +67,8 @@ class BidirectionalBase(nn.Module):
 
     def conv(self, xBC, seq_idx):
         """The centred depthwise conv and SiLU; no window crosses a packed sequence's boundary."""
-        return self.act(depthwise_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                                         self.conv_left(), seq_idx).transpose(1, 2))
+        return depthwise_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, self.conv_left(), seq_idx,
+                                activation=self.activation).transpose(1, 2)
 
     def heads(self, t):
         return t.unflatten(-1, (self.nheads, self.headdim))

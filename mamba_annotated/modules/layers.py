@@ -92,33 +92,6 @@ class RMSNormGated(nn.Module):
         return rmsnorm_fn(x, self.weight, None, z, self.eps, self.group_size, self.norm_before_gate)
 
 
-def windows(x, left, width, seq_idx):
-    """(batch, channels, L, width): the inputs each output of a depthwise conv sees, position t
-    seeing t - left ... t - left + width - 1; positions outside the sequence, or in another packed
-    sequence (seq_idx, (batch, L)), read as zero."""
-    length = x.shape[-1]
-    pads = (left, width - 1 - left)
-    x = F.pad(x, pads).unfold(-1, width, 1)
-    inside = F.pad(torch.ones_like(seq_idx, dtype=torch.bool), pads).unfold(-1, width, 1)
-    ids = F.pad(seq_idx, pads).unfold(-1, width, 1)
-    same = inside & (ids == seq_idx[..., :length, None])
-    return x * same[:, None].to(x.dtype)
-
-
-def depthwise_conv1d(x, weight, bias, left, seq_idx=None):
-    """A depthwise convolution along time: x (batch, channels, L), weight (channels, 1, width), out
-    (batch, channels, L) with out_t = sum_k weight_k x_{t - left + k} + bias, zero-padded. left =
-    width - 1 is the causal conv of Mamba, left = width // 2 the centred one of Hydra. Without
-    seq_idx it is torch's ``F.conv1d`` (padded by width - 1 on both sides, then sliced, as mamba_ssm
-    does without causal_conv1d); with seq_idx no window reaches into another packed sequence."""
-    width = weight.shape[-1]
-    if seq_idx is None:
-        out = F.conv1d(x, weight, bias, padding=width - 1, groups=x.shape[1])
-        return out[..., width - 1 - left:width - 1 - left + x.shape[-1]]
-    out = (windows(x, left, width, seq_idx) * weight[:, 0, None, :]).sum(-1)
-    return out + bias[:, None] if bias is not None else out
-
-
 def conv_state_of(x, width):
     """The last ``width`` inputs of x (batch, channels, L), zero-padded on the left when L < width:
     the cache a causal conv steps from (mamba_ssm keeps ``width`` of them)."""

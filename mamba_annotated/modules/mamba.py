@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from ..scan import selective_scan
 from ..scan.selective_step import selective_state_update
-from .layers import CachedStates, causal_conv1d_step, conv_state_of, depthwise_conv1d
+from ..conv1d import depthwise_conv1d
+from .layers import CachedStates, causal_conv1d_step, conv_state_of
 from .mamba2 import inverse_softplus_steps
 
 
@@ -83,7 +84,7 @@ class Mamba(CachedStates, nn.Module):
         x, z = xz.chunk(2, dim=1)
         if conv_state is not None:
             conv_state.copy_(conv_state_of(x, self.d_conv))
-        x = self.act(depthwise_conv1d(x, self.conv1d.weight, self.conv1d.bias, self.d_conv - 1))
+        x = depthwise_conv1d(x, self.conv1d.weight, self.conv1d.bias, self.d_conv - 1, activation=self.activation)
         x_dbl = self.x_proj(x.transpose(1, 2))  # (batch, L, dt_rank + 2 d_state)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # the bias goes in as delta_bias

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from ..ssd import ssd_chunk_scan
 from ..ssd.step import ssd_state_update
-from .layers import CachedStates, RMSNormGated, causal_conv1d_step, conv_state_of, depthwise_conv1d
+from ..conv1d import depthwise_conv1d
+from .layers import CachedStates, RMSNormGated, causal_conv1d_step, conv_state_of
 
 
 def inverse_softplus_steps(count, dt_min, dt_max, dt_init_floor, **factory_kwargs):
@@ -140,8 +141,8 @@ class Mamba2(CachedStates, nn.Module):
                 conv_state.copy_(conv_state_of(xBC_t, self.d_conv))
             else:
                 conv_state.copy_(self.varlen_conv_states(xBC_t, cu_seqlens))
-        xBC = self.act(depthwise_conv1d(xBC_t, self.conv1d.weight, self.conv1d.bias, self.d_conv - 1,
-                                        seq_idx).transpose(1, 2))
+        xBC = depthwise_conv1d(xBC_t, self.conv1d.weight, self.conv1d.bias, self.d_conv - 1, seq_idx,
+                               activation=self.activation).transpose(1, 2)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
         y = ssd_chunk_scan(
             x.unflatten(-1, (self.nheads, self.headdim)), dt, A,

@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import attention
-from .layers import RotaryEmbedding, causal_conv1d_step, conv_state_of, depthwise_conv1d
+from ..conv1d import depthwise_conv1d
+from .layers import RotaryEmbedding, causal_conv1d_step, conv_state_of
 
 
 class MHA(nn.Module):

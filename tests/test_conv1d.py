@@ -1,0 +1,109 @@
+"""The depthwise conv kernels (mamba_annotated/conv1d.py) against the float64 formula: causal and
+centred windows, widths 2 to 4, odd lengths, packed sequences, with and without bias and SiLU, the
+blocks' transposed views and plain contiguous inputs, every float dtype, forward and every gradient;
+and the blocks that use them against the torch path they replaced."""
+import pytest
+import torch
+
+from mamba_annotated.conv1d import depthwise_conv1d, depthwise_conv_ref
+from mamba_annotated.runtime import DEVICE
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def inputs(batch, channels, length, width, dtype, layout):
+    """Fresh draws (tests/conftest.py seeds each test) in one of three layouts."""
+    if layout == "channels_last":  # the blocks' (batch, L, channels) activations, seen as (batch, channels, L)
+        x = torch.randn(batch, length, channels).transpose(1, 2)
+    elif layout == "contiguous":
+        x = torch.randn(batch, channels, length)
+    else:  # every other position of a wider tensor: no stride is the natural one
+        x = torch.randn(batch, channels, 2 * length)[..., ::2]
+    weight = torch.randn(channels, width) / width
+    bias = torch.randn(channels)
+    return x.to(DEVICE, dtype), weight.to(DEVICE), bias.to(DEVICE)
+
+
+def packed_ids(batch, length):
+    """(batch, L) int32: each row cut into 1 to 4 sequences at random positions."""
+    rows = []
+    for _ in range(batch):
+        cuts = torch.randint(1, max(length, 2), (int(torch.randint(0, 4, (1,))),))
+        rows.append(torch.bucketize(torch.arange(length), cuts.sort().values, right=True))
+    return torch.stack(rows).to(DEVICE, torch.int32)
+
+
+def relative_error(ours, ref):
+    return ((ours.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+CASES = [  # (batch, channels, length, width, left)
+    (2, 24, 37, 4, 3),     # Mamba's causal conv, an odd length
+    (1, 40, 1, 4, 3),      # one position
+    (3, 17, 70, 3, 1),     # Hydra's centred conv (width 3: one past, one future)
+    (2, 33, 50, 4, 2),     # width 4 centred: two past, one future
+    (1, 8, 5, 2, 0),       # a window that sees only the present and the future
+]
+
+
+@pytest.mark.parametrize("batch,channels,length,width,left", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous", "strided"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_forward_and_gradients_match_float64(batch, channels, length, width, left, dtype, layout, packed):
+    x, weight, bias = inputs(batch, channels, length, width, dtype, layout)
+    seq_idx = packed_ids(batch, length) if packed else None
+    for silu, with_bias in ((True, True), (False, False)):
+        b = bias if with_bias else None
+        xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        bs = b.detach().requires_grad_() if b is not None else None
+        out = depthwise_conv1d(xs, ws, bs, left, seq_idx, activation="silu" if silu else None)
+        assert out.shape == x.shape and out.dtype == dtype
+        x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+        b64 = b.detach().double().requires_grad_() if b is not None else None
+        ref = depthwise_conv_ref(x64, w64, b64, left, seq_idx, silu=silu)
+        assert relative_error(out, ref) < TOLERANCE[dtype]
+        d_out = torch.randn(ref.shape).to(DEVICE)
+        out.backward(d_out.to(dtype))
+        ref.backward(d_out.double())
+        assert relative_error(xs.grad, x64.grad) < TOLERANCE[dtype]
+        assert xs.grad.dtype == dtype and ws.grad.dtype == weight.dtype
+        # the weight's and bias's gradients sum over every position: float32 sums of 16-bit products
+        assert relative_error(ws.grad, w64.grad) < TOLERANCE[dtype]
+        if b is not None:
+            assert relative_error(bs.grad, b64.grad) < TOLERANCE[dtype]
+
+
+def test_no_window_reaches_into_another_sequence():
+    """Changing one packed sequence leaves every output and input gradient of the others as they were."""
+    x, weight, bias = inputs(1, 16, 30, 4, torch.float32, "channels_last")
+    seq_idx = torch.tensor([[0] * 10 + [1] * 12 + [2] * 8], dtype=torch.int32, device=DEVICE)
+    changed = x.clone()
+    changed[..., 10:22] = 100.0
+    for left in (3, 1):
+        ours = [depthwise_conv1d(t, weight, bias, left, seq_idx, activation="silu") for t in (x, changed)]
+        others = torch.cat([torch.arange(10), torch.arange(22, 30)])
+        assert torch.equal(ours[0][..., others], ours[1][..., others])
+
+
+def test_nn_conv1d_weight_and_default_causal_window():
+    """nn.Conv1d's (channels, 1, width) weight is taken as it is, and left defaults to width - 1,
+    torch's conv padded by width - 1 and cut to the first L outputs (mamba_ssm's path without
+    causal_conv1d)."""
+    conv = torch.nn.Conv1d(12, 12, 4, groups=12, padding=3).to(DEVICE)
+    x = torch.randn(2, 12, 19, device=DEVICE)
+    expected = conv(x)[..., :19]
+    assert torch.allclose(depthwise_conv1d(x, conv.weight, conv.bias), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_inputs_and_refusals():
+    x = torch.zeros(2, 5, 0, device=DEVICE, requires_grad=True)
+    weight = torch.randn(5, 4, device=DEVICE, requires_grad=True)
+    out = depthwise_conv1d(x, weight, None, activation="silu")
+    assert out.shape == (2, 5, 0)
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+    with pytest.raises(ValueError, match="left"):
+        depthwise_conv1d(x, weight, None, 4)
+    with pytest.raises(NotImplementedError, match="activation"):
+        depthwise_conv1d(x, weight, None, activation="relu")
