@@ -662,8 +662,9 @@ NOT_DECODING = tuple(f":(exclude)mamba_annotated/attention/{name}"
 NOT_TIMED = tuple(f":(exclude)mamba_annotated/{name}"
                   for name in ("figures.py", "testing.py", "exercises.py", "bidirectional", "modules/hydra.py",
                                "interpreter_calls.py", "interpreter_rounding.py", "interpreter_scan.py"))
-# the model blocks and the training and decoding loops, which only the model run calls
-NOT_MODELS = (":(exclude)mamba_annotated/modules", ":(exclude)mamba_annotated/train.py")
+# the model blocks, their convolution and the training and decoding loops, which only the model run calls
+NOT_MODELS = (":(exclude)mamba_annotated/modules", ":(exclude)mamba_annotated/conv1d.py",
+              ":(exclude)mamba_annotated/train.py")
 MEASURED_CODE = {
     "linear_scan_bench.json": ("mamba_annotated/scan",),
     "selective_scan_bench.json": ("mamba_annotated/scan",),

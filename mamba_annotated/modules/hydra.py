@@ -48,7 +48,6 @@ class BidirectionalBase(nn.Module):
                                 bias=conv_bias, **factory_kwargs)
         if conv_init is not None:
             nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
-        self.act = nn.SiLU()
         self.dt_bias = nn.Parameter(inverse_softplus_steps(self.nheads, dt_min, dt_max, dt_init_floor,
                                                            **factory_kwargs))
         self.dt_bias._no_weight_decay = True

@@ -19,8 +19,8 @@ class Mamba(CachedStates, nn.Module):
     with the same return conventions, so a mamba_ssm checkpoint loads with ``strict=True``.
 
     in_proj makes x and the gate z (d_inner each); x goes through a causal depthwise conv of width
-    d_conv (torch's ``F.conv1d``, padded and sliced: mamba_ssm's path without causal_conv1d) and
-    SiLU; x_proj makes the low-rank step (dt_rank), B and C (d_state each); dt_proj lifts the step to
+    d_conv and SiLU (one kernel, :func:`~mamba_annotated.conv1d.depthwise_conv1d`, as mamba_ssm's
+    path with the causal_conv1d package); x_proj makes the low-rank step (dt_rank), B and C (d_state each); dt_proj lifts the step to
     d_inner channels, its bias being the scan's delta_bias; :func:`~mamba_annotated.selective_scan`
     (softplus, D, the gate silu(z)); out_proj.
 

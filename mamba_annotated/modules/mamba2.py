@@ -26,9 +26,10 @@ class Mamba2(CachedStates, nn.Module):
     with the same return conventions, so a mamba_ssm checkpoint loads with ``strict=True``.
 
     in_proj makes [z0, x0, z, xBC, dt] (the first two only when d_ssm < d_inner: a gated MLP on the
-    rest); xBC goes through a causal depthwise conv of width d_conv and SiLU (torch's ``F.conv1d``,
-    padded and sliced: mamba_ssm's path without the causal_conv1d package; with seq_idx the conv
-    does not reach across packed sequences, as causal_conv1d's); x, B, C go to
+    rest); xBC goes through a causal depthwise conv of width d_conv and SiLU (one kernel,
+    :func:`~mamba_annotated.conv1d.depthwise_conv1d`, as mamba_ssm's path with the causal_conv1d
+    package; with seq_idx the conv does not reach across packed sequences, as causal_conv1d's);
+    x, B, C go to
     :func:`~mamba_annotated.ssd_chunk_scan` (dt_bias, softplus, dt_limit); the gated RMS norm
     (group size d_ssm / ngroups, ``norm_before_gate``; :class:`.layers.RMSNormGated`, the
     gated-norm kernel) or, with ``rmsnorm=False``, the gate silu(z) inside the scan; out_proj.
