@@ -9,13 +9,14 @@ x's dtype at the store:
 
 x reads as zero before the start and past the end and, with ``seq_idx`` (batch, L), wherever its
 position belongs to another packed sequence than t's. left = width - 1 is Mamba's causal conv (the
-causal_conv1d package's); left = width // 2 is Hydra's centred one.
+causal_conv1d package's); left = (width - 1) // 2 is Hydra's centred one.
 
 Why a kernel: the blocks hold these activations as (batch, L, channels), the in-projection's layout,
 and torch's ``F.conv1d`` wants channels first: the path it replaces transposed, padded, convolved
 with a generic depthwise kernel, sliced, transposed back and applied SiLU as a separate kernel, and
 its backward did the same. This kernel reads x through its strides (a transposed view costs
-nothing), and writes ``out`` channels-last, so the block's transpose back is a view too.
+nothing), and writes ``out`` channels-last, the layout the Mamba-2 and Hydra blocks go on in, so
+their transpose back is a view too (Mamba-1's selective scan takes channels first and copies).
 
 Backward, with g = d out: d pre = g * silu'(pre) (pre recomputed from x), d bias = sum of d pre,
 d weight_k = sum_t d pre_t x_{t - left + k}, and d x_s = sum_k weight_k d pre_{s + left - k} over
@@ -31,9 +32,10 @@ import triton
 import triton.language as tl
 
 from . import outputs
-from .library import absent, define_op
+from .library import absent, contiguous, define_op
 from .runtime import size
 from .triton_ops import cdiv, silu_and_slope
+from .validation import check_same_device, check_tensor
 
 # (positions, channels) per program: 64 channels of 16-bit data are one 128-byte line per position
 BLOCK_T, BLOCK_C = size(gpu=(64, 64), cpu=(16, 16))
@@ -43,15 +45,15 @@ WARPS = 4
 @triton.jit
 def _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
                 SHIFT: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """x at positions t + SHIFT for channels c, as float32, and where it counts: inside [0, L) and,
-    with seq_idx, in t's sequence."""
+    """x at positions t + SHIFT for channels c, as float32; zero where it does not count: outside
+    [0, L) and, with seq_idx, outside t's sequence. Offsets are 64-bit: one row may pass 2^31 elements."""
     s = t + SHIFT
     ok = (s >= 0) & (s < length)
     if HAS_SEQ:
         ok = ok & (tl.load(seq_ptr + batch * length + s, mask=ok, other=0) == seq_t)
     mask = ok[:, None] & (c < channels)[None, :]
-    offsets = batch * stride_xb + s.to(tl.int64)[:, None] * stride_xt + c[None, :] * stride_xc
-    return tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32), ok
+    offsets = batch * stride_xb + s.to(tl.int64)[:, None] * stride_xt + c.to(tl.int64)[None, :] * stride_xc
+    return tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -62,8 +64,8 @@ def _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, ch
     c_ok = c < channels
     pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(WIDTH):
-        xs, _ = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
-                            k - LEFT, HAS_SEQ)
+        xs = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
+                         k - LEFT, HAS_SEQ)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         pre += xs * w[None, :]
     if HAS_BIAS:
@@ -81,9 +83,10 @@ def _tile(length, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _sequence_of(seq_ptr, batch, t, length, HAS_SEQ: tl.constexpr):
+    """The packed-sequence id of each position t (without seq_idx, t itself, which nothing reads)."""
     if HAS_SEQ:
         return tl.load(seq_ptr + batch * length + t, mask=t < length, other=0)
-    return t  # unused
+    return t
 
 
 @triton.jit
@@ -115,20 +118,20 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
     tile of positions), (WIDTH, channels)) and d bias (slot, (channels,))."""
     batch, t, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_t = _sequence_of(seq_ptr, batch, t, length, HAS_SEQ)
-    g = tl.load(dout_ptr + batch * stride_gb + t.to(tl.int64)[:, None] * stride_gt + c[None, :] * stride_gc,
-                mask=inside, other=0.0).to(tl.float32)
+    g_offsets = batch * stride_gb + t.to(tl.int64)[:, None] * stride_gt + c.to(tl.int64)[None, :] * stride_gc
+    g = tl.load(dout_ptr + g_offsets, mask=inside, other=0.0).to(tl.float32)
     if SILU:
         pre = _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, channels,
                               stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
                               WIDTH, LEFT, HAS_BIAS, HAS_SEQ, BLOCK_T, BLOCK_C)
         _, slope = silu_and_slope(pre)
-        g = tl.where(inside, g * slope, 0.0)  # a select: slope at padding positions is not read
+        g = g * slope  # zero outside the tile: g was loaded as zero there, and pre there is finite
     tl.store(dpre_ptr + (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :], g, mask=inside)
     slot = batch * tl.num_programs(0) + tl.program_id(0)
     c_ok = c < channels
     for k in tl.static_range(WIDTH):
-        xs, _ = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
-                            k - LEFT, HAS_SEQ)
+        xs = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
+                         k - LEFT, HAS_SEQ)
         tl.store(dw_ptr + (slot * WIDTH + k) * channels + c, tl.sum(g * xs, axis=0), mask=c_ok)
     if HAS_BIAS:
         tl.store(db_ptr + slot * channels + c, tl.sum(g, axis=0), mask=c_ok)
@@ -136,7 +139,7 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
 
 @triton.jit
 def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channels, stride_wc, stride_wk,
-                                WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_SEQ: tl.constexpr,
+                                stride_pb, stride_pt, WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_SEQ: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """d x_s = sum_k weight_k d pre_{s + LEFT - k} over the outputs whose window holds s; dx is
     (batch, L, channels), contiguous. The masks are those of the forward pass seen from s: output
@@ -146,30 +149,29 @@ def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channe
     c_ok = c < channels
     dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(WIDTH):
-        # d pre is channels-last and contiguous: its strides are (L * channels, channels, 1)
-        dpre, _ = _window_tap(dpre_ptr, seq_ptr, batch, s, c, seq_s, length, channels, length * channels, 1,
-                              channels, LEFT - k, HAS_SEQ)
+        dpre = _window_tap(dpre_ptr, seq_ptr, batch, s, c, seq_s, length, channels, stride_pb, 1, stride_pt,
+                           LEFT - k, HAS_SEQ)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         dx += dpre * w[None, :]
     tl.store(dx_ptr + (batch * length + s.to(tl.int64))[:, None] * channels + c[None, :],
              dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
-def channels_last(batch, channels, length, dtype, device):
+def empty_channels_last(batch, channels, length, dtype, device):
     """A (batch, channels, L) tensor whose memory is (batch, L, channels): the blocks' layout."""
     return outputs.empty((batch, length, channels), dtype, device).transpose(1, 2)
 
 
-def grid(batch, channels, length):
+def conv_grid(batch, channels, length):
     return cdiv(length, BLOCK_T), cdiv(channels, BLOCK_C), batch
 
 
 def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor],
                  left: int, silu: bool) -> torch.Tensor:
     batch, channels, length = x.shape
-    out = channels_last(batch, channels, length, x.dtype, x.device)
+    out = empty_channels_last(batch, channels, length, x.dtype, x.device)
     if x.numel():
-        depthwise_conv_fwd_kernel[grid(batch, channels, length)](
+        depthwise_conv_fwd_kernel[conv_grid(batch, channels, length)](
             x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, out,
             length, channels, *x.stride(), *weight.stride(),
             WIDTH=weight.shape[1], LEFT=left, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu,
@@ -186,10 +188,10 @@ def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """(dx like x's shape, channels-last; d weight like weight; d bias like bias, or absent)."""
     batch, channels, length = x.shape
     width = weight.shape[1]
-    dx = channels_last(batch, channels, length, x.dtype, x.device)
+    dx = empty_channels_last(batch, channels, length, x.dtype, x.device)
     if not x.numel():
-        return [dx, torch.zeros_like(weight), torch.zeros_like(bias) if bias is not None else absent(x)]
-    tiles = grid(batch, channels, length)
+        return [dx, weight.new_zeros(weight.shape), bias.new_zeros(bias.shape) if bias is not None else absent(x)]
+    tiles = conv_grid(batch, channels, length)
     slots = batch * tiles[0]
     dpre = outputs.empty((batch, length, channels), torch.float32, x.device)
     dw = outputs.empty((slots, width, channels), torch.float32, x.device)
@@ -201,9 +203,10 @@ def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         WIDTH=width, LEFT=left, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu,
         BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     depthwise_conv_bwd_x_kernel[tiles](
-        dpre, weight, seq, dx, length, channels, *weight.stride(),
+        dpre, weight, seq, dx, length, channels, *weight.stride(), dpre.stride(0), dpre.stride(1),
         WIDTH=width, LEFT=left, HAS_SEQ=seq_idx is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
-    return [dx, dw.sum(0).t().contiguous().to(weight.dtype), db.sum(0).to(bias.dtype) if bias is not None else absent(x)]
+    d_weight = dw.sum(0).t().contiguous().to(weight.dtype)
+    return [dx, d_weight, db.sum(0).to(bias.dtype) if bias is not None else absent(x)]
 
 
 def fake_conv_backward(x, weight, bias, seq_idx, left, silu, d_out):
@@ -229,7 +232,7 @@ depthwise_conv_op = define_op("depthwise_conv1d", conv_forward, fake_conv_forwar
                               save_conv, conv_grads)
 
 
-def depthwise_conv_ref(x, weight, bias, left, seq_idx=None, silu=False):
+def depthwise_conv_ref(x, weight, bias, left, seq_idx=None, activation=None):
     """The module docstring's formula in torch ops, in x's dtype's arithmetic (the tests' float64
     reference): x (batch, channels, L), weight (channels, width)."""
     width, length = weight.shape[1], x.shape[-1]
@@ -242,25 +245,38 @@ def depthwise_conv_ref(x, weight, bias, left, seq_idx=None, silu=False):
     out = (windows * weight[:, None, :]).sum(-1)
     if bias is not None:
         out = out + bias[:, None]
-    return torch.nn.functional.silu(out) if silu else out
+    return torch.nn.functional.silu(out) if activation is not None else out
 
 
 def depthwise_conv1d(x, weight, bias=None, left=None, seq_idx=None, activation=None):
     """x (batch, channels, L) of a float dtype, any strides (the blocks pass a transposed view of
     their (batch, L, channels) activations); weight (channels, width) or nn.Conv1d's (channels, 1,
-    width); bias (channels,) or None; ``left`` the past positions each window sees (default
-    width - 1, causal); ``seq_idx`` (batch, L) int32 ids of packed sequences, or None;
-    ``activation`` None or "silu"/"swish". Returns (batch, channels, L) in x's dtype, its memory
-    channels-last. Differentiable in x, weight and bias (float32 sums, gradients in their dtypes)."""
-    if weight.dim() == 3:
+    width), any float dtype and strides; bias (channels,) or None; ``left`` the past positions each
+    window sees (default width - 1, causal); ``seq_idx`` (batch, L) integer ids of packed sequences,
+    or None; ``activation`` None or "silu"/"swish". Returns (batch, channels, L) in x's dtype (under
+    autocast too, with or without seq_idx), its memory channels-last. Differentiable in x, weight
+    and bias (float32 sums, gradients in their dtypes)."""
+    check_tensor("x", x, ndim=3)
+    batch, channels, length = x.shape
+    check_tensor("weight", weight)
+    if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape (channels, width) or (channels, 1, width) with channels = "
+                         f"{channels}; got {tuple(weight.shape)}")
+    check_same_device("weight", weight, "x", x)
+    if bias is not None:
+        check_tensor("bias", bias, shape=(channels,))
+        check_same_device("bias", bias, "x", x)
+    if seq_idx is not None:
+        check_tensor("seq_idx", seq_idx, dtypes=(torch.int32, torch.int64), shape=(batch, length))
+        check_same_device("seq_idx", seq_idx, "x", x)
+        seq_idx = seq_idx.to(torch.int32).contiguous()
     width = weight.shape[1]
     left = width - 1 if left is None else int(left)
     if not 0 <= left < width:
         raise ValueError(f"left must be in [0, width) = [0, {width}); got {left}")
     if activation not in (None, "silu", "swish"):
         raise NotImplementedError(f"activation: {activation!r} is not implemented (None, 'silu' or 'swish')")
-    if seq_idx is not None and seq_idx.dtype != torch.int32:
-        seq_idx = seq_idx.to(torch.int32)
-    return depthwise_conv_op(x, weight, bias, seq_idx.contiguous() if seq_idx is not None else None, left,
-                             activation is not None)
+    # the kernels read the bias at the channel index
+    return depthwise_conv_op(x, weight, contiguous(bias), seq_idx, left, activation is not None)

@@ -1,7 +1,7 @@
 """The depthwise conv kernels (mamba_annotated/conv1d.py) against the float64 formula: causal and
 centred windows, widths 2 to 4, odd lengths, packed sequences, with and without bias and SiLU, the
 blocks' transposed views and plain contiguous inputs, every float dtype, forward and every gradient;
-and the blocks that use them against the torch path they replaced."""
+and the input checks. (tests/test_modules.py runs the blocks that call it.)"""
 import pytest
 import torch
 
@@ -19,8 +19,10 @@ def inputs(batch, channels, length, width, dtype, layout):
         x = torch.randn(batch, channels, length)
     else:  # every other position of a wider tensor: no stride is the natural one
         x = torch.randn(batch, channels, 2 * length)[..., ::2]
-    weight = torch.randn(channels, width) / width
-    bias = torch.randn(channels)
+    # a transposed weight and a strided bias: the kernels read the weight through its strides, and the
+    # op makes the bias contiguous
+    weight = torch.randn(width, channels).t() / width
+    bias = torch.randn(2 * channels)[::2]
     return x.to(DEVICE, dtype), weight.to(DEVICE), bias.to(DEVICE)
 
 
@@ -41,7 +43,8 @@ CASES = [  # (batch, channels, length, width, left)
     (2, 24, 37, 4, 3),     # Mamba's causal conv, an odd length
     (1, 40, 1, 4, 3),      # one position
     (3, 17, 70, 3, 1),     # Hydra's centred conv (width 3: one past, one future)
-    (2, 33, 50, 4, 2),     # width 4 centred: two past, one future
+    (2, 33, 50, 4, 1),     # width 4 centred as Hydra's ((width - 1) // 2 past, two future)
+    (2, 130, 150, 4, 2),   # channels and positions over several of the GPU's 64 x 64 tiles
     (1, 8, 5, 2, 0),       # a window that sees only the present and the future
 ]
 
@@ -61,7 +64,7 @@ def test_forward_and_gradients_match_float64(batch, channels, length, width, lef
         assert out.shape == x.shape and out.dtype == dtype
         x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
         b64 = b.detach().double().requires_grad_() if b is not None else None
-        ref = depthwise_conv_ref(x64, w64, b64, left, seq_idx, silu=silu)
+        ref = depthwise_conv_ref(x64, w64, b64, left, seq_idx, activation="silu" if silu else None)
         assert relative_error(out, ref) < TOLERANCE[dtype]
         d_out = torch.randn(ref.shape).to(DEVICE)
         out.backward(d_out.to(dtype))
@@ -80,10 +83,17 @@ def test_no_window_reaches_into_another_sequence():
     seq_idx = torch.tensor([[0] * 10 + [1] * 12 + [2] * 8], dtype=torch.int32, device=DEVICE)
     changed = x.clone()
     changed[..., 10:22] = 100.0
+    d_out = torch.randn(x.shape, device=DEVICE)
+    others = torch.cat([torch.arange(10), torch.arange(22, 30)])
     for left in (3, 1):
-        ours = [depthwise_conv1d(t, weight, bias, left, seq_idx, activation="silu") for t in (x, changed)]
-        others = torch.cat([torch.arange(10), torch.arange(22, 30)])
-        assert torch.equal(ours[0][..., others], ours[1][..., others])
+        outs, grads = [], []
+        for t in (x, changed):
+            t = t.detach().requires_grad_()
+            out = depthwise_conv1d(t, weight, bias, left, seq_idx, activation="silu")
+            outs.append(out)
+            grads.append(torch.autograd.grad(out, t, d_out)[0])
+        assert torch.equal(outs[0][..., others], outs[1][..., others])
+        assert torch.equal(grads[0][..., others], grads[1][..., others])
 
 
 def test_nn_conv1d_weight_and_default_causal_window():
@@ -107,3 +117,12 @@ def test_empty_inputs_and_refusals():
         depthwise_conv1d(x, weight, None, 4)
     with pytest.raises(NotImplementedError, match="activation"):
         depthwise_conv1d(x, weight, None, activation="relu")
+    x = torch.randn(2, 5, 7, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        depthwise_conv1d(x, torch.randn(4, 4, device=DEVICE))  # 4 filters for 5 channels
+    with pytest.raises(ValueError, match="bias"):
+        depthwise_conv1d(x, weight, torch.randn(4, device=DEVICE))
+    with pytest.raises(ValueError, match="seq_idx"):
+        depthwise_conv1d(x, weight, seq_idx=torch.zeros(1, 7, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="x"):
+        depthwise_conv1d(x.double(), weight)

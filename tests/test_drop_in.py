@@ -252,9 +252,9 @@ def non_contiguous_op_args():
          (packed_q, packed_k, packed_v, cu_seqlens, cu_seqlens, 8, 8, 0.25, -1, 0, 0.0, None, 0.0, None)),
         ("gated_rms_norm", gated_rms_norm_op,
          (*grad(split_view(1, 17, 24)), *grad(randn(24), randn(24), split_view(1, 17, 24)), 1e-5, 12, False)),
-        # the blocks' conv input: a slice of the in_proj output, transposed; nn.Conv1d's weight seen as (channels, width)
+        # the blocks' conv input: a slice of the in_proj output, transposed; a transposed weight
         ("depthwise_conv1d", depthwise_conv_op,
-         (*grad(split_view(2, 17, 24).transpose(1, 2), randn(24, 1, 4)[:, 0], randn(24)),
+         (*grad(split_view(2, 17, 24).transpose(1, 2), randn(4, 24).t(), randn(24)),
           torch.tensor([[0] * 9 + [1] * 8, [0] * 17], dtype=torch.int32, device=DEVICE), 3, True)),
     ]
 

@@ -235,9 +235,10 @@ class LMHeadModel(nn.Module):
         and launch code, which a replay skips (it runs the recorded kernels from one call). CUDA
         only, on the current device, and only for models whose layers are all Mamba or Mamba-2
         blocks (an attention layer's cache position is a host integer here, which a graph would
-        freeze). The replay runs the eager step's kernels, so it gives the same tokens. Each call captures afresh (mamba_ssm keeps its graph on the model),
-        which costs about three eager steps: two warm-up steps, whose state updates are undone from
-        a copy of the states, and the capture.
+        freeze). The replay runs the eager step's kernels, so it gives the same tokens. Each call
+        captures afresh (mamba_ssm keeps its graph on the model), which costs about three eager
+        steps: two warm-up steps, whose state updates are undone from a copy of the states, and the
+        capture.
 
         Where this differs from mamba_ssm: the logits are cut to the configuration's vocabulary
         (``vocab_size``, when given, cuts them there instead), so no padding id is ever drawn,

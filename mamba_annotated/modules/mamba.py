@@ -20,9 +20,9 @@ class Mamba(CachedStates, nn.Module):
 
     in_proj makes x and the gate z (d_inner each); x goes through a causal depthwise conv of width
     d_conv and SiLU (one kernel, :func:`~mamba_annotated.conv1d.depthwise_conv1d`, as mamba_ssm's
-    path with the causal_conv1d package); x_proj makes the low-rank step (dt_rank), B and C (d_state each); dt_proj lifts the step to
-    d_inner channels, its bias being the scan's delta_bias; :func:`~mamba_annotated.selective_scan`
-    (softplus, D, the gate silu(z)); out_proj.
+    path with the causal_conv1d package); x_proj makes the low-rank step (dt_rank), B and C
+    (d_state each); dt_proj lifts the step to d_inner channels, its bias being the scan's
+    delta_bias; :func:`~mamba_annotated.selective_scan` (softplus, D, the gate silu(z)); out_proj.
 
     ``use_fast_path``: mamba_ssm's fused ``mamba_inner_fn`` computes what its unfused path computes;
     here both values run the unfused path (the attribute is kept). ``dt_init`` other than "random"
