@@ -82,6 +82,12 @@ def _tile(length, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
+def _channels_last(batch, t, c, length, channels):
+    """Offsets of positions t, channels c in a contiguous (batch, L, channels) tensor (out, d pre, dx)."""
+    return (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :]
+
+
+@triton.jit
 def _sequence_of(seq_ptr, batch, t, length, HAS_SEQ: tl.constexpr):
     """The packed-sequence id of each position t (without seq_idx, t itself, which nothing reads)."""
     if HAS_SEQ:
@@ -102,9 +108,7 @@ def depthwise_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, out_ptr, length, cha
                           WIDTH, LEFT, HAS_BIAS, HAS_SEQ, BLOCK_T, BLOCK_C)
     if SILU:
         out, _ = silu_and_slope(out)
-    # out is (batch, L, channels), contiguous
-    offsets = (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + _channels_last(batch, t, c, length, channels), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -126,7 +130,7 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
                               WIDTH, LEFT, HAS_BIAS, HAS_SEQ, BLOCK_T, BLOCK_C)
         _, slope = silu_and_slope(pre)
         g = g * slope  # zero outside the tile: g was loaded as zero there, and pre there is finite
-    tl.store(dpre_ptr + (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :], g, mask=inside)
+    tl.store(dpre_ptr + _channels_last(batch, t, c, length, channels), g, mask=inside)
     slot = batch * tl.num_programs(0) + tl.program_id(0)
     c_ok = c < channels
     for k in tl.static_range(WIDTH):
@@ -153,8 +157,7 @@ def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channe
                            LEFT - k, HAS_SEQ)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         dx += dpre * w[None, :]
-    tl.store(dx_ptr + (batch * length + s.to(tl.int64))[:, None] * channels + c[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    tl.store(dx_ptr + _channels_last(batch, s, c, length, channels), dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
 def empty_channels_last(batch, channels, length, dtype, device):

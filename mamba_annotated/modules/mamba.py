@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..conv1d import depthwise_conv1d
 from ..scan import selective_scan
 from ..scan.selective_step import selective_state_update
-from ..conv1d import depthwise_conv1d
 from .layers import CachedStates, causal_conv1d_step, conv_state_of
 from .mamba2 import inverse_softplus_steps
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..conv1d import depthwise_conv1d
 from ..ssd import ssd_chunk_scan
 from ..ssd.step import ssd_state_update
-from ..conv1d import depthwise_conv1d
 from .layers import CachedStates, RMSNormGated, causal_conv1d_step, conv_state_of
 
 
