@@ -178,7 +178,7 @@ def ssd(data):
     tables = [Table("ssd_chunk_scan against mamba_ssm's mamba_chunk_scan_combined (bfloat16, chunk 256)",
                     "ssd_bench.json", d["device"],
                     ["shape (b, L, h, p, n)", "pass", "ours ms", "TFLOP/s", "of floor", "mamba_ssm ms", "speed",
-                     "peak MB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
+                     "peak MiB ours / theirs"], rows, verdict.sentences("ssd_chunk_scan"))]
     run = ssd_variants_run(data)
     variants = [r for r in run["variants"] if r["impl"] == "ours"] if run else []
     if variants:
@@ -404,7 +404,7 @@ def models(data):
              "from a CUDA graph over mamba_ssm's decoding from one; L: the training length, or the prompt before "
              "decoding)")
     return [Table(title, "models_bench.json", d["device"], ["pass", "batch", "L", "implementation", "tokens/s",
-                                                            "speed", "peak GB"], rows,
+                                                            "speed", "peak GiB"], rows,
                   [line for impl, verdict in verdicts.items()
                    for line in verdict.sentences("The model on " + impl.replace("ours", "our kernels")
                                                  .replace(", torch.compile", " under torch.compile")
