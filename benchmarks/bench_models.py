@@ -43,8 +43,8 @@ QUICK_TRAINING = [dict(batch=2, seq_len=1024)]
 QUICK_DECODING = [dict(batch=4, prompt_len=128, new_tokens=32)]
 # 30 timed steps, a few seconds per model (the first two pay for compiling and autotuning: train's untimed_steps)
 TRAIN_STEPS = 32
-# each training row is the median of this many runs: on an H200 one run's tokens/s differed by 7 to
-# 31 % between two runs in a row of the same model, while its kernel time per step stayed at 80 ms
+# each training row is the median of this many runs: on an H200 two runs of the same model, one run
+# of another between them, differed by 7 to 31 % in tokens/s, while its kernel time per step stayed at 80 ms
 TRAIN_ROUNDS = 3
 
 
