@@ -11,19 +11,25 @@ from mamba_annotated.runtime import DEVICE
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
+def on_device(*shape, dtype=torch.float32):
+    """Fresh draws (tests/conftest.py seeds each test) made on the device: a view taken after
+    ``.to(DEVICE)`` keeps its strides, where moving a view with gaps would copy it dense."""
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
 def inputs(batch, channels, length, width, dtype, layout):
-    """Fresh draws (tests/conftest.py seeds each test) in one of three layouts."""
+    """x in one of three layouts, a weight and a bias."""
     if layout == "channels_last":  # the blocks' (batch, L, channels) activations, seen as (batch, channels, L)
-        x = torch.randn(batch, length, channels).transpose(1, 2)
+        x = on_device(batch, length, channels, dtype=dtype).transpose(1, 2)
     elif layout == "contiguous":
-        x = torch.randn(batch, channels, length)
+        x = on_device(batch, channels, length, dtype=dtype)
     else:  # every other position of a wider tensor: no stride is the natural one
-        x = torch.randn(batch, channels, 2 * length)[..., ::2]
+        x = on_device(batch, channels, 2 * length, dtype=dtype)[..., ::2]
     # a transposed weight and a strided bias: the kernels read the weight through its strides, and the
     # op makes the bias contiguous
-    weight = torch.randn(width, channels).t() / width
-    bias = torch.randn(2 * channels)[::2]
-    return x.to(DEVICE, dtype), weight.to(DEVICE), bias.to(DEVICE)
+    weight = on_device(width, channels).t() / width
+    bias = on_device(2 * channels)[::2]
+    return x, weight, bias
 
 
 def packed_ids(batch, length):
@@ -66,7 +72,7 @@ def test_forward_and_gradients_match_float64(batch, channels, length, width, lef
         b64 = b.detach().double().requires_grad_() if b is not None else None
         ref = depthwise_conv_ref(x64, w64, b64, left, seq_idx, activation="silu" if silu else None)
         assert relative_error(out, ref) < TOLERANCE[dtype]
-        d_out = torch.randn(ref.shape).to(DEVICE)
+        d_out = on_device(*ref.shape)
         out.backward(d_out.to(dtype))
         ref.backward(d_out.double())
         assert relative_error(xs.grad, x64.grad) < TOLERANCE[dtype]
