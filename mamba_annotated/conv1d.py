@@ -34,7 +34,7 @@ import triton.language as tl
 from . import outputs
 from .library import absent, contiguous, define_op
 from .runtime import size
-from .triton_ops import cdiv, silu_and_slope
+from .triton_ops import alignment, cdiv, known_multiple, silu_and_slope
 from .validation import check_same_device, check_tensor
 
 # (positions, channels) per program: 64 channels of 16-bit data are one 128-byte line per position
@@ -44,9 +44,11 @@ WARPS = 4
 
 @triton.jit
 def _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
-                SHIFT: tl.constexpr, HAS_SEQ: tl.constexpr):
+                SHIFT: tl.constexpr, HAS_SEQ: tl.constexpr, ALIGN: tl.constexpr):
     """x at positions t + SHIFT for channels c, as float32; zero where it does not count: outside
-    [0, L) and, with seq_idx, outside t's sequence. Offsets are 64-bit: one row may pass 2^31 elements."""
+    [0, L) and, with seq_idx, outside t's sequence. Offsets are 64-bit: one row may pass 2^31
+    elements. ALIGN divides stride_xb and stride_xt (see ``launch_alignment``)."""
+    stride_xb, stride_xt = known_multiple(stride_xb, ALIGN), known_multiple(stride_xt, ALIGN)
     s = t + SHIFT
     ok = (s >= 0) & (s < length)
     if HAS_SEQ:
@@ -60,12 +62,12 @@ def _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb,
 def _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, channels,
                     stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
                     WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                    ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     c_ok = c < channels
     pre = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(WIDTH):
         xs = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
-                         k - LEFT, HAS_SEQ)
+                         k - LEFT, HAS_SEQ, ALIGN)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         pre += xs * w[None, :]
     if HAS_BIAS:
@@ -82,8 +84,9 @@ def _tile(length, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _channels_last(batch, t, c, length, channels):
+def _channels_last(batch, t, c, length, channels, ALIGN: tl.constexpr):
     """Offsets of positions t, channels c in a contiguous (batch, L, channels) tensor (out, d pre, dx)."""
+    channels = known_multiple(channels, ALIGN)
     return (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :]
 
 
@@ -99,16 +102,16 @@ def _sequence_of(seq_ptr, batch, t, length, HAS_SEQ: tl.constexpr):
 def depthwise_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, out_ptr, length, channels,
                               stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
                               WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
+                              HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ALIGN: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     batch, t, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_t = _sequence_of(seq_ptr, batch, t, length, HAS_SEQ)
     out = _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, channels,
                           stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
-                          WIDTH, LEFT, HAS_BIAS, HAS_SEQ, BLOCK_T, BLOCK_C)
+                          WIDTH, LEFT, HAS_BIAS, HAS_SEQ, ALIGN, BLOCK_T, BLOCK_C)
     if SILU:
         out, _ = silu_and_slope(out)
-    tl.store(out_ptr + _channels_last(batch, t, c, length, channels), out.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + _channels_last(batch, t, c, length, channels, ALIGN), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -116,26 +119,27 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
                                   stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
                                   stride_gb, stride_gc, stride_gt,
                                   WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
+                                  HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ALIGN: tl.constexpr,
                                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """d pre (float32, (batch, L, channels)) and this tile's partial sums of d weight (slot (batch,
     tile of positions), (WIDTH, channels)) and d bias (slot, (channels,))."""
     batch, t, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_t = _sequence_of(seq_ptr, batch, t, length, HAS_SEQ)
+    stride_gb, stride_gt = known_multiple(stride_gb, ALIGN), known_multiple(stride_gt, ALIGN)
     g_offsets = batch * stride_gb + t.to(tl.int64)[:, None] * stride_gt + c.to(tl.int64)[None, :] * stride_gc
     g = tl.load(dout_ptr + g_offsets, mask=inside, other=0.0).to(tl.float32)
     if SILU:
         pre = _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, channels,
                               stride_xb, stride_xc, stride_xt, stride_wc, stride_wk,
-                              WIDTH, LEFT, HAS_BIAS, HAS_SEQ, BLOCK_T, BLOCK_C)
+                              WIDTH, LEFT, HAS_BIAS, HAS_SEQ, ALIGN, BLOCK_T, BLOCK_C)
         _, slope = silu_and_slope(pre)
         g = g * slope  # zero outside the tile: g was loaded as zero there, and pre there is finite
-    tl.store(dpre_ptr + _channels_last(batch, t, c, length, channels), g, mask=inside)
+    tl.store(dpre_ptr + _channels_last(batch, t, c, length, channels, ALIGN), g, mask=inside)
     slot = batch * tl.num_programs(0) + tl.program_id(0)
     c_ok = c < channels
     for k in tl.static_range(WIDTH):
         xs = _window_tap(x_ptr, seq_ptr, batch, t, c, seq_t, length, channels, stride_xb, stride_xc, stride_xt,
-                         k - LEFT, HAS_SEQ)
+                         k - LEFT, HAS_SEQ, ALIGN)
         tl.store(dw_ptr + (slot * WIDTH + k) * channels + c, tl.sum(g * xs, axis=0), mask=c_ok)
     if HAS_BIAS:
         tl.store(db_ptr + slot * channels + c, tl.sum(g, axis=0), mask=c_ok)
@@ -144,7 +148,7 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
 @triton.jit
 def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channels, stride_wc, stride_wk,
                                 stride_pb, stride_pt, WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_SEQ: tl.constexpr,
-                                BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                                ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """d x_s = sum_k weight_k d pre_{s + LEFT - k} over the outputs whose window holds s; dx is
     (batch, L, channels), contiguous. The masks are those of the forward pass seen from s: output
     t = s + LEFT - k counts where it is inside [0, L) and, with seq_idx, in s's sequence."""
@@ -154,15 +158,22 @@ def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channe
     dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for k in tl.static_range(WIDTH):
         dpre = _window_tap(dpre_ptr, seq_ptr, batch, s, c, seq_s, length, channels, stride_pb, 1, stride_pt,
-                           LEFT - k, HAS_SEQ)
+                           LEFT - k, HAS_SEQ, ALIGN)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         dx += dpre * w[None, :]
-    tl.store(dx_ptr + _channels_last(batch, s, c, length, channels), dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    tl.store(dx_ptr + _channels_last(batch, s, c, length, channels, ALIGN), dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
 def empty_channels_last(batch, channels, length, dtype, device):
     """A (batch, channels, L) tensor whose memory is (batch, L, channels): the blocks' layout."""
     return outputs.empty((batch, length, channels), dtype, device).transpose(1, 2)
+
+
+def launch_alignment(channels, *tensors):
+    """What divides the channel count (the row stride of what a kernel writes) and every stride it
+    multiplies a batch or a position by, for ``known_multiple``: each tensor is (batch, channels,
+    L), its channel axis the fast one."""
+    return alignment(channels, *(stride for t in tensors for stride in (t.stride(0), t.stride(2))))
 
 
 def conv_grid(batch, channels, length):
@@ -178,7 +189,7 @@ def conv_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             x, weight, bias if bias is not None else weight, seq_idx if seq_idx is not None else x, out,
             length, channels, *x.stride(), *weight.stride(),
             WIDTH=weight.shape[1], LEFT=left, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu,
-            BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
+            ALIGN=launch_alignment(channels, x), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     return out
 
 
@@ -204,10 +215,11 @@ def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         x, weight, bias if bias is not None else weight, seq, d_out, dpre, dw, db if db is not None else dw,
         length, channels, *x.stride(), *weight.stride(), *d_out.stride(),
         WIDTH=width, LEFT=left, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu,
-        BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
+        ALIGN=launch_alignment(channels, x, d_out), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     depthwise_conv_bwd_x_kernel[tiles](
         dpre, weight, seq, dx, length, channels, *weight.stride(), dpre.stride(0), dpre.stride(1),
-        WIDTH=width, LEFT=left, HAS_SEQ=seq_idx is not None, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
+        WIDTH=width, LEFT=left, HAS_SEQ=seq_idx is not None, ALIGN=launch_alignment(channels, dpre.transpose(1, 2)),
+        BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     d_weight = dw.sum(0).t().contiguous().to(weight.dtype)
     return [dx, d_weight, db.sum(0).to(bias.dtype) if bias is not None else absent(x)]
 

@@ -34,7 +34,7 @@ import triton.language as tl
 from . import outputs
 from .library import absent, contiguous, define_op, last_dim_contiguous
 from .runtime import DEVICE, sm_count
-from .triton_ops import block_size, cdiv, silu_and_slope
+from .triton_ops import alignment, block_size, cdiv, known_multiple, silu_and_slope
 from .validation import check_same_device, check_tensor
 
 
@@ -42,9 +42,12 @@ from .validation import check_same_device, check_tensor
 def gated_rms_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, out_ptr, rstd_ptr, n_groups, group_size, eps,
                               stride_x, stride_z, stride_out,
                               HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    group_size = known_multiple(group_size, ALIGN)
+    stride_x, stride_z, stride_out = (known_multiple(stride_x, ALIGN), known_multiple(stride_z, ALIGN),
+                                      known_multiple(stride_out, ALIGN))
     k = tl.arange(0, BLOCK)
     ok = k < group_size
     cols = g * group_size + k
@@ -69,9 +72,12 @@ def gated_rms_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, b_ptr, rstd_ptr, dy_ptr, dx_p
                               rows, rows_per_band, n_groups, group_size, width, eps,
                               stride_x, stride_z, stride_dy,
                               HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr,
-                              BLOCK: tl.constexpr):
+                              ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     band = tl.program_id(0)
     g = tl.program_id(1)
+    group_size, width = known_multiple(group_size, ALIGN), known_multiple(width, ALIGN)
+    stride_x, stride_z, stride_dy = (known_multiple(stride_x, ALIGN), known_multiple(stride_z, ALIGN),
+                                     known_multiple(stride_dy, ALIGN))
     k = tl.arange(0, BLOCK)
     ok = k < group_size
     cols = g * group_size + k
@@ -133,9 +139,13 @@ def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     return last_dim_contiguous(t.reshape(-1, width))
 
 
-def launch_options(group_size: int) -> dict:
+def launch_options(group_size: int, *rows: Optional[torch.Tensor]) -> dict:
+    """The block and warps for a group, and for ``known_multiple`` what divides the group size and
+    the row strides of the inputs ``rows`` (2-d; None for an absent z). The outputs are contiguous,
+    their rows a whole number of groups wide."""
     block = block_size(group_size)
-    return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    align = alignment(group_size, *(t.stride(0) for t in rows if t is not None))
+    return dict(BLOCK=block, num_warps=min(16, max(1, block // 256)), ALIGN=align)
 
 
 def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -153,7 +163,7 @@ def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional
             x2, z2 if z2 is not None else x2, weight, bias if bias is not None else weight, out, rstd, n_groups,
             group_size, eps, x2.stride(0), z2.stride(0) if z2 is not None else 0, width,
             HAS_Z=z is not None, HAS_BIAS=bias is not None, NORM_BEFORE_GATE=norm_before_gate,
-            **launch_options(group_size))
+            **launch_options(group_size, x2, z2))
     return out, rstd
 
 
@@ -186,7 +196,7 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
             dz if dz is not None else dx, dw, db if db is not None else dw, rows, rows_per_band, n_groups,
             group_size, width, eps, x2.stride(0), z2.stride(0) if z2 is not None else 0, dy2.stride(0),
             HAS_Z=z is not None, HAS_BIAS=bias is not None, NORM_BEFORE_GATE=norm_before_gate,
-            **launch_options(group_size))
+            **launch_options(group_size, x2, z2, dy2))
     return [dx, dw.sum(0).to(weight.dtype), db.sum(0).to(bias.dtype) if bias is not None else absent(x),
             dz if dz is not None else absent(x)]
 

@@ -18,9 +18,13 @@
   that checked pass.
 * ``rounded_product``: ``a * b`` rounded before a ``tl.sum`` adds it, so every lane of a warp
   agrees on the sum (below).
+* ``known_multiple`` and ``alignment``: telling the compiler what divides a stride, so that loads
+  through it can be vector-wide.
 * ``block_size``: the power-of-two tile that covers a dimension, within bounds; ``state_rows``: the
   rows of a recurrent state one decoding-step program updates.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -158,6 +162,24 @@ def sequence_run(seq_row, stride_seq_l, chunk_start, chunk_end, owner, CHUNK: tl
     ids = tl.load(seq_row + (chunk_start + k).to(tl.int64) * stride_seq_l, mask=inside, other=0)
     owned = inside & (ids == owner)
     return tl.min(tl.where(owned, k, CHUNK), 0), tl.max(tl.where(owned, k, -1), 0) + 1
+
+
+@triton.jit
+def known_multiple(value, ALIGN: tl.constexpr):
+    """``value``, a stride or size from the host that ``ALIGN`` divides (:func:`alignment`), in a
+    form from which Triton can tell. Triton knows of an integer argument only whether 16 divides it,
+    and when it does not, every load through it is one element wide. A row stride that 8 divides
+    and 16 does not (a slice of mamba_ssm's in-projection output, which is 2 d_inner + 2 groups
+    d_state + heads wide) would then read bfloat16 rows 2 bytes at a time where 16 would do.
+    ``value // ALIGN * ALIGN`` is ``value`` again, and a product with a constant is a multiple of it."""
+    if ALIGN > 1:
+        value = value // ALIGN * ALIGN
+    return value
+
+
+def alignment(*values: int) -> int:
+    """The largest power of two up to 16 that divides every one of ``values`` (:func:`known_multiple`)."""
+    return math.gcd(16, *values)
 
 
 def cdiv(a: int, b: int) -> int:

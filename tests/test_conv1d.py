@@ -11,25 +11,21 @@ from mamba_annotated.runtime import DEVICE
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
-def on_device(*shape, dtype=torch.float32):
-    """Fresh draws (tests/conftest.py seeds each test) made on the device: a view taken after
-    ``.to(DEVICE)`` keeps its strides, where moving a view with gaps would copy it dense."""
-    return torch.randn(*shape, device=DEVICE).to(dtype)
-
-
 def inputs(batch, channels, length, width, dtype, layout):
-    """x in one of three layouts, a weight and a bias."""
-    if layout == "channels_last":  # the blocks' (batch, L, channels) activations, seen as (batch, channels, L)
-        x = on_device(batch, length, channels, dtype=dtype).transpose(1, 2)
+    """Fresh draws (tests/conftest.py seeds each test) in one of three layouts."""
+    if layout == "channels_last":  # the blocks' (batch, L, channels) activations, seen as (batch, channels, L):
+        # a slice of a wider in-projection output, whose row stride (3 channels + 24) is often a
+        # multiple of 8 and not of 16, as in a Mamba-2 block, where the kernels are told what divides it
+        x = torch.randn(batch, length, 3 * channels + 24)[..., channels:2 * channels].transpose(1, 2)
     elif layout == "contiguous":
-        x = on_device(batch, channels, length, dtype=dtype)
+        x = torch.randn(batch, channels, length)
     else:  # every other position of a wider tensor: no stride is the natural one
-        x = on_device(batch, channels, 2 * length, dtype=dtype)[..., ::2]
+        x = torch.randn(batch, channels, 2 * length)[..., ::2]
     # a transposed weight and a strided bias: the kernels read the weight through its strides, and the
     # op makes the bias contiguous
-    weight = on_device(width, channels).t() / width
-    bias = on_device(2 * channels)[::2]
-    return x, weight, bias
+    weight = torch.randn(width, channels).t() / width
+    bias = torch.randn(2 * channels)[::2]
+    return x.to(DEVICE, dtype), weight.to(DEVICE), bias.to(DEVICE)
 
 
 def packed_ids(batch, length):
@@ -72,7 +68,7 @@ def test_forward_and_gradients_match_float64(batch, channels, length, width, lef
         b64 = b.detach().double().requires_grad_() if b is not None else None
         ref = depthwise_conv_ref(x64, w64, b64, left, seq_idx, activation="silu" if silu else None)
         assert relative_error(out, ref) < TOLERANCE[dtype]
-        d_out = on_device(*ref.shape)
+        d_out = torch.randn(ref.shape).to(DEVICE)
         out.backward(d_out.to(dtype))
         ref.backward(d_out.double())
         assert relative_error(xs.grad, x64.grad) < TOLERANCE[dtype]

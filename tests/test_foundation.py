@@ -189,6 +189,22 @@ def test_packed_chunk_state_tiles_are_fetched_as_far_ahead(tmp_path, kernel, til
     assert packed * tiles[0] == plain * tiles[1], (plain, packed)
 
 
+def test_kernels_on_in_projection_slices_load_rows_in_vectors(tmp_path):
+    """compile_offline's ``in_projection`` family: the convolution's and the gated norm's kernels as
+    a Mamba-2 block launches them on slices of its in-projection output, whose row stride (3352 at
+    the model benchmark's width) 8 divides and 16 does not. Told what divides the strides
+    (triton_ops.known_multiple), they read bfloat16 rows in vectors: no load of a single 16-bit
+    element. Without it the compiler, which knows only whether 16 divides an integer argument,
+    read every row element by element (128 such loads in the forward convolution kernel, 256 in
+    the first backward one, 8 in each norm kernel under Triton 3.9)."""
+    kernels = compile_offline(tmp_path, "in_projection")
+    assert sorted(kernels) == sorted(["depthwise_conv_fwd_kernel", "depthwise_conv_bwd_pre_kernel",
+                                      "depthwise_conv_bwd_x_kernel", "gated_rms_norm_fwd_kernel",
+                                      "gated_rms_norm_bwd_kernel"])
+    for name, found in kernels.items():
+        assert found["scalar_16bit_loads"] == 0 and found["vector_loads"] > 0, (name, found)
+
+
 def test_the_backward_kernels_compile_as_launched(tmp_path):
     """compile_offline's ``backward`` family: the kernels of chapter 5's and chapter 6's backward
     passes that read dy with x (the dx kernels and their checked second launches, which keep a NaN

@@ -66,19 +66,21 @@ def test_a_gate_in_another_dtype_than_x(x_dtype, z_dtype):
     assert_gradients_close(ours, ref, dict(x=x, weight=weight, z=z), tol)
 
 
-def test_views_give_what_contiguous_copies_give():
-    """x and z split from one projection (row stride wider than the width), the weight and bias
-    strided, a transposed upstream gradient: the same bits as with contiguous copies, forward and
-    backward."""
+@pytest.mark.parametrize("gap, group_size", [(3, 20), (24, 40)])
+def test_views_give_what_contiguous_copies_give(gap, group_size):
+    """x and z split from one projection (row stride wider than the width: odd, or, as in a Mamba-2
+    block's in-projection, a multiple of 8 and not of 16, where the kernels are told what divides
+    it), the weight and bias strided, a transposed upstream gradient: the same bits as with
+    contiguous copies, forward and backward."""
     rows, width = size(gpu=515, cpu=21), 40
-    proj = randn(rows, 2 * width + 3)
-    x, z = proj[:, :width], proj[:, width + 3:]
+    proj = randn(rows, 2 * width + gap)
+    x, z = proj[:, :width], proj[:, width + gap:]
     weight, bias = (1 + 0.5 * randn(2 * width))[::2], randn(width, 3)[:, 1]
     d_out = randn(width, rows).t()
     results = []
     for views in ((x, weight, bias, z, d_out), [t.contiguous() for t in (x, weight, bias, z, d_out)]):
         leaves = [t.detach().requires_grad_() for t in views[:4]]
-        out = rmsnorm_fn(*leaves, group_size=20, norm_before_gate=False)
+        out = rmsnorm_fn(*leaves, group_size=group_size, norm_before_gate=False)
         results.append((out, *torch.autograd.grad(out, leaves, views[4])))
     for name, got, want in zip(("out", "dx", "dweight", "dbias", "dz"), *results):
         assert torch.equal(got, want), name
