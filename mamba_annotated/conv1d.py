@@ -84,9 +84,8 @@ def _tile(length, channels, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _channels_last(batch, t, c, length, channels, ALIGN: tl.constexpr):
+def _channels_last(batch, t, c, length, channels):
     """Offsets of positions t, channels c in a contiguous (batch, L, channels) tensor (out, d pre, dx)."""
-    channels = known_multiple(channels, ALIGN)
     return (batch * length + t.to(tl.int64))[:, None] * channels + c[None, :]
 
 
@@ -104,6 +103,7 @@ def depthwise_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, out_ptr, length, cha
                               WIDTH: tl.constexpr, LEFT: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ALIGN: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    channels = known_multiple(channels, ALIGN)  # before the masks: lanes of one vector share theirs
     batch, t, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_t = _sequence_of(seq_ptr, batch, t, length, HAS_SEQ)
     out = _pre_activation(x_ptr, w_ptr, b_ptr, seq_ptr, batch, t, c, seq_t, length, channels,
@@ -111,7 +111,7 @@ def depthwise_conv_fwd_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, out_ptr, length, cha
                           WIDTH, LEFT, HAS_BIAS, HAS_SEQ, ALIGN, BLOCK_T, BLOCK_C)
     if SILU:
         out, _ = silu_and_slope(out)
-    tl.store(out_ptr + _channels_last(batch, t, c, length, channels, ALIGN), out.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + _channels_last(batch, t, c, length, channels), out.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -123,6 +123,7 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
                                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """d pre (float32, (batch, L, channels)) and this tile's partial sums of d weight (slot (batch,
     tile of positions), (WIDTH, channels)) and d bias (slot, (channels,))."""
+    channels = known_multiple(channels, ALIGN)
     batch, t, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_t = _sequence_of(seq_ptr, batch, t, length, HAS_SEQ)
     stride_gb, stride_gt = known_multiple(stride_gb, ALIGN), known_multiple(stride_gt, ALIGN)
@@ -134,7 +135,7 @@ def depthwise_conv_bwd_pre_kernel(x_ptr, w_ptr, b_ptr, seq_ptr, dout_ptr, dpre_p
                               WIDTH, LEFT, HAS_BIAS, HAS_SEQ, ALIGN, BLOCK_T, BLOCK_C)
         _, slope = silu_and_slope(pre)
         g = g * slope  # zero outside the tile: g was loaded as zero there, and pre there is finite
-    tl.store(dpre_ptr + _channels_last(batch, t, c, length, channels, ALIGN), g, mask=inside)
+    tl.store(dpre_ptr + _channels_last(batch, t, c, length, channels), g, mask=inside)
     slot = batch * tl.num_programs(0) + tl.program_id(0)
     c_ok = c < channels
     for k in tl.static_range(WIDTH):
@@ -152,6 +153,7 @@ def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channe
     """d x_s = sum_k weight_k d pre_{s + LEFT - k} over the outputs whose window holds s; dx is
     (batch, L, channels), contiguous. The masks are those of the forward pass seen from s: output
     t = s + LEFT - k counts where it is inside [0, L) and, with seq_idx, in s's sequence."""
+    channels = known_multiple(channels, ALIGN)
     batch, s, c, inside = _tile(length, channels, BLOCK_T, BLOCK_C)
     seq_s = _sequence_of(seq_ptr, batch, s, length, HAS_SEQ)
     c_ok = c < channels
@@ -161,7 +163,7 @@ def depthwise_conv_bwd_x_kernel(dpre_ptr, w_ptr, seq_ptr, dx_ptr, length, channe
                            LEFT - k, HAS_SEQ, ALIGN)
         w = tl.load(w_ptr + c * stride_wc + k * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         dx += dpre * w[None, :]
-    tl.store(dx_ptr + _channels_last(batch, s, c, length, channels, ALIGN), dx.to(dx_ptr.dtype.element_ty), mask=inside)
+    tl.store(dx_ptr + _channels_last(batch, s, c, length, channels), dx.to(dx_ptr.dtype.element_ty), mask=inside)
 
 
 def empty_channels_last(batch, channels, length, dtype, device):
@@ -218,7 +220,8 @@ def conv_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ALIGN=launch_alignment(channels, x, d_out), BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     depthwise_conv_bwd_x_kernel[tiles](
         dpre, weight, seq, dx, length, channels, *weight.stride(), dpre.stride(0), dpre.stride(1),
-        WIDTH=width, LEFT=left, HAS_SEQ=seq_idx is not None, ALIGN=launch_alignment(channels, dpre.transpose(1, 2)),
+        WIDTH=width, LEFT=left, HAS_SEQ=seq_idx is not None,
+        ALIGN=alignment(channels),  # d pre is contiguous: its strides are multiples of the channel count
         BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=WARPS)
     d_weight = dw.sum(0).t().contiguous().to(weight.dtype)
     return [dx, d_weight, db.sum(0).to(bias.dtype) if bias is not None else absent(x)]

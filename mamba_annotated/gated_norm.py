@@ -139,9 +139,9 @@ def rows_of(t: torch.Tensor, width: int) -> torch.Tensor:
     return last_dim_contiguous(t.reshape(-1, width))
 
 
-def launch_options(group_size: int, *rows: Optional[torch.Tensor]) -> dict:
+def launch_options(group_size: int, rows: list[Optional[torch.Tensor]]) -> dict:
     """The block and warps for a group, and for ``known_multiple`` what divides the group size and
-    the row strides of the inputs ``rows`` (2-d; None for an absent z). The outputs are contiguous,
+    the row strides of every input ``rows`` (2-d; None for an absent z). The outputs are contiguous,
     their rows a whole number of groups wide."""
     block = block_size(group_size)
     align = alignment(group_size, *(t.stride(0) for t in rows if t is not None))
@@ -163,7 +163,7 @@ def gated_rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional
             x2, z2 if z2 is not None else x2, weight, bias if bias is not None else weight, out, rstd, n_groups,
             group_size, eps, x2.stride(0), z2.stride(0) if z2 is not None else 0, width,
             HAS_Z=z is not None, HAS_BIAS=bias is not None, NORM_BEFORE_GATE=norm_before_gate,
-            **launch_options(group_size, x2, z2))
+            **launch_options(group_size, [x2, z2]))
     return out, rstd
 
 
@@ -196,7 +196,7 @@ def gated_rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
             dz if dz is not None else dx, dw, db if db is not None else dw, rows, rows_per_band, n_groups,
             group_size, width, eps, x2.stride(0), z2.stride(0) if z2 is not None else 0, dy2.stride(0),
             HAS_Z=z is not None, HAS_BIAS=bias is not None, NORM_BEFORE_GATE=norm_before_gate,
-            **launch_options(group_size, x2, z2, dy2))
+            **launch_options(group_size, [x2, z2, dy2]))
     return [dx, dw.sum(0).to(weight.dtype), db.sum(0).to(bias.dtype) if bias is not None else absent(x),
             dz if dz is not None else absent(x)]
 

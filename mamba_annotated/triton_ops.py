@@ -166,13 +166,15 @@ def sequence_run(seq_row, stride_seq_l, chunk_start, chunk_end, owner, CHUNK: tl
 
 @triton.jit
 def known_multiple(value, ALIGN: tl.constexpr):
-    """``value``, a stride or size from the host that ``ALIGN`` divides (:func:`alignment`), in a
+    """``value``, an integer argument of the kernel that ``ALIGN`` divides (:func:`alignment`), in a
     form from which Triton can tell. Triton knows of an integer argument only whether 16 divides it,
     and when it does not, every load through it is one element wide. A row stride that 8 divides
     and 16 does not (a slice of mamba_ssm's in-projection output, which is 2 d_inner + 2 groups
     d_state + heads wide) would then read bfloat16 rows 2 bytes at a time where 16 would do.
-    ``value // ALIGN * ALIGN`` is ``value`` again, and a product with a constant is a multiple of it."""
-    if ALIGN > 1:
+    ``value // ALIGN * ALIGN`` is ``value`` again, and a product with a constant is a multiple of it;
+    an ALIGN that does not divide ``value`` would round it down, to wrong addresses. At 16 Triton
+    knows it already, and the division is left out."""
+    if ALIGN > 1 and ALIGN < 16:
         value = value // ALIGN * ALIGN
     return value
 

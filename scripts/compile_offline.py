@@ -30,7 +30,7 @@ The ``outputs`` family compiles chapter 6's output kernel as launched, with and 
 D and ``seq_idx``. The ``selective`` family compiles chapter 4.9's selective-scan forward and backward
 kernels as launched, plain and with Mamba's D, z, delta_bias and softplus. The ``in_projection``
 family compiles the convolution's and the gated norm's kernels as a Mamba-2 block launches them on
-slices of its in-projection output, whose row stride 16 does not divide.
+slices of its in-projection output, whose row stride or channel count 16 may not divide.
 For every kernel compiled, the report also counts in its TTGIR
 where its tiles go: ``tile_async_copies``, the asynchronous copies of 2-d tiles into shared memory (with
 num_stages s, a tile the pipeline fetches s - 1 steps ahead is copied s times in the IR, s - 1 before
@@ -101,12 +101,14 @@ def tile_counts(compiled) -> dict:
 
 
 def global_loads(compiled) -> dict:
-    """The loads from global memory in a compiled kernel's PTX by width: ``scalar_16bit_loads`` read
-    one 16-bit element each (what a row stride the compiler cannot prove aligned costs a bfloat16
-    tile), ``vector_loads`` 8 or 16 bytes each."""
-    ptx = compiled.asm["ptx"]
-    return dict(scalar_16bit_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.[bu]16\b", ptx)),
-                vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[24]\.", ptx)))
+    """The loads from global memory in a compiled kernel's PTX: ``load_widths`` counts them by vector
+    width and element size ("b16": one 16-bit element, "v4.b32": four 32-bit words...), and
+    ``scalar_16bit_loads`` is its "b16" count (what a row stride the compiler cannot prove aligned
+    costs a bfloat16 tile)."""
+    widths = {}
+    for width in re.findall(r"ld\.global(?:\.(?!v\d)[\w:]+)*\.((?:v\d\.)?[bfsu]\d+)\b", compiled.asm["ptx"]):
+        widths[width] = widths.get(width, 0) + 1
+    return dict(load_widths=widths, scalar_16bit_loads=widths.get("b16", 0) + widths.get("u16", 0))
 
 
 def compile_kernel(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
@@ -366,37 +368,41 @@ def selective_cases():
 
 def in_projection_cases():
     """(name, compile) of the kernels that read a Mamba-2 block's in-projection output through its
-    row stride, as their launchers launch them at bench_models.py's model (d_inner 1536, one group
-    of state 128, 24 heads: rows 2 * 1536 + 2 * 128 + 24 = 3352 wide, which 8 divides and 16 does
-    not), batch 2 x 512, bfloat16: the convolution's three kernels on the xBC slice (causal, SiLU,
-    bias) and the gated norm's two on the z slice (Mamba-2's default: the gate after the norm)."""
+    row stride, as their launchers launch them at bench_models.py's model width (d_inner 1536, one
+    group), batch 2 x 512, bfloat16: the convolution's three kernels on the xBC slice (causal, SiLU,
+    bias) and the gated norm's two on the z slice (Mamba-2's default: the gate after the norm). Each
+    at three layouts, rows 2 d_inner + 2 d_state + heads wide: "rows 3352" (state 128, 24 heads: 8
+    divides the row stride and 16 does not, the benchmark's model), "rows 3360" (32 heads: 16
+    divides it) and "channels 1800" (state 132: 8 divides the channel count and 16 does not)."""
     from mamba_annotated import conv1d, gated_norm
 
-    batch, length, d_inner, dstate, heads, width = 2, 512, 1536, 128, 24, 4
-    zxbcdt = torch.empty(batch, length, 2 * d_inner + 2 * dstate + heads, dtype=torch.bfloat16)
-    z, xBC = zxbcdt[..., :d_inner], zxbcdt[..., d_inner:2 * d_inner + 2 * dstate]
-    channels = xBC.shape[-1]
-    x, weight, bias = xBC.transpose(1, 2), torch.empty(channels, width), torch.empty(channels)
-    d_out = torch.empty(batch, length, channels, dtype=torch.bfloat16).transpose(1, 2)
-    launches = launches_of(conv1d, ("depthwise_conv_fwd_kernel",), conv1d.conv_forward, x, weight, bias, None,
-                           width - 1, True)
-    launches.update(launches_of(conv1d, ("depthwise_conv_bwd_pre_kernel", "depthwise_conv_bwd_x_kernel"),
-                                conv1d.conv_backward, x, weight, bias, None, width - 1, True, d_out))
-    y, norm_weight = torch.empty(batch, length, d_inner, dtype=torch.bfloat16), torch.empty(d_inner)
-    rstd = torch.empty(batch * length, 1)
-    launches.update(launches_of(gated_norm, ("gated_rms_norm_fwd_kernel",), gated_norm.gated_rms_norm_forward,
-                                y, norm_weight, None, z, 1e-5, d_inner, False))
-    sm_count = gated_norm.sm_count
-    gated_norm.sm_count = lambda: 132  # an H100's: the launcher sizes its bands by it (nothing is launched)
-    try:
-        launches.update(launches_of(gated_norm, ("gated_rms_norm_bwd_kernel",), gated_norm.gated_rms_norm_backward,
-                                    y, norm_weight, None, z, rstd, 1e-5, d_inner, False, y))
-    finally:
-        gated_norm.sm_count = sm_count
-    for name, ((args, kwargs),) in launches.items():
-        module = conv1d if name.startswith("depthwise") else gated_norm
-        yield (name, lambda module=module, name=name, args=args, kwargs=kwargs: compile_as_launched(
-            getattr(module, name), args, kwargs))
+    batch, length, d_inner, width = 2, 512, 1536, 4
+    for tag, dstate, heads in (("rows 3352", 128, 24), ("rows 3360", 128, 32), ("channels 1800", 132, 24)):
+        zxbcdt = torch.empty(batch, length, 2 * d_inner + 2 * dstate + heads, dtype=torch.bfloat16)
+        z, xBC = zxbcdt[..., :d_inner], zxbcdt[..., d_inner:2 * d_inner + 2 * dstate]
+        channels = xBC.shape[-1]
+        x, weight, bias = xBC.transpose(1, 2), torch.empty(channels, width), torch.empty(channels)
+        d_out = torch.empty(batch, length, channels, dtype=torch.bfloat16).transpose(1, 2)  # the blocks' layout
+        launches = launches_of(conv1d, ("depthwise_conv_fwd_kernel",), conv1d.conv_forward, x, weight, bias, None,
+                               width - 1, True)
+        launches.update(launches_of(conv1d, ("depthwise_conv_bwd_pre_kernel", "depthwise_conv_bwd_x_kernel"),
+                                    conv1d.conv_backward, x, weight, bias, None, width - 1, True, d_out))
+        y, norm_weight = torch.empty(batch, length, d_inner, dtype=torch.bfloat16), torch.empty(d_inner)
+        rstd = torch.empty(batch * length, 1)
+        launches.update(launches_of(gated_norm, ("gated_rms_norm_fwd_kernel",), gated_norm.gated_rms_norm_forward,
+                                    y, norm_weight, None, z, 1e-5, d_inner, False))
+        sm_count = gated_norm.sm_count
+        gated_norm.sm_count = lambda: 132  # an H100's: the launcher sizes its bands by it (nothing is launched)
+        try:
+            launches.update(launches_of(gated_norm, ("gated_rms_norm_bwd_kernel",),
+                                        gated_norm.gated_rms_norm_backward, y, norm_weight, None, z, rstd, 1e-5,
+                                        d_inner, False, y))
+        finally:
+            gated_norm.sm_count = sm_count
+        for name, ((args, kwargs),) in launches.items():
+            module = conv1d if name.startswith("depthwise") else gated_norm
+            yield (f"{name} {tag}", lambda module=module, name=name, args=args, kwargs=kwargs: compile_as_launched(
+                getattr(module, name), args, kwargs))
 
 
 FAMILIES = {"attention": attention_cases, "ssd": ssd_cases, "scores": scores_cases, "states": states_cases,

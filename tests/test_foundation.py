@@ -189,20 +189,25 @@ def test_packed_chunk_state_tiles_are_fetched_as_far_ahead(tmp_path, kernel, til
     assert packed * tiles[0] == plain * tiles[1], (plain, packed)
 
 
-def test_kernels_on_in_projection_slices_load_rows_in_vectors(tmp_path):
+def test_kernels_on_in_projection_slices_load_rows_as_if_aligned(tmp_path):
     """compile_offline's ``in_projection`` family: the convolution's and the gated norm's kernels as
-    a Mamba-2 block launches them on slices of its in-projection output, whose row stride (3352 at
-    the model benchmark's width) 8 divides and 16 does not. Told what divides the strides
-    (triton_ops.known_multiple), they read bfloat16 rows in vectors: no load of a single 16-bit
-    element. Without it the compiler, which knows only whether 16 divides an integer argument,
-    read every row element by element (128 such loads in the forward convolution kernel, 256 in
-    the first backward one, 8 in each norm kernel under Triton 3.9)."""
+    a Mamba-2 block launches them on slices of its in-projection output. Where 8 divides the row
+    stride (3352 at the model benchmark's width) or the channel count (1800) and 16 does not, told
+    what divides them (triton_ops.known_multiple), they load exactly as where 16 divides both: the
+    same loads of the same widths, none of one 16-bit element. Without the hints the compiler,
+    which knows only whether 16 divides an integer argument, read those rows element by element
+    (under Triton 3.9: 128 such loads in the forward convolution kernel and 256 or 288 in the first
+    backward one; 8 in each norm kernel), and a weaker hint (2 or 4) reads them 4 or 8 bytes at a time."""
     kernels = compile_offline(tmp_path, "in_projection")
-    assert sorted(kernels) == sorted(["depthwise_conv_fwd_kernel", "depthwise_conv_bwd_pre_kernel",
-                                      "depthwise_conv_bwd_x_kernel", "gated_rms_norm_fwd_kernel",
-                                      "gated_rms_norm_bwd_kernel"])
-    for name, found in kernels.items():
-        assert found["scalar_16bit_loads"] == 0 and found["vector_loads"] > 0, (name, found)
+    names = ("depthwise_conv_fwd_kernel", "depthwise_conv_bwd_pre_kernel", "depthwise_conv_bwd_x_kernel",
+             "gated_rms_norm_fwd_kernel", "gated_rms_norm_bwd_kernel")
+    layouts = ("rows 3352", "rows 3360", "channels 1800")
+    assert sorted(kernels) == sorted(f"{name} {layout}" for name in names for layout in layouts)
+    for name in names:
+        aligned = kernels[f"{name} rows 3360"]["load_widths"]
+        assert "b16" not in aligned and any(width.startswith("v4.") for width in aligned), (name, aligned)
+        for layout in ("rows 3352", "channels 1800"):
+            assert kernels[f"{name} {layout}"]["load_widths"] == aligned, (name, layout)
 
 
 def test_the_backward_kernels_compile_as_launched(tmp_path):

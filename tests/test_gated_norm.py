@@ -86,6 +86,26 @@ def test_views_give_what_contiguous_copies_give(gap, group_size):
         assert torch.equal(got, want), name
 
 
+@pytest.mark.parametrize("odd", ["x", "z", "d_out"])
+def test_one_odd_row_stride_among_aligned_ones(odd):
+    """Rows of 40 channels in groups of 40 (8 divides every stride) but one input's rows a slice
+    of rows 43 wide: the kernels may assume only what divides every row stride they read through (a
+    claim that did not hold would round the strides, to wrong addresses). The same bits as with
+    contiguous copies, forward and backward."""
+    rows, width = size(gpu=515, cpu=21), 40
+    views = {name: randn(rows, width + 3)[:, 3:] if name == odd else randn(rows, width)
+             for name in ("x", "z", "d_out")}
+    weight = 1 + 0.5 * randn(width)
+    results = []
+    for x, z, d_out in ((views["x"], views["z"], views["d_out"]),
+                        [views[name].contiguous() for name in ("x", "z", "d_out")]):
+        leaves = [t.detach().requires_grad_() for t in (x, weight, z)]
+        out = rmsnorm_fn(leaves[0], leaves[1], None, leaves[2], group_size=width, norm_before_gate=False)
+        results.append((out, *torch.autograd.grad(out, leaves, d_out)))
+    for name, got, want in zip(("out", "dx", "dweight", "dz"), *results):
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_channel_strided_views_forward_and_gradients(dtype):
     """x and z views whose channels are not adjacent in memory (the view above keeps them adjacent):
