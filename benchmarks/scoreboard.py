@@ -714,8 +714,10 @@ def code_of(source):
 
 def definitions(source):
     """A Python file's top-level functions and classes by name, each as (what it does, docstrings
-    aside; the names its body reads), and everything else at the top level (imports, constants)
-    under None; None where there is no file or it does not parse."""
+    aside; the names its body reads), the names an absolute import binds likewise (a module added
+    for a new helper reaches only what reads it), and everything else at the top level (relative
+    imports, which may register ops as they load, and constants) under None; None where there is
+    no file or it does not parse."""
     try:
         tree = without_docstrings(ast.parse(source)) if source is not None else None
     except SyntaxError:
@@ -726,6 +728,9 @@ def definitions(source):
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             found[node.name] = (ast.dump(node), names_read(node))
+        elif isinstance(node, ast.Import) or isinstance(node, ast.ImportFrom) and not node.level:
+            for alias in node.names:
+                found[(alias.asname or alias.name).split(".")[0]] = (ast.dump(node), set())
         else:
             rest.append(ast.dump(node))
     found[None] = ("\n".join(rest), set())
@@ -802,12 +807,13 @@ def changed_since(commit, *paths, shared=()):
         return True
     if not shared:  # (git diff with no pathspec would name every file)
         return False
-    changed_names, current = set(), {}
+    changed_names, current, imported = set(), {}, set()
     for name in differing(*shared):
         old, new = definitions(git("show", f"{commit}:{name}")), definitions(now(name))
         if old is None or new is None or old[None] != new[None]:
             return True
         changed_names |= {d for d in old.keys() | new.keys() if old.get(d) != new.get(d)}
+        imported |= {d for defs in (old, new) for d, (text, _) in defs.items() if d and text.startswith("Import")}
     if not changed_names:
         return False
     for name in shared:
@@ -819,7 +825,8 @@ def changed_since(commit, *paths, shared=()):
         changed_names |= reached
     measured = (git("ls-files", "--cached", "--others", "--exclude-standard", "--full-name", "--", *paths)
                 or "").splitlines()
-    return any(reads_any(now(name), changed_names) for name in measured if name.endswith(".py"))
+    # a module a shared file imports is bound there: the run's code that reads that name reads its own import
+    return any(reads_any(now(name), changed_names - imported) for name in measured if name.endswith(".py"))
 
 
 def reads_any(source, names):

@@ -142,8 +142,9 @@ def test_the_code_is_compared_with_the_runs_commit_docstrings_and_comments_aside
 def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_path, monkeypatch):
     """A helper file every op imports from (``shared``) makes a run older than its code only where
     its change reaches a definition the run's code names: directly, through another definition of
-    the shared files, or by a change outside the definitions. A helper added or changed for another
-    kernel does not."""
+    the shared files, or by a change outside the definitions (a constant, a relative import). A
+    helper added or changed for another kernel does not, nor does an absolute import that only
+    such a helper reads."""
     commit = repository(tmp_path, monkeypatch)
     helpers = ("import math\n\n\ndef used(x):\n    return inner(x)\n\n\ndef inner(x):\n    return x + 1\n\n\n"
                "def other(x):\n    return x * 2\n")
@@ -160,9 +161,20 @@ def test_a_shared_helper_file_counts_where_its_change_reaches_the_runs_code(tmp_
     assert not older("pkg/scan.py") and older("pkg/ssd.py")
     commit({"pkg/helpers.py": helpers.replace("x + 1", "x + 2")})  # reaches scan through used()
     assert older("pkg/scan.py") and not older("pkg/ssd.py")
-    commit({"pkg/helpers.py": helpers.replace("import math", "import cmath")})  # outside the definitions
+    commit({"pkg/helpers.py": helpers.replace("import math", "import math\n\nSTEP = 1")})  # outside the definitions
     assert older("pkg/scan.py") and older("pkg/ssd.py")
-    commit({"pkg/helpers.py": helpers.replace("def other(x):\n", "def other(x):\n    \"\"\"Doubles.\"\"\"\n")})
+    commit({"pkg/helpers.py": helpers.replace("import math", "import cmath\nimport os.path as osp")})
+    assert not older("pkg/scan.py") and not older("pkg/ssd.py")  # modules that nothing here reads
+    reading = helpers.replace("x * 2", "math.sqrt(x)")
+    run = commit({"pkg/helpers.py": reading, "pkg/scan.py": "import cmath\nfrom .helpers import used\n\n\n"
+                  "def scan(x):\n    return cmath.sqrt(used(x))\n"})  # a run of this code
+    commit({"pkg/helpers.py": reading.replace("import math", "import cmath as math")})
+    assert not older("pkg/scan.py") and older("pkg/ssd.py")  # the import reaches the helper that reads it
+    commit({"pkg/helpers.py": reading.replace("import math", "import math\nimport cmath")})
+    assert not older("pkg/scan.py")  # scan reads its own cmath, not the helpers'
+    commit({"pkg/helpers.py": reading.replace("import math", "import math\nfrom . import registry")})
+    assert older("pkg/scan.py") and older("pkg/ssd.py")  # a relative import may register ops as it loads
+    commit({"pkg/helpers.py": reading.replace("def other(x):\n", "def other(x):\n    \"\"\"Roots.\"\"\"\n")})
     assert not older("pkg/scan.py") and not older("pkg/ssd.py")  # a docstring
     commit({"notes.txt": "not code"})  # without shared files, only the code under the paths counts
     assert not scoreboard.changed_since(run, "pkg/scan.py")
