@@ -67,12 +67,13 @@ def test_a_gate_in_another_dtype_than_x(x_dtype, z_dtype):
 
 
 def assert_layouts_agree(names, views_results, copies_results):
-    """The results from views against those from contiguous copies of them, to float32 rounding
-    (1e-5), not bit for bit: where every row stride of the copies holds a larger power of two than
-    one of the views', the kernels are compiled to read wider vectors (``known_multiple``), Triton
-    lays the block out across the threads differently, and a row's sum of squares is added in
-    another order. (Compiled for sm_90, the odd-stride test's forward kernel holds one element of a
-    row per thread, two with the copies; on an H200 the last bits moved.) A misread stride reads
+    """The results from views against those from contiguous copies of them, to 1e-5 (some 80
+    float32 ulps), not bit for bit. The kernels are told the largest power of two up to 16 that
+    divides every row stride they read (``known_multiple``); where the copies' strides share a
+    larger one than the views', the kernels read wider vectors, Triton lays a block out across the
+    threads differently, and a row's sum is added in another order. (Compiled for sm_90, the
+    odd-stride test's kernels hold one element of a row per thread where the view's stride is odd,
+    two with the copies; on an H200 the last bits of out and dx moved.) A misread stride reads
     other numbers."""
     for name, got, want in zip(names, views_results, copies_results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
