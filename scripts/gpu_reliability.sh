@@ -19,7 +19,7 @@
 # every new specialization of a dozen kernels): those need several calls, each with its own SEED.
 # A device call is capped at 10 minutes: run a few steps per call; the reports accumulate in
 # $REPORTS, and STEPS=summary prints the table at the end.
-# Environment: STEPS (default: all, in the order above), OPS (default: all eleven), JOBS (default 1),
+# Environment: STEPS (default: all, in the order above), OPS (default: all twelve), JOBS (default 1),
 # CASES (sweep cases per op, default 1000), SHARDS (sweep processes per op, splitting CASES;
 # default 1), TIME_BUDGET (seconds per sweep or reproducible process, default 540), SHRINK_BUDGET
 # (seconds of shrinking per sweep failure; default: the rest of TIME_BUDGET),
@@ -32,7 +32,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_reliability: no CUDA device')" || exit 1
 steps=${STEPS:-sweep sanitize reproducible large nonfinite leaks summary}
 ops=${OPS:-linear_scan sequential_scan selective_scan ssd_chunk_scan bidirectional_chunk_scan attention
-attention_varlen attention_with_kvcache ssd_state_update selective_state_update rmsnorm_fn}
+attention_varlen attention_with_kvcache ssd_state_update selective_state_update rmsnorm_fn depthwise_conv1d}
 reports=${REPORTS:-/tmp/reliability}
 budget=${TIME_BUDGET:-540}
 shards=${SHARDS:-1}
@@ -58,7 +58,8 @@ for step in $steps; do
       nonfinite) parallel+=("nonfinite_$op python3 $here/nonfinite.py --ops $op --json $reports/nonfinite_$op.json") ;;
       leaks) parallel+=("leaks_$op python3 $here/leaks.py --ops $op --json $reports/leaks_$op.json") ;;
       # no large check of their own:
-      large) case $op in sequential_scan|selective_scan|attention_varlen|attention_with_kvcache|ssd_state_update|selective_state_update|rmsnorm_fn) ;;
+      large) case $op in sequential_scan|selective_scan|attention_varlen|attention_with_kvcache|ssd_state_update|\
+selective_state_update|rmsnorm_fn|depthwise_conv1d) ;;
                *) serial+=("large_$op python3 $here/large.py --checks $op --json $reports/large_$op.json") ;; esac ;;
       summary) ;;
       *) echo "gpu_reliability: unknown step $step"; exit 2 ;;

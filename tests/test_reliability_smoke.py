@@ -193,6 +193,19 @@ def test_norm_cases_catch_a_norm_five_percent_off(monkeypatch):
     assert failures and failures[0].startswith("out: relative error"), failures
 
 
+def test_conv_cases_catch_a_conv_five_percent_off_and_a_window_one_step_off(monkeypatch):
+    op = cases.OPS["depthwise_conv1d"]
+    params = json.loads(json.dumps(op.small()[0]))
+    assert params["layouts"]["x"] == "projection" and cases.run_case(op, params, 0).failures == []
+    conv = cases.depthwise_conv1d
+    monkeypatch.setattr(cases, "depthwise_conv1d", lambda *args: 1.05 * conv(*args))
+    failures = cases.run_case(op, params, 0).failures
+    assert failures and failures[0].startswith("out: relative error"), failures
+    monkeypatch.setattr(cases, "depthwise_conv1d", lambda x, w, b, left, *rest: conv(x, w, b, left - 1, *rest))
+    failures = cases.run_case(op, params, 0).failures  # (the case's window is causal: left 3 of width 4)
+    assert failures and failures[0].startswith("out: relative error"), failures
+
+
 def test_a_float32_d_dt_bias_past_its_bound_is_judged_against_its_terms_and_a_wrong_one_still_fails(monkeypatch):
     """The size of d dt_bias's terms forgives rounding of that size, not an error of the sum: a d dt_bias
     one percent of its terms off fails at any seed, in the interpreter or on a GPU."""
@@ -789,6 +802,30 @@ def test_nonfinite_probes_report_per_op(tmp_path):
     assert report["attention"]["cases"] == 3
     assert report["ssd_state_update"] == dict(cases=4, failures=0, problems=[])  # x, dt, B, C at the last step
     assert report["rmsnorm_fn"] == dict(cases=2, failures=0, problems=[])  # x and z: only their row is reached
+
+
+def test_conv_probes_reach_the_windows_that_hold_t_in_its_sequence(tmp_path, monkeypatch):
+    """A value at t reaches the outputs t - (width - 1 - left) .. t + left of its own packed
+    sequence; a convolution that let a window cross into the next sequence is caught."""
+    op = cases.OPS["depthwise_conv1d"]
+    one, packed = nonfinite.plain_cases(op)
+    assert one["opts"]["packing"] is None and packed["opts"]["packing"] == "seq_idx" and packed["opts"]["cuts"] == [5]
+    args = op.views(packed, op.inputs(packed))
+    length = packed["dims"]["L"]
+    for t, left, want in ((4, 3, [4]), (4, 1, [2, 3, 4]), (6, 1, [5, 6, 7]),
+                            (length - 1, 0, list(range(length - 4, length)))):
+        params = json.loads(json.dumps(packed))
+        params["dims"]["left"] = left  # width 4
+        reach = nonfinite.reached(op, params, args, "x", t, length)
+        assert reach.nonzero().flatten().tolist() == want, (t, left)
+    out = tmp_path / "n.json"
+    assert nonfinite.main(["--ops", "depthwise_conv1d", "--values", "nan,-inf", "--positions", "first,25",
+                           "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ops"]["depthwise_conv1d"] == dict(cases=8, failures=0, problems=[])
+    conv = cases.depthwise_conv1d
+    monkeypatch.setattr(cases, "depthwise_conv1d", lambda x, w, b, left, seq_idx, act: conv(x, w, b, left, None, act))
+    problems = nonfinite.probe(op, packed, op.inputs(packed), "x", 4, float("nan"))
+    assert problems and "outputs it cannot reach changed" in problems[0], problems
 
 
 def test_kvcache_probes_reach_each_sequence_at_its_own_positions():

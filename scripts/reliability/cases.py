@@ -38,6 +38,7 @@ from mamba_annotated.attention.reference import (attention_logits, geometric_ali
                                                  naive_attention, varlen_reference, window_mask)
 from mamba_annotated.bidirectional.naive import bidirectional_two_calls
 from mamba_annotated.bidirectional.reference import bidirectional_ref
+from mamba_annotated.conv1d import depthwise_conv1d, depthwise_conv_ref
 from mamba_annotated.gated_norm import rmsnorm_ref
 from mamba_annotated.runtime import DEVICE, size
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref
@@ -1715,12 +1716,134 @@ class GatedRMSNorm(Op):
         return verdict
 
 
+class DepthwiseConv1d(Op):
+    """depthwise_conv1d: each channel of x (batch, channels, L) convolved along time with a filter of
+    its own (``left`` past positions, width - 1 - left future ones), a bias and SiLU optional,
+    packed sequences through seq_idx. Besides the common views, x comes as the blocks hand it over:
+    "channels_last", a transposed (batch, L, channels) tensor, and "projection", a transposed slice
+    of a wider (batch, L, gap + channels + 24) in-projection output (channels after a gap of z's,
+    the step sizes' 24 after them), whose row stride 16 may not divide (the kernels are told what
+    does, ``known_multiple``). The weight comes as (channels, width) or as nn.Conv1d's (channels,
+    1, width), in x's dtype or float32."""
+    name = "depthwise_conv1d"
+    minimum = {"batch": 1, "channels": 1, "L": 1, "width": 1, "left": 0, "gap": 0}
+    defaults = {"bias": False, "silu": False, "packing": None, "nn_weight": False}
+    free_dims = ("batch", "L")
+    free_opts = ("cuts",)
+    # channels: odd, a multiple of 8 and not of 16 (as 2 d_inner + 2 d_state can be), the model's
+    # 1792, past a 64-channel tile; widths: Mamba's 4, Hydra's 7, and the edges
+    CHANNELS = (1, 7, 24, 40, 130, 1792, 1800, 3104)
+    WIDTHS = (1, 2, 3, 4, 7)
+    X_LAYOUTS = ("projection", "channels_last") + LAYOUTS
+
+    def draw(self, rng):
+        dtype = rng.choice(list(DTYPES))
+        width = rng.choice(self.WIDTHS)
+        dims = dict(batch=rng.randint(1, 3), channels=rng.choice(size(gpu=self.CHANNELS, cpu=self.CHANNELS[:5])),
+                    L=draw_length(rng, size(gpu=(64, 128), cpu=(16,)), size(gpu=8192 + 37, cpu=40)), width=width,
+                    left=pick(rng, (2, width - 1), (1, (width - 1) // 2), (1, rng.randrange(width))),
+                    gap=rng.choice((0, 3, 8, 1536)))
+        packing = rng.choice([None, "seq_idx"])
+        opts = dict(bias=rng.random() < 0.5, silu=rng.random() < 0.5, packing=packing,
+                    cuts=draw_packing(rng, dims["L"], size(gpu=64, cpu=16)) if packing else [],
+                    weight_dtype=rng.choice([dtype, "float32"]), nn_weight=rng.random() < 0.3)
+        layouts = draw_layouts(rng, ("weight", "bias"))
+        layouts["x"] = rng.choice(self.X_LAYOUTS) if rng.random() < 0.7 else "contiguous"
+        return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=layouts))
+
+    def fix(self, params):
+        d, opts = params["dims"], params["opts"]
+        d["left"] = min(d["left"], d["width"] - 1)
+        d["L"] = max(1, min(d["L"], size(gpu=1 << 24, cpu=1 << 12) // (d["batch"] * d["channels"])))
+        opts["cuts"] = [c for c in opts["cuts"] if c < d["L"]] if opts["packing"] else []
+        return params
+
+    def shapes(self, params):
+        d = params["dims"]
+        return dict(x=(d["batch"], d["channels"], d["L"]), weight=(d["channels"], d["width"]), bias=(d["channels"],))
+
+    def x_memory(self, params):
+        """The (batch, L, row) tensor that the "projection" and "channels_last" layouts view."""
+        d = params["dims"]
+        row = d["gap"] + d["channels"] + 24 if params["layouts"]["x"] == "projection" else d["channels"]
+        return d["batch"], d["L"], row
+
+    def inputs(self, params):
+        dtype, opts, lay, s = DTYPES[params["dtype"]], params["opts"], params["layouts"], self.shapes(params)
+        width = params["dims"]["width"]
+        if lay["x"] in ("projection", "channels_last"):
+            x = randn(*self.x_memory(params), dtype=dtype).requires_grad_()
+        else:
+            x = leaf(lambda t: randn(*t, dtype=dtype), s["x"], lay["x"])
+        leaves = dict(x=x, weight=leaf(lambda t: randn(*t, dtype=DTYPES[opts["weight_dtype"]]) / width, s["weight"],
+                                       lay.get("weight", "contiguous")))
+        if opts["bias"]:
+            leaves["bias"] = leaf(lambda t: 0.3 * randn(*t), s["bias"], lay.get("bias", "contiguous"))
+        if opts["packing"]:
+            leaves["seq_idx"] = seq_ids(opts["cuts"], params["dims"]["batch"], params["dims"]["L"])
+        return leaves
+
+    def views(self, params, leaves):
+        lay, d = params["layouts"], params["dims"]
+        args = super().views(params, {k: v for k, v in leaves.items() if k != "x"})
+        if lay["x"] == "projection":
+            args["x"] = leaves["x"][..., d["gap"]:d["gap"] + d["channels"]].transpose(1, 2)
+        elif lay["x"] == "channels_last":
+            args["x"] = leaves["x"].transpose(1, 2)
+        else:
+            args["x"] = view(leaves["x"], self.shapes(params)["x"], lay["x"])
+        return args
+
+    def call(self, params, conv, nn_weight=False):
+        d, opts = params["dims"], params["opts"]
+
+        def run(x, weight, bias=None, seq_idx=None):
+            return (conv(x, weight.unsqueeze(1) if nn_weight else weight, bias, d["left"], seq_idx,
+                         "silu" if opts["silu"] else None),)
+        return run
+
+    def ours(self, params):
+        return self.call(params, depthwise_conv1d, params["opts"]["nn_weight"])
+
+    def reach(self, params, t, positions):
+        """The outputs whose window holds position t: t - (width - 1 - left) to t + left."""
+        d = params["dims"]
+        return (positions >= t - (d["width"] - 1 - d["left"])) & (positions <= t + d["left"])
+
+    def small(self):
+        return [dict(dims=dict(batch=2, channels=24, L=size(gpu=301, cpu=21), width=4, left=left, gap=8), dtype=dtype,
+                     opts=dict(bias=True, silu=True, packing="seq_idx", cuts=[5], weight_dtype="float32",
+                               nn_weight=nn_weight),
+                     layouts=dict(x="projection", weight="transposed", bias="strided"))
+                for dtype, left, nn_weight in (("float32", 3, False), ("bfloat16", 1, True))]
+
+    def judge(self, params, leaves, seed):
+        verdict = Verdict()
+        dtype = max(DTYPES[params["dtype"]], DTYPES[params["opts"]["weight_dtype"]], key=tolerance)
+        tol = tolerance(dtype)
+        fn, ref_fn = self.ours(params), self.call(params, depthwise_conv_ref)
+        args, args64 = self.views(params, leaves), self.views(params, as64(leaves))
+        with torch.no_grad():
+            outputs = fn(**args)
+            compare(verdict, "out", outputs[0], ref_fn(**args64)[0], tol)
+        ours, want = both_gradients(fn, ref_fn, args, args64, seed, outputs)
+        for name in want:
+            verdict.errors[f"grad {name}"] = error_against(ours[name], want[name])
+        past = [name for name in want if not verdict.errors[f"grad {name}"] < tol]
+        if past:
+            # d weight and d bias sum over every position and batch row, terms of both signs: past the
+            # bound they fail only where the same formula in torch ops at the inputs' dtypes does better
+            judge_typical_errors(verdict, past, fn, self.call(params, depthwise_conv_ref), ref_fn, args, args64,
+                                 flat(outputs), seed, dtype, factor=2.0)
+        return verdict
+
+
 OPS = {op.name: op for op in (FirstOrderScan("linear_scan", linear_scan),
                               FirstOrderScan("sequential_scan", sequential_scan), SelectiveScan(),
                               SSDChunkScan(), BidirectionalChunkScan(), Attention(), AttentionVarlen(),
                               AttentionWithKVCache(),
                               SSDStateUpdate(),
-                              SelectiveStateUpdate(), GatedRMSNorm())}
+                              SelectiveStateUpdate(), GatedRMSNorm(), DepthwiseConv1d())}
 
 
 # ---------------------------------------------------------------- running one case

@@ -1,6 +1,7 @@
 """Non-finite inputs (scripts/gpu_reliability.sh, step ``nonfinite``): a NaN, +inf or -inf at
 position t of one input must not reach the outputs it cannot reach (for a causal op, positions
-before t; for the bidirectional op, the other packed sequences; for the norm, the other rows):
+before t; for the bidirectional op, the other packed sequences; for the norm, the other rows; for
+the convolution, the positions whose window does not hold t, and the other packed sequences):
 those stay the same bits as without it. Where it does reach, each output is non-finite exactly
 where the float64 reference on the same inputs is non-finite (never a finite garbage value, never a NaN the math has not got).
 Forward, then a backward pass that must not crash. Ops are not fixed here: failures are reported.
@@ -28,6 +29,7 @@ from cli import comma_list, write_report  # noqa: E402
 from mamba_annotated.attention.api import resolve_window  # noqa: E402
 from mamba_annotated.attention.reference import window_mask  # noqa: E402
 from mamba_annotated.bidirectional.reference import bidirectional_ref, packed_seq_idx  # noqa: E402
+from mamba_annotated.conv1d import depthwise_conv_ref  # noqa: E402
 from mamba_annotated.scan.reference import linear_scan_ref, selective_scan_ref  # noqa: E402
 from mamba_annotated.ssd.reference import ssd_quadratic_ref  # noqa: E402
 from mamba_annotated.testing import seed_everything  # noqa: E402
@@ -39,7 +41,7 @@ PROBES = {"linear_scan": (("a", "b"), -1, -1), "sequential_scan": (("a", "b"), -
           "attention_varlen": (("q", "k", "v"), 0, 0),
           "attention_with_kvcache": (("q", "k", "v", "k_cache", "v_cache"), 1, 1),
           "ssd_state_update": (("x", "dt", "B", "C"), 1, 1), "selective_state_update": (("x", "dt", "B", "C"), 1, 1),
-          "rmsnorm_fn": (("x", "z"), 1, 1)}
+          "rmsnorm_fn": (("x", "z"), 1, 1), "depthwise_conv1d": (("x",), -1, -1)}
 VALUES = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -67,7 +69,7 @@ def plain_cases(op):
         params["opts"]["causal"] = True
     if op.name == "attention_with_kvcache":  # cache row b holds sequence b: a position t of the cache is one key
         params["opts"]["layout"] = "contiguous"
-    if op.name not in ("ssd_chunk_scan", "bidirectional_chunk_scan"):
+    if op.name not in ("ssd_chunk_scan", "bidirectional_chunk_scan", "depthwise_conv1d"):
         return [params]
     packed = json.loads(json.dumps(params))
     params["opts"]["packing"], packed["opts"]["packing"] = None, "seq_idx"
@@ -81,6 +83,8 @@ def reference(op, params):
         return lambda **a: op.reference(params)(**a)[0]
     if op.name == "rmsnorm_fn":
         return lambda **a: op.call(params, rms_norm_f64)(**a)[0]
+    if op.name == "depthwise_conv1d":
+        return lambda **a: op.call(params, depthwise_conv_ref)(**a)[0]
     if op.name in ("linear_scan", "sequential_scan"):
         return lambda a, b, h0=None: linear_scan_ref(a, b, h0, opts["reverse"])
     if op.name == "selective_scan":
@@ -102,7 +106,8 @@ def reference(op, params):
 def reached(op, params, args, name, t, length):
     """(batch-independent) positions of the output the poison may reach: from t on (causal), and
     only in t's packed sequence; for attention, the rows whose window holds key t (k, v) or row t
-    (q); for the bidirectional op, t's packed sequence. For attention over a KV cache, (batch,
+    (q); for the bidirectional op, t's packed sequence; for the convolution, the positions of t's
+    packed sequence whose window holds t. For attention over a KV cache, (batch,
     length): each sequence's own rows (its keys sit at positions of its own,
     :meth:`cases.AttentionWithKVCache.reach`); over packed sequences, the rows of t's sequence
     (:meth:`cases.AttentionVarlen.reach`)."""
@@ -121,6 +126,8 @@ def reached(op, params, args, name, t, length):
     if args.get("seq_idx") is not None or args.get("cu_seqlens") is not None:
         ids = packed_seq_idx(args.get("seq_idx"), args.get("cu_seqlens"), length)[0].cpu()
         same_sequence = ids == ids[t]
+    if op.name == "depthwise_conv1d":  # the windows that hold t, within its sequence
+        return same_sequence & op.reach(params, t, positions)
     return same_sequence if op.name == "bidirectional_chunk_scan" else same_sequence & (positions >= t)
 
 

@@ -43,7 +43,7 @@ SANITIZER = os.environ.get("COMPUTE_SANITIZER", "/usr/local/cuda/bin/compute-san
 ENV = {"TRITON_DISABLE_LINE_INFO": "0", "PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "MAMBA_ANNOTATED_AUTOTUNE": "0"}
 OP_NAMES = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan",
             "attention", "attention_varlen", "attention_with_kvcache", "ssd_state_update", "selective_state_update",
-            "rmsnorm_fn")
+            "rmsnorm_fn", "depthwise_conv1d")
 
 
 def parse_args(argv=None):

@@ -14,7 +14,8 @@ from pathlib import Path
 from sanitize import describe_hazards
 
 OPS = ("linear_scan", "sequential_scan", "selective_scan", "ssd_chunk_scan", "bidirectional_chunk_scan", "attention",
-       "attention_varlen", "attention_with_kvcache", "ssd_state_update", "selective_state_update", "rmsnorm_fn")
+       "attention_varlen", "attention_with_kvcache", "ssd_state_update", "selective_state_update", "rmsnorm_fn",
+       "depthwise_conv1d")
 ITEMS = ("sweep", "sanitize", "reproducible", "large", "nonfinite", "leaks")
 
 
