@@ -206,6 +206,27 @@ def test_conv_cases_catch_a_conv_five_percent_off_and_a_window_one_step_off(monk
     assert failures and failures[0].startswith("out: relative error"), failures
 
 
+@pytest.mark.parametrize("op_name", ["rmsnorm_fn", "depthwise_conv1d"])
+def test_projection_slices_catch_a_kernel_told_a_wrong_alignment(monkeypatch, op_name):
+    """The "projection" layout is a slice of rows gap + width + 24 wide: with a gap of 3 the row
+    stride is odd, and a kernel told that 8 divides it (known_multiple rounds the stride down to a
+    multiple of 8) reads other rows, which the case's judge catches."""
+    from mamba_annotated import conv1d, gated_norm
+
+    op = cases.OPS[op_name]
+    params = json.loads(json.dumps(op.small()[-1 if op_name == "rmsnorm_fn" else 0]))
+    params["dims"]["gap"] = 3
+    sliced = [k for k, layout in params["layouts"].items() if layout == "projection"]
+    assert sliced and cases.run_case(op, params, 0).failures == []
+    if op_name == "rmsnorm_fn":
+        options = gated_norm.launch_options
+        monkeypatch.setattr(gated_norm, "launch_options", lambda group, rows: {**options(group, rows), "ALIGN": 8})
+    else:
+        monkeypatch.setattr(conv1d, "launch_alignment", lambda channels, *tensors: 8)
+    failures = cases.run_case(op, params, 0).failures
+    assert failures, f"{op_name}: a wrong alignment on {sliced} went unnoticed"
+
+
 def test_a_float32_d_dt_bias_past_its_bound_is_judged_against_its_terms_and_a_wrong_one_still_fails(monkeypatch):
     """The size of d dt_bias's terms forgives rounding of that size, not an error of the sum: a d dt_bias
     one percent of its terms off fails at any seed, in the interpreter or on a GPU."""

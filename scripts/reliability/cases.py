@@ -1638,22 +1638,29 @@ class SelectiveStateUpdate(DecodingSteps):
 class GatedRMSNorm(Op):
     """rmsnorm_fn: each row's groups normalized by their RMS, weighted, shifted, gated by silu(z)
     before or after (mamba_ssm's arguments); x over (batch, rows, width), z in its own dtype (a
-    decoding step under autocast gates a float32 x by a bfloat16 z)."""
+    decoding step under autocast gates a float32 x by a bfloat16 z). Besides the common views, x
+    and z come as "projection": a slice of a wider (batch, rows, gap + width + 24) tensor, rows
+    with unit channel stride whose row stride 16 may not divide (a Mamba-2 block's z is such a
+    slice of its in-projection output; the kernels are told what divides the strides,
+    ``known_multiple``), where the common views either keep the rows whole or are copied."""
     name = "rmsnorm_fn"
-    minimum = {"batch": 1, "rows": 1, "width": 1, "group": 1}
+    minimum = {"batch": 1, "rows": 1, "width": 1, "group": 1, "gap": 0}
     defaults = {"bias": False, "z": None, "norm_before_gate": True}
     free_dims = ("batch", "rows")
     WIDTHS = (1, 7, 24, 48, 72, 1024, 1536, 2560, 4099)
+    ROW_LAYOUTS = ("projection",) + LAYOUTS
 
     def draw(self, rng):
         dtype = rng.choice(list(DTYPES))
         width = rng.choice(size(gpu=self.WIDTHS, cpu=self.WIDTHS[:5]))
         dims = dict(batch=rng.randint(1, 3), rows=draw_length(rng, size(gpu=(16, 128, 1024), cpu=(16,)),
                                                                size(gpu=16384, cpu=40)),
-                    width=width, group=rng.choice(divisors(width)[-4:]))
+                    width=width, group=rng.choice(divisors(width)[-4:]), gap=rng.choice((0, 3, 8, 1536)))
         opts = dict(bias=rng.random() < 0.5, z=rng.choice([None, dtype, rng.choice(list(DTYPES))]),
                     norm_before_gate=rng.random() < 0.5, eps=rng.choice([1e-6, 1e-5]))
-        layouts = draw_layouts(rng, ("x", "weight", "bias", "z"))
+        layouts = draw_layouts(rng, ("weight", "bias"))
+        layouts.update({name: rng.choice(self.ROW_LAYOUTS) if rng.random() < 0.5 else "contiguous"
+                        for name in ("x", "z")})
         return self.fix(dict(dims=dims, dtype=dtype, opts=opts, layouts=layouts))
 
     def fix(self, params):
@@ -1670,10 +1677,20 @@ class GatedRMSNorm(Op):
 
     def inputs(self, params):
         dtype, opts, lay, s = DTYPES[params["dtype"]], params["opts"], params["layouts"], self.shapes(params)
+        d = params["dims"]
         makers = dict(x=lambda t: randn(*t, dtype=dtype), weight=lambda t: 1 + 0.5 * randn(*t),
                       bias=lambda t: 0.3 * randn(*t), z=lambda t: randn(*t, dtype=DTYPES[opts["z"]]))
         names = ["x", "weight"] + [k for k in ("bias", "z") if opts[k]]
-        return {k: leaf(makers[k], s[k], lay.get(k, "contiguous")) for k in names}
+        return {k: (makers[k]((d["batch"], d["rows"], d["gap"] + d["width"] + 24)).requires_grad_()
+                    if lay.get(k) == "projection" else leaf(makers[k], s[k], lay.get(k, "contiguous")))
+                for k in names}
+
+    def views(self, params, leaves):
+        d, lay = params["dims"], params["layouts"]
+        sliced = {k for k in leaves if lay.get(k) == "projection"}
+        args = super().views(params, {k: v for k, v in leaves.items() if k not in sliced})
+        args.update({k: leaves[k][..., d["gap"]:d["gap"] + d["width"]] for k in sliced})
+        return args
 
     def call(self, params, norm):
         opts, width = params["opts"], params["dims"]["width"]
@@ -1687,10 +1704,11 @@ class GatedRMSNorm(Op):
         return self.call(params, rmsnorm_fn)
 
     def small(self):
-        return [dict(dims=dict(batch=2, rows=size(gpu=301, cpu=9), width=72, group=24), dtype=dtype,
+        return [dict(dims=dict(batch=2, rows=size(gpu=301, cpu=9), width=72, group=24, gap=8), dtype=dtype,
                      opts=dict(bias=True, z=z, norm_before_gate=before, eps=1e-5),
-                     layouts=dict(x="strided", weight="reversed", bias="offset", z="transposed"))
-                for dtype, z, before in (("float32", "bfloat16", False), ("bfloat16", "bfloat16", True))]
+                     layouts=dict(x="strided", weight="reversed", bias="offset", z=z_layout))
+                for dtype, z, before, z_layout in (("float32", "bfloat16", False, "transposed"),
+                                                    ("bfloat16", "bfloat16", True, "projection"))]
 
     def judge(self, params, leaves, seed):
         verdict = Verdict()
