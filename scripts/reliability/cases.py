@@ -363,6 +363,24 @@ def both_gradients(fn, ref_fn, args, args64, seed, outputs):
     return gradients_of_arguments(fn, args, grad_out), gradients_of_arguments(ref_fn, args64, grad_out)
 
 
+def judge_one_output(fn, ref_fn, same_fn, args, args64, seed, dtype):
+    """The verdict on an op of one output (the norm, the convolution): the output and every
+    gradient against float64 (``ref_fn`` on ``args64``) within the bound of ``dtype``; a gradient
+    past it fails only where ``same_fn``, the same formula in torch ops on ``args``, does better,
+    pooled over upstream draws as the chunked ops' step gradients are (:func:`judge_typical_errors`)."""
+    verdict, tol = Verdict(), tolerance(dtype)
+    with torch.no_grad():
+        outputs = fn(**args)
+        compare(verdict, "out", outputs[0], ref_fn(**args64)[0], tol)
+    ours, want = both_gradients(fn, ref_fn, args, args64, seed, outputs)
+    for name in want:
+        verdict.errors[f"grad {name}"] = error_against(ours[name], want[name])
+    past = [name for name in want if not verdict.errors[f"grad {name}"] < tol]
+    if past:
+        judge_typical_errors(verdict, past, fn, same_fn, ref_fn, args, args64, flat(outputs), seed, dtype, factor=2.0)
+    return verdict
+
+
 # ---------------------------------------------------------------- the ops
 
 
@@ -1711,27 +1729,15 @@ class GatedRMSNorm(Op):
                                                     ("bfloat16", "bfloat16", True, "projection"))]
 
     def judge(self, params, leaves, seed):
-        verdict = Verdict()
         dtypes = [DTYPES[params["dtype"]]] + ([DTYPES[params["opts"]["z"]]] if params["opts"]["z"] else [])
-        tol = max(tolerance(dtype) for dtype in dtypes)  # the coarser input's bound (tests/test_gated_norm.py)
-        fn, ref_fn = self.ours(params), self.call(params, rms_norm_f64)
-        args, args64 = self.views(params, leaves), self.views(params, as64(leaves))
-        with torch.no_grad():
-            outputs = fn(**args)
-            compare(verdict, "out", outputs[0], ref_fn(**args64)[0], tol)
-        ours, want = both_gradients(fn, ref_fn, args, args64, seed, outputs)
-        for name in want:
-            verdict.errors[f"grad {name}"] = error_against(ours[name], want[name])
-        past = [name for name in want if not verdict.errors[f"grad {name}"] < tol]
-        if past:
-            # past the tests' bound, a gradient fails only where PyTorch's formula (rmsnorm_ref, float32
-            # inside) does better, pooled over upstream draws as the chunked ops' step gradients are: no
-            # float32 formula meets a fixed bound where the gradient cancels. For a group of one element
-            # d out / dx = w eps / (x^2 + eps)^1.5, the difference of two terms that agree to 1e-6 (in the
-            # interpreter 2.5e-3 in float32 from ours and PyTorch alike, on one draw a lottery between them)
-            judge_typical_errors(verdict, past, fn, self.call(params, rmsnorm_ref), ref_fn, args, args64,
-                                 flat(outputs), seed, max(dtypes, key=tolerance), factor=2.0)
-        return verdict
+        # the coarser input's bound (tests/test_gated_norm.py). The yardstick is PyTorch's formula
+        # (rmsnorm_ref, float32 inside): no float32 formula meets a fixed bound where a gradient
+        # cancels. For a group of one element d out / dx = w eps / (x^2 + eps)^1.5, the difference of
+        # two terms that agree to 1e-6 (in the interpreter 2.5e-3 in float32 from ours and PyTorch
+        # alike, on one draw a lottery between them)
+        return judge_one_output(self.ours(params), self.call(params, rms_norm_f64), self.call(params, rmsnorm_ref),
+                                self.views(params, leaves), self.views(params, as64(leaves)), seed,
+                                max(dtypes, key=tolerance))
 
 
 class DepthwiseConv1d(Op):
@@ -1836,24 +1842,12 @@ class DepthwiseConv1d(Op):
                 for dtype, left, nn_weight in (("float32", 3, False), ("bfloat16", 1, True))]
 
     def judge(self, params, leaves, seed):
-        verdict = Verdict()
+        # d weight and d bias sum over every position and batch row, terms of both signs; the
+        # yardstick is the same formula in torch ops at the inputs' dtypes
         dtype = max(DTYPES[params["dtype"]], DTYPES[params["opts"]["weight_dtype"]], key=tolerance)
-        tol = tolerance(dtype)
-        fn, ref_fn = self.ours(params), self.call(params, depthwise_conv_ref)
-        args, args64 = self.views(params, leaves), self.views(params, as64(leaves))
-        with torch.no_grad():
-            outputs = fn(**args)
-            compare(verdict, "out", outputs[0], ref_fn(**args64)[0], tol)
-        ours, want = both_gradients(fn, ref_fn, args, args64, seed, outputs)
-        for name in want:
-            verdict.errors[f"grad {name}"] = error_against(ours[name], want[name])
-        past = [name for name in want if not verdict.errors[f"grad {name}"] < tol]
-        if past:
-            # d weight and d bias sum over every position and batch row, terms of both signs: past the
-            # bound they fail only where the same formula in torch ops at the inputs' dtypes does better
-            judge_typical_errors(verdict, past, fn, self.call(params, depthwise_conv_ref), ref_fn, args, args64,
-                                 flat(outputs), seed, dtype, factor=2.0)
-        return verdict
+        ref = self.call(params, depthwise_conv_ref)
+        return judge_one_output(self.ours(params), ref, ref, self.views(params, leaves),
+                                self.views(params, as64(leaves)), seed, dtype)
 
 
 OPS = {op.name: op for op in (FirstOrderScan("linear_scan", linear_scan),
