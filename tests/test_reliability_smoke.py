@@ -200,10 +200,31 @@ def test_conv_cases_catch_a_conv_five_percent_off_and_a_window_one_step_off(monk
     conv = cases.depthwise_conv1d
     monkeypatch.setattr(cases, "depthwise_conv1d", lambda *args: 1.05 * conv(*args))
     failures = cases.run_case(op, params, 0).failures
-    assert failures and failures[0].startswith("out: relative error"), failures
+    assert failures and failures[0].startswith("out against its terms: relative error"), failures
     monkeypatch.setattr(cases, "depthwise_conv1d", lambda x, w, b, left, *rest: conv(x, w, b, left - 1, *rest))
     failures = cases.run_case(op, params, 0).failures  # (the case's window is causal: left 3 of width 4)
-    assert failures and failures[0].startswith("out: relative error"), failures
+    assert failures and failures[0].startswith("out against its terms: relative error"), failures
+
+
+def test_a_conv_output_whose_terms_cancel_is_judged_against_them_and_a_wrong_one_still_fails(monkeypatch):
+    """One tap and a bias, b = -fl(w x): float32 gives w x + b as 0 (or, fused, the residual), where
+    float64 gives the residual of rounding w x, 1e-8 or so: 100 % off against itself, nothing against
+    the size of its terms. (A GPU sweep found such a case, seed 83: 1.5e-5 against a bound of 1e-5.)
+    An output one percent of its terms off still fails."""
+    op = cases.OPS["depthwise_conv1d"]
+    params = {"dims": {"L": 1, "batch": 1, "channels": 1, "gap": 0, "left": 0, "width": 1}, "dtype": "float32",
+              "layouts": {"bias": "contiguous", "weight": "contiguous", "x": "contiguous"},
+              "opts": {"bias": True, "cuts": [], "nn_weight": False, "packing": None, "silu": False,
+                       "weight_dtype": "float32"}}
+    x, w = torch.tensor([[[1.1]]], device=cases.DEVICE), torch.tensor([[0.7]], device=cases.DEVICE)
+    leaves = dict(x=x.requires_grad_(), weight=w.requires_grad_(), bias=-(x * w).detach()[0, 0].requires_grad_())
+    verdict = op.judge(params, leaves, 0)
+    assert verdict.errors["out"] > 1e-5 and verdict.errors["out against its terms"] < 1e-7, verdict.errors
+    assert verdict.failures == [], verdict.failures
+    conv = cases.depthwise_conv1d
+    monkeypatch.setattr(cases, "depthwise_conv1d", lambda *args: conv(*args) + 0.01 * 0.77)
+    failures = op.judge(params, leaves, 0).failures
+    assert failures and failures[0].startswith("out against its terms: relative error"), failures
 
 
 @pytest.mark.parametrize("op_name", ["rmsnorm_fn", "depthwise_conv1d"])
