@@ -6,7 +6,11 @@ Shapes: a Mamba-2 block's norm at d_model 768 (d_inner 1536, one group and eight
     torch float32   :func:`mamba_annotated.gated_norm.rmsnorm_ref`, the same formula in torch ops
     mamba_ssm       mamba_ssm 2.3.2.post1's ``rmsnorm_fn`` (ops/triton/layernorm_gated.py)
 % of floor: the bytes that must move (forward: read x, z, write out; backward: read x, z, dy,
-write dx, dz) over the measured copy bandwidth.
+write dx, dz) over the measured copy bandwidth. On a GPU each row also gives ``kernel_ms``, the GPU
+time of the kernels one call launches (PyTorch's profiler, ``bench.kernel_times``), and the floor
+against it: at this size a forward and backward call through autograd can take the host longer than
+its kernels take the GPU (H200, 2026-12-01: 0.14-0.19 ms of our kernels in calls of 0.37-0.73 ms),
+and then ``ms`` times the host.
 
 Usage: python benchmarks/bench_gated_norm.py [--json book/data/gated_norm_bench.json]
 """
@@ -51,12 +55,16 @@ def main():
             size_ = x.numel() * x.element_size()
             for name, norm in impls.items():
                 run = lambda: norm(x, w, z, WIDTH // groups, before)  # noqa: E731
-                fwd = bench.median_ms(lambda: run())
-                both = bench.median_ms(lambda: torch.autograd.grad(run(), [x, w, z], dy))
-                for pass_, ms, nbytes in (("fwd", fwd, 3 * size_), ("fwd+bwd", both, 8 * size_)):
-                    rows.append(dict(impl=name, groups=groups, norm_before_gate=before, pass_=pass_, ms=ms,
-                                     GBps=bench.gbps(nbytes, ms),
-                                     pct_floor=100 * bench.memory_floor_ms(nbytes) / ms))
+                steps = (("fwd", lambda: run(), 3 * size_),
+                         ("fwd+bwd", lambda: torch.autograd.grad(run(), [x, w, z], dy), 8 * size_))
+                for pass_, step, nbytes in steps:
+                    ms, floor = bench.median_ms(step), bench.memory_floor_ms(nbytes)
+                    row = dict(impl=name, groups=groups, norm_before_gate=before, pass_=pass_, ms=ms,
+                               GBps=bench.gbps(nbytes, ms), pct_floor=100 * floor / ms)
+                    if DEVICE.type == "cuda":  # the interpreter launches no kernel to profile
+                        row["kernel_ms"] = sum(stage["ms"] for stage in bench.kernel_times(step))
+                        row["pct_floor_kernels"] = 100 * floor / row["kernel_ms"]
+                    rows.append(row)
             bench.print_table([r for r in rows if r["groups"] == groups and r["norm_before_gate"] == before])
     if args.json:
         args.json.write_text(json.dumps(dict(device=device_name(), rows=ROWS, width=WIDTH, dtype="bfloat16",

@@ -342,20 +342,29 @@ def decoding(data):
 def gated_norm(data):
     d = load("gated_norm_bench.json", data)
     peers = [i for i in dict.fromkeys(r["impl"] for r in d["results"]) if i != "ours"]
-    verdict, rows = Verdict(), []
+    verdict, by_kernels, rows = Verdict(), Verdict(), []
     for ours in (r for r in d["results"] if r["impl"] == "ours"):
         case = f"groups {ours['groups']}, norm before gate {ours['norm_before_gate']}, {ours['pass_']}"
         cells = []
         for peer in peers:
             theirs = next(r for r in d["results"] if r["impl"] == peer and r["groups"] == ours["groups"]
                           and r["norm_before_gate"] == ours["norm_before_gate"] and r["pass_"] == ours["pass_"])
-            cells.append(f"{number(theirs['ms'])} ({times(verdict.add(peer, case, theirs['ms'] / ours['ms']))})")
+            cell = f"{number(theirs['ms'])} ({times(verdict.add(peer, case, theirs['ms'] / ours['ms']))}"
+            if "kernel_ms" in ours:
+                speed = by_kernels.add(peer, case, theirs["kernel_ms"] / ours["kernel_ms"])
+                cell += f"; kernels {number(theirs['kernel_ms'])}, {times(speed)}"
+            cells.append(cell + ")")
+        # runs stored before 2026-12-01 lack the kernels' own time
+        kernels = ([number(ours["kernel_ms"]), f"{ours['pct_floor_kernels']:.0f}%"] if "kernel_ms" in ours
+                   else ["–", "–"])
         rows.append([ours["groups"], str(ours["norm_before_gate"]), ours["pass_"], number(ours["ms"]),
-                     f"{ours['pct_floor']:.0f}%", *cells])
+                     f"{ours['pct_floor']:.0f}%", *kernels, *cells])
     return [Table(f"the gated RMSNorm against mamba_ssm's and torch's ({d['rows']} rows of width {d['width']}, "
-                  f"{d['dtype']}; ms, speed in brackets)", "gated_norm_bench.json", d["device"],
-                  ["groups", "norm before gate", "pass", "ours ms", "of copy floor", *peers], rows,
-                  verdict.sentences("the gated norm"))]
+                  f"{d['dtype']}; ms, speed in brackets; 'kernels': the GPU time of the kernels one call "
+                  "launches, without the host's, and the speed by it)", "gated_norm_bench.json", d["device"],
+                  ["groups", "norm before gate", "pass", "ours ms", "of copy floor", "our kernels ms",
+                   "kernels of copy floor", *peers], rows,
+                  verdict.sentences("the gated norm") + by_kernels.sentences("by the kernels' GPU time, the gated norm"))]
 
 
 def host_cost(data):
