@@ -9,8 +9,7 @@ Shapes: a Mamba-2 block's norm at d_model 768 (d_inner 1536, one group and eight
 write dx, dz) over the measured copy bandwidth. On a GPU each row also gives ``kernel_ms``, the GPU
 time of the kernels one call launches (PyTorch's profiler, ``bench.kernel_times``), and the floor
 against it: at this size a forward and backward call through autograd can take the host longer than
-its kernels take the GPU (H200, 2026-12-01: 0.14-0.19 ms of our kernels in calls of 0.37-0.73 ms),
-and then ``ms`` times the host.
+its kernels take the GPU, and then ``ms`` times the host (the README gives a run).
 
 Usage: python benchmarks/bench_gated_norm.py [--json book/data/gated_norm_bench.json]
 """
