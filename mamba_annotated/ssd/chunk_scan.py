@@ -8,7 +8,8 @@ Algorithm, for t in chunk c of head h (group g):
         + D * x_t;   out_t = y_t * silu(z_t) when z is given.
     With seq_idx, s only counts when it is in t's sequence, and the state term only when t is
     in the carried state's sequence (that of the previous chunk's last position; id 0 for the
-    first chunk, so initial_states reach the positions of sequence 0, as in mamba_ssm).
+    first chunk, so initial_states reach the positions of sequence 0, as in mamba_ssm); a row
+    block with no such row skips the state term's loads and matmuls.
 
 Parallelism: one program per (batch, chunk, head) x (BLOCK_M rows of the chunk) x (BLOCK_P of
 headdim), the row blocks of one chunk and head adjacent in launch order. Its loop over s, in
@@ -71,13 +72,17 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     # row factor exp2(lo_t) applied to the finished rows
     chunk = chunk_base // CHUNK
     hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
+    # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
+    n_stop = dstate
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
-    # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
+        # a block of rows none of which continues the carried sequence (one that starts in this
+        # chunk) reads no state at all: half the chunks when sequences are two chunks long
+        n_stop = tl.where(tl.max((seq_t == seq_carry).to(tl.int32), 0) > 0, dstate, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
     H_base = H_ptr + ((b * n_chunks + c) * heads + h).to(tl.int64) * headdim * dstate
-    for n0 in range(0, dstate, BLOCK_N):
+    for n0 in range(0, n_stop, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         Ct = tl.load(c_base + t[:, None].to(tl.int64) * stride_c_l + n[None, :] * stride_c_n,
                      mask=row_ok[:, None] & (n[None, :] < dstate), other=0.0)
