@@ -30,13 +30,15 @@ CASES = {
     "attention fwd causal d128 L8192": "attention_case(8192, 128, True)",
     "attention fwd causal d64 L4096": "attention_case(4096, 64, True)",
     "attention fwd full d128 L4096": "attention_case(4096, 128, False)",
-    "ssd fwd (4, 4096, 80, 64, 128)": "ssd_case(False)",
-    "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(True)",
-    "ssd chunk_scan kernel": "chunk_scan_case(False)",
-    "ssd chunk_scan kernel packed": "chunk_scan_case(True)",
-    "ssd chunk_scan kernel gated": "chunk_scan_case(False, gated=True)",
-    "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case(False)",
-    "bidirectional fwd packed (4, 4096, 80, 64, 128)": "bidirectional_case(True)",
+    "ssd fwd (4, 4096, 80, 64, 128)": "ssd_case(0)",
+    "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(1000)",
+    "ssd fwd 8 packed (4, 4096, 80, 64, 128)": "ssd_case(512)",
+    "ssd chunk_scan kernel": "chunk_scan_case(0)",
+    "ssd chunk_scan kernel packed": "chunk_scan_case(1000)",
+    "ssd chunk_scan kernel 8 packed": "chunk_scan_case(512)",
+    "ssd chunk_scan kernel gated": "chunk_scan_case(0, gated=True)",
+    "bidirectional fwd (4, 4096, 80, 64, 128)": "bidirectional_case(0)",
+    "bidirectional fwd packed (4, 4096, 80, 64, 128)": "bidirectional_case(1000)",
     "ssd bwd (4, 4096, 80, 64, 128)": "ssd_backward_case()",
     "bidirectional bwd (4, 4096, 80, 64, 128)": "bidirectional_backward_case()",
     "ssd fwd+bwd with D and z (4, 4096, 80, 64, 128)": "gated_training_case(ma.ssd_chunk_scan)",
@@ -91,19 +93,21 @@ def ssd_inputs(batch=4, length=4096, heads=80, headdim=64, dstate=128):
             -torch.rand(heads, device=dev) - 0.5, 0.3 * torch.randn(batch, length, 1, dstate, **bf),
             0.3 * torch.randn(batch, length, 1, dstate, **bf))
 
-def packed_ids(x, packed):
-    return (torch.arange(x.shape[1], device=dev) // 1000).int().expand(x.shape[0], -1).contiguous() if packed else None
+def packed_ids(x, run):
+    """seq_idx marking sequences of ``run`` tokens in every row (none when 0): runs of 1000 put 4 of
+    a row's 16 chunks across a boundary, runs of 512 (bench_ssd.py's 8 packed sequences) none."""
+    return (torch.arange(x.shape[1], device=dev) // run).int().expand(x.shape[0], -1).contiguous() if run else None
 
-def ssd_case(packed):
+def ssd_case(run):
     x, dt, A, B, C = ssd_inputs()
-    seq_idx = packed_ids(x, packed)
+    seq_idx = packed_ids(x, run)
     return lambda: ma.ssd_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
 
-def chunk_scan_case(packed, gated=False):  # the output kernel alone, on the forward pass's own intermediates
+def chunk_scan_case(run, gated=False):  # the output kernel alone, on the forward pass's own intermediates
     from mamba_annotated.ssd.forward import ssd_forward
     from mamba_annotated.ssd.chunk_scan import chunk_scan
     x, dt, A, B, C = ssd_inputs()
-    seq_idx = packed_ids(x, packed)
+    seq_idx = packed_ids(x, run)
     dA, dt_out, CB, H = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
     # gated as a Mamba-2 block calls it: D and z
     D, z = (torch.randn(x.shape[2], device=dev), torch.randn_like(x)) if gated else (None, None)
@@ -138,7 +142,7 @@ def gated_training_case(op):  # through autograd, so the gate's backward is time
 
 def packed_training_case():  # seq_idx, through autograd
     x, dt, A, B, C = ssd_inputs()
-    seq_idx, dy = packed_ids(x, True), torch.randn_like(x)
+    seq_idx, dy = packed_ids(x, 1000), torch.randn_like(x)
     inputs = [t.requires_grad_() for t in (x, dt, B, C)]
 
     def step():
@@ -154,9 +158,9 @@ def linear_scan_backward_case(length, dtype, rows=8 * 1536):  # the backward ker
     h = linear_scan_forward(a, torch.randn_like(a))
     return lambda: linear_scan_backward(a, h, None, grad_h)
 
-def bidirectional_case(packed):
+def bidirectional_case(run):
     x, dt, A, B, C = ssd_inputs()
-    seq_idx = packed_ids(x, packed)
+    seq_idx = packed_ids(x, run)
     return lambda: ma.bidirectional_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
 
 def bidirectional_bar_case(shift, backward):  # with D, dt_bias and softplus, as bench_bidirectional.py

@@ -46,6 +46,16 @@ def load_state(ptr, b, h, e, dstate, stride_b, stride_h, stride_p, stride_n, mas
                    mask=mask, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def chunk_end_id(seq_row, c, length, stride_seq_l, CHUNK: tl.constexpr):
+    """The sequence id at chunk c's last position; 0 for c = -1 (mamba_ssm's convention: the
+    carried sequence starts as id 0, so initial_states belong to sequence 0), and for c past the
+    last chunk (a prefetch that is never used)."""
+    n_chunks = tl.cdiv(length, CHUNK)
+    return tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l,
+                   mask=(c >= 0) & (c < n_chunks), other=0)
+
+
 @lean_launch
 @triton.jit
 def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitted_ptr, final_ptr,
@@ -68,11 +78,23 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
     if HAS_H0:  # backward: the initial states as given, for the carry's term of chunk 0
         h0 = load_state(h0_ptr, b, h, e, dstate, stride_h0_b, stride_h0_h, stride_h0_p, stride_h0_n, mask)
     seq_row = seq_idx_ptr + b.to(tl.int64) * stride_seq_b
+    if HAS_SEQ_IDX:
+        # the ids at the chunks' last positions, end(c), with end(-1) = 0: the state entering chunk
+        # c + 1 continues only if end(c) == end(c - 1). Each step holds the pair it needs and loads
+        # the one id the next step adds, so the step never waits on a load of its own
+        first = n_chunks - 1 if REVERSE else 0
+        end_prev = chunk_end_id(seq_row, first - 1, length, stride_seq_l, CHUNK)
+        end_this = chunk_end_id(seq_row, first, length, stride_seq_l, CHUNK)
     for i in tl.range(n_chunks, num_stages=3):
         if REVERSE:
             c = n_chunks - 1 - i
         else:
             c = i
+        if HAS_SEQ_IDX:
+            if REVERSE:
+                end_next = chunk_end_id(seq_row, c - 2, length, stride_seq_l, CHUNK)
+            else:
+                end_next = chunk_end_id(seq_row, c + 1, length, stride_seq_l, CHUNK)
         chunk = ((b * n_chunks + c) * heads + h).to(tl.int64) * state_size
         tl.store(emitted_ptr + chunk + e, H.to(emitted_ptr.dtype.element_ty), mask=mask)
         gamma = decay(*load_sums(dA_cumsum_ptr, pid_bh.to(tl.int64) * n_chunks + c, CHUNK - 1, CHUNK))
@@ -82,12 +104,15 @@ def state_passing_kernel(states_ptr, dA_cumsum_ptr, seq_idx_ptr, init_ptr, emitt
                 entering = tl.where(c == 0, h0, entering)
             carry = gamma * tl.sum(rounded_product(H, entering), axis=0)
         if HAS_SEQ_IDX:
-            seq_end = tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l)
-            seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
             # a select, not gamma = 0: the state carried out of another sequence may hold a NaN
-            H = tl.where(seq_end == seq_carry, gamma * H, 0.0)
+            continues = end_this == end_prev
+            H = tl.where(continues, gamma * H, 0.0)
             if CARRY:
-                carry = tl.where(seq_end == seq_carry, carry, 0.0)
+                carry = tl.where(continues, carry, 0.0)
+            if REVERSE:
+                end_this, end_prev = end_prev, end_next
+            else:
+                end_prev, end_this = end_this, end_next
         else:
             H = gamma * H
         if CARRY:
