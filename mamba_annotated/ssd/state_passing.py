@@ -48,9 +48,10 @@ def load_state(ptr, b, h, e, dstate, stride_b, stride_h, stride_p, stride_n, mas
 
 @triton.jit
 def chunk_end_id(seq_row, c, length, stride_seq_l, CHUNK: tl.constexpr):
-    """The sequence id at chunk c's last position; 0 for c = -1 (mamba_ssm's convention: the
-    carried sequence starts as id 0, so initial_states belong to sequence 0), and for c past the
-    last chunk (a prefetch that is never used)."""
+    """The sequence id at chunk c's last position; 0 for c < 0 (c = -1: mamba_ssm's convention,
+    the carried sequence starts as id 0, so initial_states belong to sequence 0; c = -2: the
+    reverse walk's last prefetch, never used) and for c past the last chunk (the forward walk's
+    last prefetch, never used)."""
     n_chunks = tl.cdiv(length, CHUNK)
     return tl.load(seq_row + (tl.minimum((c + 1) * CHUNK, length) - 1) * stride_seq_l,
                    mask=(c >= 0) & (c < n_chunks), other=0)
