@@ -33,6 +33,9 @@ CASES = {
     "ssd fwd (4, 4096, 80, 64, 128)": "ssd_case(0)",
     "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(1000)",
     "ssd fwd 8 packed (4, 4096, 80, 64, 128)": "ssd_case(512)",
+    "ssd fwd 41 packed (4, 4096, 80, 64, 128)": "ssd_case(100)",
+    **{f"ssd chunk_state kernel{name}": f"chunk_state_case({run})"
+       for name, run in (("", 0), (" packed", 1000), (" 8 packed", 512), (" 41 packed", 100))},
     "ssd chunk_scan kernel": "chunk_scan_case(0)",
     "ssd chunk_scan kernel packed": "chunk_scan_case(1000)",
     "ssd chunk_scan kernel 8 packed": "chunk_scan_case(512)",
@@ -95,7 +98,8 @@ def ssd_inputs(batch=4, length=4096, heads=80, headdim=64, dstate=128):
 
 def packed_ids(x, run):
     """seq_idx marking sequences of ``run`` tokens in every row (none when 0): runs of 1000 put 4 of
-    a row's 16 chunks across a boundary, runs of 512 (bench_ssd.py's 8 packed sequences) none."""
+    a row's 16 chunks across a boundary, runs of 512 (bench_ssd.py's 8 packed sequences) none, runs
+    of 100 (41 sequences, short ones as in fine-tuning data) every chunk."""
     return (torch.arange(x.shape[1], device=dev) // run).int().expand(x.shape[0], -1).contiguous() if run else None
 
 def ssd_case(run):
@@ -112,6 +116,14 @@ def chunk_scan_case(run, gated=False):  # the output kernel alone, on the forwar
     # gated as a Mamba-2 block calls it: D and z
     D, z = (torch.randn(x.shape[2], device=dev), torch.randn_like(x)) if gated else (None, None)
     return lambda: chunk_scan(CB, x, C, H, dA, dt_out, z=z, D=D, seq_idx=seq_idx)
+
+def chunk_state_case(run):  # the forward's chunk-state kernel alone, on the forward pass's own sums and steps
+    from mamba_annotated.ssd.forward import ssd_forward
+    from mamba_annotated.ssd.chunk_state import chunk_state
+    x, dt, A, B, C = ssd_inputs()
+    seq_idx = packed_ids(x, run)
+    dA, dt_out, _, _ = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
+    return lambda: chunk_state(x, B, dA, dt_out, seq_idx=seq_idx, to_end=True)
 
 def ssd_backward_case():  # the backward pass alone, from the forward pass's saved tensors
     from mamba_annotated.ssd.forward import ssd_forward
