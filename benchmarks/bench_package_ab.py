@@ -107,22 +107,23 @@ def ssd_case(run):
     seq_idx = packed_ids(x, run)
     return lambda: ma.ssd_chunk_scan(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx)
 
-def chunk_scan_case(run, gated=False):  # the output kernel alone, on the forward pass's own intermediates
+def forward_intermediates(run):
+    """(x, B, C, seq_idx, the forward pass's saved dA_cumsum, dt_out, CB, H) at ssd_case's inputs."""
     from mamba_annotated.ssd.forward import ssd_forward
-    from mamba_annotated.ssd.chunk_scan import chunk_scan
     x, dt, A, B, C = ssd_inputs()
     seq_idx = packed_ids(x, run)
-    dA, dt_out, CB, H = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
+    return (x, B, C, seq_idx, *ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors())
+
+def chunk_scan_case(run, gated=False):  # the output kernel alone, on the forward pass's own intermediates
+    from mamba_annotated.ssd.chunk_scan import chunk_scan
+    x, _, C, seq_idx, dA, dt_out, CB, H = forward_intermediates(run)
     # gated as a Mamba-2 block calls it: D and z
     D, z = (torch.randn(x.shape[2], device=dev), torch.randn_like(x)) if gated else (None, None)
     return lambda: chunk_scan(CB, x, C, H, dA, dt_out, z=z, D=D, seq_idx=seq_idx)
 
 def chunk_state_case(run):  # the forward's chunk-state kernel alone, on the forward pass's own sums and steps
-    from mamba_annotated.ssd.forward import ssd_forward
     from mamba_annotated.ssd.chunk_state import chunk_state
-    x, dt, A, B, C = ssd_inputs()
-    seq_idx = packed_ids(x, run)
-    dA, dt_out, _, _ = ssd_forward(x, dt, A, B, C, 256, dt_softplus=True, seq_idx=seq_idx).saved.tensors()
+    x, B, _, seq_idx, dA, dt_out, _, _ = forward_intermediates(run)
     return lambda: chunk_state(x, B, dA, dt_out, seq_idx=seq_idx, to_end=True)
 
 def ssd_backward_case():  # the backward pass alone, from the forward pass's saved tensors
