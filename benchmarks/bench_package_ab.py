@@ -30,6 +30,9 @@ CASES = {
     "attention fwd causal d128 L8192": "attention_case(8192, 128, True)",
     "attention fwd causal d64 L4096": "attention_case(4096, 64, True)",
     "attention fwd full d128 L4096": "attention_case(4096, 128, False)",
+    # the backward pass alone at bench_attention.py's shapes (batch 4, 16 heads, bfloat16)
+    **{f"attention bwd {'causal' if causal else 'full'} d{d} L{length}": f"attention_backward_case({length}, {d}, {causal})"
+       for d, length, causal in ((128, 16384, True), (64, 16384, True), (128, 4096, True), (128, 4096, False))},
     "ssd fwd (4, 4096, 80, 64, 128)": "ssd_case(0)",
     "ssd fwd packed (4, 4096, 80, 64, 128)": "ssd_case(1000)",
     "ssd fwd 8 packed (4, 4096, 80, 64, 128)": "ssd_case(512)",
@@ -78,6 +81,13 @@ dev = "cuda"
 def attention_case(seqlen, head_dim, causal, batch=4, heads=16):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(3))
     return lambda: ma.attention(q, k, v, causal=causal)
+
+def attention_backward_case(seqlen, head_dim, causal, batch=4, heads=16):  # the kernels, from the forward's out and lse
+    from mamba_annotated.attention.backward import attention_backward
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    out, lse = ma.attention(q, k, v, causal=causal, return_lse=True)
+    window = (-1, 0) if causal else (-1, -1)
+    return lambda: attention_backward(q, k, v, out, lse, dout, softmax_scale=head_dim ** -0.5, window=window)
 
 def decoding_case(batch, length, graph, heads=32, kv_heads=8, head_dim=128):
     bf = dict(device=dev, dtype=torch.bfloat16)
