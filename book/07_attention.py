@@ -1003,6 +1003,8 @@ plt.show()
 # ```{admonition} Performance notes
 # :class: dropdown
 # From the tuning sweep behind the tile tables (`benchmarks/bench_attention.py --tune` on an H200, Triton 3.6, bfloat16, batch 4, 16 heads, $L = 4096$). Forward, head dim 128: 128 x 128 tiles ran at 487 TFLOP/s, 128 x 64 at 471. Backward, head dim 64: the whole backward pass took 2.0 ms with each loop on its own tiles (dK/dV 128 keys x 32 queries, dQ 128 queries x 64 keys) and 2.3 ms with the dQ tiles for both loops; head dim 128: 3.75 ms with either tiling for both loops.
+#
+# The dQ kernel launches its query blocks in order, so in causal attention the blocks that see the most keys start last. Launching them longest first, as the forward kernel does, was tried and not kept: in an A/B run on an H200 (`book/data/dq_order_ab.json`: the backward kernels alone, bfloat16, batch 4, 16 heads, head dim 128, three rounds), the causal backward pass went from 32.31 to 32.12 ms at $L = 16384$ (0.6 %) and from 2.306 to 2.280 ms at $L = 4096$ (1.1 %), while the non-causal one, whose code the change leaves as it is, differed by 0.7 % between the two copies: gains no larger than the run's noise.
 # ```
 
 # %% [markdown]
