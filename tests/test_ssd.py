@@ -932,7 +932,7 @@ def test_bfloat16_decay_gradients_within_twice_the_peer_error(chunk, headdim, ds
     """DESIGN.md's rule for 16-bit: at most twice the error of the same computation by the peer."""
     peer = mamba_ssm_combined()
     if peer is None:
-        pytest.skip("mamba_ssm's Triton SSD does not import (pytest -s shows why)")
+        pytest.skip("mamba_ssm's Triton SSD does not import (run it with -s and without -n to see why)")
     inputs = make_inputs(batch=2, length=3 * chunk + 37, heads=8, headdim=headdim, groups=groups,
                          dstate=dstate, dtype=torch.bfloat16, seq_idx=True)
     kw = dict(dt_softplus=True, dt_limit=(0.01, 2.0), return_final_states=True)
@@ -963,7 +963,7 @@ def mamba_ssm_combined():
 def test_against_mamba_ssm(dtype):
     module = mamba_ssm_combined()
     if module is None:
-        pytest.skip("mamba_ssm's Triton SSD does not import (pytest -s shows why)")
+        pytest.skip("mamba_ssm's Triton SSD does not import (run it with -s and without -n to see why)")
     inputs = make_inputs(batch=2, length=1000, heads=8, headdim=64, groups=2, dstate=64, dtype=dtype)
     kw = dict(dt_softplus=True, return_final_states=True)
     out, final = ssd_chunk_scan(**inputs, chunk_size=128, **kw)
@@ -983,7 +983,7 @@ def test_drop_in_semantics_against_mamba_ssm():
     conventions and dtypes. Same inputs, same call, positional."""
     module = mamba_ssm_combined()
     if module is None:
-        pytest.skip("mamba_ssm's Triton SSD does not import (pytest -s shows why)")
+        pytest.skip("mamba_ssm's Triton SSD does not import (run it with -s and without -n to see why)")
     length, chunk = 300, 64
     inputs = make_inputs(batch=1, length=length, heads=8, headdim=32, groups=2, dstate=32)
     inputs["dt"] = uniform(1, length, 8, low=-0.3, high=0.5)
