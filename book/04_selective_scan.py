@@ -418,7 +418,7 @@ print(f"device: {runtime.device_name()}; batch, dim, N, L = {sizes}, bfloat16")
 print_table(timing_rows)
 
 # %% [markdown]
-# Fusion pays even this far from the floor: in the H200 run above the fused kernel is 15 times faster forward (1.11 against 16.9 ms) and 6 times faster forward and backward (8.1 against 51.8 ms). The difference is the traffic of the $N$-times larger tensors: the materialized forward alone writes or reads a 4.3 GB float32 tensor about ten times (forming the decay's argument, the exponential, $b$, the scan, the product with $C$ and the sum), about 43 GB, or 10 ms at the copy bandwidth.
+# Fusion pays even this far from the floor: in the H200 run above the fused kernel is 15 times faster forward (1.12 against 16.9 ms) and 6 times faster forward and backward (8.12 against 52.1 ms). The difference is the traffic of the $N$-times larger tensors: the materialized forward alone writes or reads a 4.3 GB float32 tensor about ten times (forming the decay's argument, the exponential, $b$, the scan, the product with $C$ and the sum), about 43 GB, or 10 ms at the copy bandwidth.
 
 # %% [markdown]
 # ## What we have, and what comes next
