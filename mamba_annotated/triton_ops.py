@@ -156,12 +156,23 @@ def sequence_run(seq_row, stride_seq_l, chunk_start, chunk_end, owner, CHUNK: tl
     one run, since seq_idx never decreases (a packed sequence's positions in the chunk); an empty
     range (first = CHUNK, stop = 0) where there is none. Positions at or past ``chunk_end`` (the end
     of L) are never in it, whatever the owner. A chunk-state kernel finds its run once, before its
-    loop, so that the loop's masks are arithmetic on the step, with no load of ids to wait for."""
-    k = tl.arange(0, CHUNK)
-    inside = chunk_start + k < chunk_end
-    ids = tl.load(seq_row + (chunk_start + k).to(tl.int64) * stride_seq_l, mask=inside, other=0)
-    owned = inside & (ids == owner)
-    return tl.min(tl.where(owned, k, CHUNK), 0), tl.max(tl.where(owned, k, -1), 0) + 1
+    loop, so that the loop's masks are arithmetic on the step, with no load of ids to wait for.
+
+    Where the chunk's first and last ids are both ``owner``, every id between them is too, and the
+    run is the whole chunk: that takes two loads. Only a chunk where a sequence starts or ends
+    loads all its ids and reduces them across the block, a wait before the loop's first loads."""
+    first = tl.zeros([], dtype=tl.int32)
+    stop = chunk_end - chunk_start
+    id_first = tl.load(seq_row + chunk_start.to(tl.int64) * stride_seq_l)
+    id_last = tl.load(seq_row + (chunk_end - 1).to(tl.int64) * stride_seq_l)
+    if (id_first != owner) | (id_last != owner):
+        k = tl.arange(0, CHUNK)
+        inside = chunk_start + k < chunk_end
+        ids = tl.load(seq_row + (chunk_start + k).to(tl.int64) * stride_seq_l, mask=inside, other=0)
+        owned = inside & (ids == owner)
+        first = tl.min(tl.where(owned, k, CHUNK), 0)
+        stop = tl.max(tl.where(owned, k, -1), 0) + 1
+    return first, stop
 
 
 @triton.jit
