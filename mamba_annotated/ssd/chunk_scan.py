@@ -9,7 +9,9 @@ Algorithm, for t in chunk c of head h (group g):
     With seq_idx, s only counts when it is in t's sequence, and the state term only when t is
     in the carried state's sequence (that of the previous chunk's last position; id 0 for the
     first chunk, so initial_states reach the positions of sequence 0, as in mamba_ssm); a row
-    block with no such row skips the state term's loads and matmuls.
+    block with no such row skips the state term's loads and matmuls, and a row block whose rows
+    and the keys before them hold one sequence runs the diagonal loop of the unpacked case, with no
+    ids loaded or compared in it.
 
 Parallelism: one program per (batch, chunk, head) x (BLOCK_M rows of the chunk) x (BLOCK_P of
 headdim), the row blocks of one chunk and head adjacent in launch order. Its loop over s, in
@@ -58,6 +60,47 @@ check_row_blocks(CONFIGS + [CPU_CONFIG], "chunk_scan")
 
 
 @triton.jit
+def diagonal_block(acc, hidden_nonfinite, CB_base, x_base, dA_cumsum_ptr, dt_ptr, seq_row, seq_t, hi_t, chunk, c,
+                   pid_m, m, p, chunk_base, chunk_end, p_ok, stride_x_l, stride_x_p, stride_seq_l,
+                   MIXED: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, DROP_HIDDEN_NONFINITE: tl.constexpr, STAGES: tl.constexpr):
+    """``acc`` plus the diagonal block's terms, the sum over s <= t in the chunk; with MIXED only
+    the s of t's own sequence (``seq_t`` holds the rows' ids). Returns (acc, hidden_nonfinite).
+
+    The loop stops at the diagonal, and its body runs Q^2/2 times per chunk and head, so it is kept
+    to a few instructions per weight: the decay as exp2 of log2(e)-scaled sums (tl.exp would scale
+    every element), one select for the causal mask, and no test of s against the chunk's end: for a
+    row t inside it, s <= t is inside too, and rows past the end are never stored. The select
+    alone zeroes the weights above the diagonal, and it comes after the products, so whatever the
+    decay or CB is there (an overflowed exp2, a NaN of a later position) never reaches row t. Those
+    CB entries are still read, so they are stored: chunk_cb stores each diagonal square of
+    SCAN_ROWS rows whole, and BLOCK_M divides SCAN_ROWS. The select cannot do the same for x,
+    which enters through the product: a NaN in x at a later step (or, with MIXED, in another
+    sequence) would give 0 x NaN in row t, so in the checked pass (see chunk_scan_kernel) the
+    blocks that hide some x from some row drop non-finite x (drop_hidden_nonfinite, which counts
+    in ``hidden_nonfinite`` the rows that do see one: they become NaN at the end)."""
+    for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        s = c * CHUNK + k
+        CB = tl.load(CB_base + cb_offsets(m[:, None], k[None, :], pid_m * BLOCK_M, k0, CHUNK))
+        hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
+        dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
+        keep = m[:, None] >= k[None, :]
+        if MIXED:
+            seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s < chunk_end, other=-2)
+            keep &= seq_t[:, None] == seq_s[None, :]
+        # the select comes last: a NaN or inf in a later step's dt or B (in CB) stays out of row t
+        weight = tl.where(keep, CB * tl.exp2(hi_t[:, None] - hi_s[None, :]) * dt_s[None, :], 0.0)
+        xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
+                     mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
+        if DROP_HIDDEN_NONFINITE:
+            if MIXED or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
+                xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
+        acc += mm(weight.to(xs.dtype), xs, PRECISION)
+    return acc, hidden_nonfinite
+
+
+@triton.jit
 def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b, c, h, g,
                 pid_m, m, p, t, chunk_base, chunk_end, row_ok, p_ok, heads, groups, n_chunks, headdim, dstate,
                 stride_x_l, stride_x_p, stride_c_l, stride_c_n, stride_seq_l,
@@ -74,6 +117,7 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     hi_t, lo_t = load_sums(dA_cumsum_ptr, chunk, m, CHUNK)
     # off-diagonal blocks: C_t . H_c, decayed from the chunk start to t
     n_stop = dstate
+    seq_t = t  # the rows' ids with seq_idx; without, only a stand-in that no loop reads
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + t.to(tl.int64) * stride_seq_l, mask=row_ok, other=-1)
         seq_carry = tl.load(seq_row + (c * CHUNK - 1) * stride_seq_l, mask=c > 0, other=0)
@@ -94,38 +138,27 @@ def output_rows(CB_ptr, x_base, c_base, H_ptr, dA_cumsum_ptr, dt_ptr, seq_row, b
     else:
         acc *= tl.exp2(hi_t)[:, None]
 
-    # diagonal block: sum over s <= t, stopping at the diagonal. The loop body runs Q^2/2 times per
-    # chunk and head, so it is kept to a few instructions per weight: the decay as exp2 of
-    # log2(e)-scaled sums (tl.exp would scale every element), one select for the causal mask, and no
-    # test of s against the chunk's end: for a row t inside it, s <= t is inside too, and rows
-    # past the end are never stored. The select alone zeroes the weights above the diagonal, and
-    # it comes after the products, so whatever the decay or CB is there (an overflowed exp2, a NaN
-    # of a later position) never reaches row t. Those CB entries are still read, so they are
-    # stored: chunk_cb stores each diagonal square of SCAN_ROWS rows whole, and BLOCK_M divides
-    # SCAN_ROWS. The select cannot do the same for x, which enters through the product: a NaN in
-    # x at a later step (or, with seq_idx, in another sequence) would give 0 x NaN in row t, so
-    # in the checked pass (see chunk_scan_kernel) the blocks that hide some x from some row drop
-    # non-finite x (drop_hidden_nonfinite) and the rows that do see one become NaN at the end.
+    # diagonal block (diagonal_block). With seq_idx, a row block whose rows and keys hold one
+    # sequence (the ids at the chunk's first position and at the block's last row agree: seq_idx
+    # never decreases) runs the loop without ids, as if unpacked; only a block where a sequence
+    # starts compares ids in every step. Both loops are compiled into the kernel.
     hidden_nonfinite = tl.zeros([BLOCK_M], dtype=tl.int32)
     CB_base = cb_chunk(CB_ptr, (b * n_chunks + c) * groups + g, CHUNK)
-    for k0 in tl.range(0, (pid_m + 1) * BLOCK_M, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        s = c * CHUNK + k
-        CB = tl.load(CB_base + cb_offsets(m[:, None], k[None, :], pid_m * BLOCK_M, k0, CHUNK))
-        hi_s, lo_s = load_sums(dA_cumsum_ptr, chunk, k, CHUNK)
-        dt_s = tl.load(dt_ptr + chunk_base + k) * tl.exp2(-lo_s)
-        keep = m[:, None] >= k[None, :]
-        if HAS_SEQ_IDX:
-            seq_s = tl.load(seq_row + s.to(tl.int64) * stride_seq_l, mask=s < chunk_end, other=-2)
-            keep &= seq_t[:, None] == seq_s[None, :]
-        # the select comes last: a NaN or inf in a later step's dt or B (in CB) stays out of row t
-        weight = tl.where(keep, CB * tl.exp2(hi_t[:, None] - hi_s[None, :]) * dt_s[None, :], 0.0)
-        xs = tl.load(x_base + s[:, None].to(tl.int64) * stride_x_l + p[None, :] * stride_x_p,
-                     mask=(s[:, None] < chunk_end) & p_ok[None, :], other=0.0)
-        if DROP_HIDDEN_NONFINITE:
-            if HAS_SEQ_IDX or k0 + BLOCK_K > pid_m * BLOCK_M:  # the blocks where keep is not all True
-                xs, hidden_nonfinite = drop_hidden_nonfinite(xs, keep, hidden_nonfinite)
-        acc += mm(weight.to(xs.dtype), xs, PRECISION)
+    mixed = False
+    if HAS_SEQ_IDX:
+        last_row = tl.minimum(c * CHUNK + (pid_m + 1) * BLOCK_M, chunk_end) - 1
+        mixed = (tl.load(seq_row + (c * CHUNK).to(tl.int64) * stride_seq_l)
+                 != tl.load(seq_row + last_row.to(tl.int64) * stride_seq_l))
+    if mixed:
+        acc, hidden_nonfinite = diagonal_block(
+            acc, hidden_nonfinite, CB_base, x_base, dA_cumsum_ptr, dt_ptr, seq_row, seq_t, hi_t, chunk, c, pid_m,
+            m, p, chunk_base, chunk_end, p_ok, stride_x_l, stride_x_p, stride_seq_l, True, CHUNK, BLOCK_M,
+            BLOCK_K, PRECISION, DROP_HIDDEN_NONFINITE, STAGES)
+    else:
+        acc, hidden_nonfinite = diagonal_block(
+            acc, hidden_nonfinite, CB_base, x_base, dA_cumsum_ptr, dt_ptr, seq_row, seq_t, hi_t, chunk, c, pid_m,
+            m, p, chunk_base, chunk_end, p_ok, stride_x_l, stride_x_p, stride_seq_l, False, CHUNK, BLOCK_M,
+            BLOCK_K, PRECISION, DROP_HIDDEN_NONFINITE, STAGES)
     acc *= tl.exp2(lo_t)[:, None]
     return tl.where((hidden_nonfinite > 0)[:, None], float("nan"), acc)
 
