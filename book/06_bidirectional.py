@@ -508,9 +508,9 @@ print(f"device: {runtime.device_name()}")
 print_table(rows)
 
 # %% [markdown]
-# When this page was executed, on an H200, the fused call took 1.02 ms: about 1.7 times one causal call (0.594 ms), and under a third of the two-call composition (3.14 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the fused-to-causal ratio, forward at this same shape, is 1.72.
+# When this page was executed, on an H200, the fused call took 1.03 ms: about 1.7 times one causal call (0.594 ms), and under a third of the two-call composition (3.16 ms), which pays for its flips and copies on top of two causal calls. In the benchmark below, stored from another run on an H200, the fused-to-causal ratio, forward at this same shape, is 1.72.
 #
-# The benchmark below also has a "naive two calls (mamba_ssm)" row, faster than this cell's composition, `bidirectional_two_calls` (forward at the first shape: 1.92 ms in the stored benchmark run, 3.14 ms in this page's cell, two runs on H200s) although our causal kernel is faster than mamba_ssm's (chapter 5). The difference is outside the kernels: `bidirectional_two_calls` adds the two outputs and $D x$ in float32 and rounds once at the end, the arithmetic the fused kernel does in registers, but here each of those operations is a full pass over an output-sized float32 tensor, twice the bytes of the bfloat16 $x$; the naive row passes $D$ to the first call, flips the second output back and adds the two in bfloat16.
+# The benchmark below also has a "naive two calls (mamba_ssm)" row, faster than this cell's composition, `bidirectional_two_calls` (forward at the first shape: 1.92 ms in the stored benchmark run, 3.16 ms in this page's cell, two runs on H200s) although our causal kernel is faster than mamba_ssm's (chapter 5). The difference is outside the kernels: `bidirectional_two_calls` adds the two outputs and $D x$ in float32 and rounds once at the end, the arithmetic the fused kernel does in registers, but here each of those operations is a full pass over an output-sized float32 tensor, twice the bytes of the bfloat16 $x$; the naive row passes $D$ to the first call, flips the second output back and adds the two in bfloat16.
 #
 # The benchmark below measures both directions of each model's form, forward and backward, beside mamba_ssm.
 
